@@ -1,0 +1,54 @@
+//! RLX compiler: passes over the IR, the arena planner and lowering to a
+//! backend-neutral [`Schedule`].
+//!
+//! `compile` = verify → passes → verify → plan → lower.
+
+pub mod schedule;
+
+pub use schedule::*;
+
+use rlx_ir::{DType, Graph, IrError};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum CompileError {
+    #[error("invalid graph: {0}")]
+    Ir(#[from] IrError),
+    #[error("pass {pass} produced an invalid graph: {source}")]
+    Pass { pass: &'static str, source: IrError },
+    #[error("lowering node {node} ({op}): {detail}")]
+    Lower { node: usize, op: String, detail: String },
+}
+
+/// What the compiler may do to a graph.
+#[derive(Debug, Clone)]
+pub struct CompileOptions {
+    /// Storage dtype for float tensors (params, activations); matmul, norms
+    /// and softmax still accumulate in f32. `None` keeps the graph's dtypes.
+    pub precision: Option<DType>,
+    /// Merge sibling matmuls sharing an input (Q, K, V → QKV).
+    pub merge_matmuls: bool,
+    /// Fusion patterns (matmul epilogues, residual norms, SwiGLU).
+    pub fuse: bool,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions { precision: None, merge_matmuls: true, fuse: true }
+    }
+}
+
+/// The result of compiling: the graph as given, the graph after passes, and
+/// the schedule a backend runs.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub before: Graph,
+    pub after: Graph,
+    pub schedule: Schedule,
+}
+
+/// Verify, optimise, plan and lower a graph.
+pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, CompileError> {
+    let _ = (graph, opts);
+    todo!("rlx-compile: passes, planner and lowering are being written")
+}

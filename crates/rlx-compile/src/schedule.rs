@@ -1,0 +1,278 @@
+//! The output of compilation: a backend-neutral list of thunks over byte
+//! offsets. Plain data: serialisable, printable, no pointers.
+
+use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode, Shape};
+use serde::{Deserialize, Serialize};
+
+/// Which memory a buffer lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Space {
+    /// The activation arena (one per pipeline slot); inputs and outputs too.
+    Arena,
+    /// `Schedule::weights[i]`, owned by the weight store, shared.
+    Weight(u32),
+    /// `Schedule::states[i]`, one per executable, persists across calls.
+    State(u32),
+    /// `Schedule::consts[i]`, literal data uploaded once.
+    Const(u32),
+}
+
+/// A byte range in one memory space. Element (0, 0, ..) of the tensor it
+/// holds sits at `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BufRef {
+    pub space: Space,
+    /// Bytes from the start of the space (the arena) or of the tensor.
+    pub offset: u64,
+    /// Bytes covered from `offset` (for bounds checks and aliasing).
+    pub bytes: u64,
+}
+
+/// A `[B, S, W]` tensor read through strides (in elements), e.g. Q out of a
+/// fused QKV projection: batch_stride = S*3W, row_stride = 3W.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeqView {
+    pub buf: BufRef,
+    pub batch_stride: u64,
+    pub row_stride: u64,
+}
+
+/// A `[rows, cols]` matrix with a row stride in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowsView {
+    pub buf: BufRef,
+    pub row_stride: u64,
+}
+
+/// `out[b] = act(a[b] · op(b_[b]) + bias) + residual[b]`, f32 accumulation.
+/// Shapes: a `[batch, m, k]`; b `[batch_b, k, n]` or `[batch_b, n, k]` when
+/// `b_trans`; out and residual `[batch, m, n]` contiguous.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MatMulThunk {
+    pub dtype: DType,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: BufRef,
+    /// Row stride of a in elements (k when contiguous).
+    pub lda: u64,
+    /// Batch stride of a in elements.
+    pub a_batch_stride: u64,
+    pub b: BufRef,
+    pub b_trans: bool,
+    /// Row stride of b in elements (n, or k when transposed, when contiguous).
+    pub ldb: u64,
+    /// 0 = the same b for every batch (a weight).
+    pub b_batch_stride: u64,
+    pub bias: Option<BufRef>,
+    pub act: Option<Activation>,
+    pub residual: Option<BufRef>,
+    pub out: BufRef,
+}
+
+/// Fused attention; see `rlx_ir::AttentionSpec`. q is `[batch, q_len,
+/// heads*head_dim]`, k/v `[batch, kv_len, kv_heads*head_dim]` through their
+/// views; out is contiguous `[batch, q_len, heads*head_dim]`. Query head h
+/// reads kv head `h / (heads / kv_heads)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttentionThunk {
+    pub dtype: DType,
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub scale: f32,
+    pub causal: bool,
+    pub q: SeqView,
+    pub k: SeqView,
+    pub v: SeqView,
+    /// Key-padding mask `[batch, kv_len]`, nonzero = attend, of `mask_dtype`.
+    pub mask: Option<BufRef>,
+    pub mask_dtype: DType,
+    /// i32 device scalar: keys `>= valid_len` are ignored; with `causal`,
+    /// query i is at position `valid_len - q_len + i`. Without it valid_len
+    /// is kv_len.
+    pub valid_len: Option<BufRef>,
+    pub out: BufRef,
+}
+
+/// One kernel launch worth of work.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Thunk {
+    MatMul(MatMulThunk),
+    /// Broadcasting elementwise op: strides in elements per output dim
+    /// (0 where the operand broadcasts). out is contiguous `out_shape`.
+    Binary {
+        op: BinaryOp,
+        dtype: DType,
+        out_shape: Vec<usize>,
+        a: BufRef,
+        a_strides: Vec<u64>,
+        b: BufRef,
+        b_strides: Vec<u64>,
+        out: BufRef,
+    },
+    /// out = act(x), `n` contiguous elements (out may equal x).
+    Activation { act: Activation, dtype: DType, n: usize, x: BufRef, out: BufRef },
+    /// LayerNorm (with beta) or RmsNorm (without) over rows of `cols`
+    /// contiguous elements of `x (+ residual)`.
+    Norm {
+        rms: bool,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+        x: BufRef,
+        residual: Option<BufRef>,
+        gamma: BufRef,
+        beta: Option<BufRef>,
+        out: BufRef,
+    },
+    /// Softmax over the middle axis of a contiguous `[outer, len, inner]`.
+    Softmax { dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    /// Reduce the middle axis of a contiguous `[outer, len, inner]` → `[outer, inner]`.
+    Reduce { op: ReduceOp, dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    /// ArgMax over the middle axis of `[outer, len, inner]` → i32 `[outer, inner]`.
+    ArgMax { dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    /// Top k over the last axis of contiguous `[rows, len]`, sorted
+    /// descending (ties: lower index first). Writes values and/or i32 indices.
+    TopK { dtype: DType, rows: usize, len: usize, k: usize, x: BufRef, values: Option<BufRef>, indices: Option<BufRef> },
+    /// out[i, :] = table[ids[i], :]; an id outside 0..vocab is an error
+    /// (CPU) or writes zeros and raises the backend's error flag (GPU).
+    Gather { dtype: DType, id_dtype: DType, n: usize, dim: usize, vocab: usize, table: BufRef, ids: BufRef, out: BufRef },
+    /// Strided copy: dst[idx] = src[idx] over `shape`, strides in elements.
+    /// Materialises narrow, transpose and each part of a concat.
+    Copy { dtype: DType, shape: Vec<usize>, src: BufRef, src_strides: Vec<u64>, dst: BufRef, dst_strides: Vec<u64> },
+    /// Element type conversion of `n` contiguous elements.
+    Cast { from: DType, to: DType, n: usize, src: BufRef, dst: BufRef },
+    Attention(AttentionThunk),
+    /// Rotary embedding of `x` `[batch, seq, heads*head_dim]` (through a
+    /// view) into contiguous out. positions: i32 `[seq]` (shared by the batch)
+    /// or `[batch, seq]`.
+    Rope {
+        dtype: DType,
+        mode: RopeMode,
+        theta: f32,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        x: SeqView,
+        positions: BufRef,
+        positions_per_batch: bool,
+        out: BufRef,
+    },
+    /// out = silu(gate) * up over `[rows, cols]`; gate/up may be strided
+    /// (halves of one fused projection); out contiguous.
+    SwiGlu { dtype: DType, rows: usize, cols: usize, gate: RowsView, up: RowsView, out: BufRef },
+    /// state[b, pos + s, :] = value[b, s, :] for s < new_rows, pos read from
+    /// an i32 device scalar. State is `[batch, max_rows, width]`. A position
+    /// with pos + new_rows > max_rows is an error (CPU) or a no-op that
+    /// raises the error flag (GPU).
+    WriteState {
+        dtype: DType,
+        batch: usize,
+        max_rows: usize,
+        new_rows: usize,
+        width: usize,
+        state: BufRef,
+        value: BufRef,
+        position: BufRef,
+    },
+}
+
+impl Thunk {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Thunk::MatMul(_) => "matmul",
+            Thunk::Binary { .. } => "binary",
+            Thunk::Activation { .. } => "activation",
+            Thunk::Norm { rms: false, .. } => "layer_norm",
+            Thunk::Norm { rms: true, .. } => "rms_norm",
+            Thunk::Softmax { .. } => "softmax",
+            Thunk::Reduce { .. } => "reduce",
+            Thunk::ArgMax { .. } => "argmax",
+            Thunk::TopK { .. } => "topk",
+            Thunk::Gather { .. } => "gather",
+            Thunk::Copy { .. } => "copy",
+            Thunk::Cast { .. } => "cast",
+            Thunk::Attention(_) => "attention",
+            Thunk::Rope { .. } => "rope",
+            Thunk::SwiGlu { .. } => "swiglu",
+            Thunk::WriteState { .. } => "write_state",
+        }
+    }
+}
+
+/// A named tensor the schedule reads or writes: an input, output, weight or
+/// state. For inputs and outputs `buf` is where it lives in the arena.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorSlot {
+    pub name: String,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub buf: BufRef,
+}
+
+/// A weight as the schedule sees it: one or more store params, concatenated
+/// along `concat_axis` when there are several (e.g. Q, K, V merged into one
+/// QKV matrix by a pass), converted to `dtype`. Backends resolve it through
+/// `WeightStore::resolve`, which caches the result once per model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightSlot {
+    /// Display name (the param name, or the parts joined with '+').
+    pub name: String,
+    pub parts: Vec<String>,
+    pub concat_axis: usize,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+/// Literal data referenced through `Space::Const`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConstBlob {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub data: Vec<u8>,
+}
+
+/// Arena accounting for `rlx inspect` and tests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ArenaSummary {
+    /// Bytes the planner asks for (the arena size).
+    pub planned_bytes: u64,
+    /// Sum of the sizes of all intermediates if none shared memory.
+    pub naive_bytes: u64,
+    /// (node, offset, bytes, first step, last step) for every placed buffer.
+    pub buffers: Vec<PlacedBuffer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlacedBuffer {
+    pub node: usize,
+    pub offset: u64,
+    pub bytes: u64,
+    pub first: usize,
+    pub last: usize,
+}
+
+/// Everything a backend needs to run a compiled graph.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    pub thunks: Vec<Thunk>,
+    /// Bytes of one activation arena (256-byte aligned).
+    pub arena_bytes: u64,
+    pub inputs: Vec<TensorSlot>,
+    pub outputs: Vec<TensorSlot>,
+    /// Indexed by `Space::Weight(i)`.
+    pub weights: Vec<WeightSlot>,
+    /// Indexed by `Space::State(i)`; `buf` is the whole tensor.
+    pub states: Vec<TensorSlot>,
+    pub consts: Vec<ConstBlob>,
+    pub arena: ArenaSummary,
+}
+
+pub const ARENA_ALIGN: u64 = 256;

@@ -1,0 +1,205 @@
+use serde::{Deserialize, Serialize};
+
+use crate::DType;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Activation {
+    /// Exact GELU: x * Φ(x) with the error function.
+    Gelu,
+    /// GELU's tanh approximation.
+    GeluTanh,
+    Silu,
+    Relu,
+    Tanh,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RopeMode {
+    /// Hugging Face / NeoX layout: pairs are (i, i + head_dim/2).
+    RotateHalf,
+    /// GGML "normal" layout: pairs are (2i, 2i + 1).
+    Interleaved,
+}
+
+/// Attention over sequence-major tensors: q is `[B, Sq, heads*head_dim]`, k and
+/// v are `[B, Skv, kv_heads*head_dim]`, the output is `[B, Sq, heads*head_dim]`.
+///
+/// Optional inputs follow q, k, v in this order:
+/// - `mask`: key-padding mask `[B, Skv]` (nonzero = attend), any dtype.
+/// - `valid_len`: an i32 `[1]` device scalar — the number of valid keys. Keys
+///   at or past it are ignored and, with `causal`, query i sits at absolute
+///   position `valid_len - Sq + i`. This is what lets one compiled decode step
+///   serve every position of a KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionSpec {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub causal: bool,
+    pub mask: bool,
+    pub valid_len: bool,
+}
+
+/// One operation. Inputs are listed per variant; every node has exactly one
+/// output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// A graph input, staged on every call.
+    Input { name: String },
+    /// A named weight from the weight store.
+    Param { name: String },
+    /// Literal data (little-endian bytes of the node's dtype).
+    Constant { data: Vec<u8> },
+    /// A tensor that persists across calls (zero at creation), e.g. a KV cache.
+    State { name: String },
+    /// inputs: a `[.., M, K]`, b `[.., K, N]` (or `[.., N, K]` with
+    /// `transpose_rhs`). Batch dims broadcast.
+    MatMul { transpose_rhs: bool },
+    /// inputs: a, b — NumPy broadcasting.
+    Binary(BinaryOp),
+    /// inputs: x
+    Activation(Activation),
+    /// inputs: x, gamma, beta — normalises the last axis.
+    LayerNorm { eps: f32 },
+    /// inputs: x, gamma — normalises the last axis.
+    RmsNorm { eps: f32 },
+    /// inputs: x
+    Softmax { axis: usize },
+    /// inputs: x; `axes` sorted, non-empty.
+    Reduce { op: ReduceOp, axes: Vec<usize>, keep_dims: bool },
+    /// inputs: table `[V, D]`, ids (i32/i64, any shape) → `[..ids, D]`.
+    Gather,
+    /// inputs: x — `len` elements of `axis` from `start`.
+    Narrow { axis: usize, start: usize, len: usize },
+    /// inputs: x — the node's shape is the new shape.
+    Reshape,
+    /// inputs: x
+    Transpose { perm: Vec<usize> },
+    /// inputs: two or more tensors
+    Concat { axis: usize },
+    /// inputs: x — to the node's dtype.
+    Cast,
+    /// inputs: x → i32 index of the maximum along `axis` (axis removed).
+    ArgMax { axis: usize },
+    /// inputs: x — top `k` along the last axis, sorted descending. With
+    /// `indices` the output is the i32 indices, otherwise the values.
+    TopK { k: usize, indices: bool },
+    /// inputs: q, k, v, [mask], [valid_len] — see [`AttentionSpec`].
+    Attention(AttentionSpec),
+    /// inputs: x `[B, S, heads*head_dim]`, positions i32 `[S]` or `[B, S]`.
+    Rope { theta: f32, mode: RopeMode, head_dim: usize },
+    /// inputs: state `[B, Smax, W]`, value `[B, Snew, W]`, position i32 `[1]`.
+    /// Writes value into state rows `position..position+Snew` in place; the
+    /// output is the updated state (same buffer). Later readers of the state
+    /// must read this node so the write is ordered before them.
+    WriteState,
+
+    // Fused ops produced by passes.
+    /// inputs: a, b, [bias `[N]`], [residual `[.., M, N]`] — act(a·b + bias) + residual.
+    MatMulFused { transpose_rhs: bool, bias: bool, act: Option<Activation>, residual: bool },
+    /// inputs: x, residual, gamma, beta — LayerNorm(x + residual).
+    ResidualLayerNorm { eps: f32 },
+    /// inputs: x, residual, gamma — RmsNorm(x + residual).
+    ResidualRmsNorm { eps: f32 },
+    /// inputs: gate, up — silu(gate) * up.
+    SwiGlu,
+}
+
+impl Op {
+    /// A short name for printing and error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param { .. } => "param",
+            Op::Constant { .. } => "constant",
+            Op::State { .. } => "state",
+            Op::MatMul { .. } => "matmul",
+            Op::Binary(BinaryOp::Add) => "add",
+            Op::Binary(BinaryOp::Sub) => "sub",
+            Op::Binary(BinaryOp::Mul) => "mul",
+            Op::Binary(BinaryOp::Div) => "div",
+            Op::Activation(Activation::Gelu) => "gelu",
+            Op::Activation(Activation::GeluTanh) => "gelu_tanh",
+            Op::Activation(Activation::Silu) => "silu",
+            Op::Activation(Activation::Relu) => "relu",
+            Op::Activation(Activation::Tanh) => "tanh",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::Softmax { .. } => "softmax",
+            Op::Reduce { .. } => "reduce",
+            Op::Gather => "gather",
+            Op::Narrow { .. } => "narrow",
+            Op::Reshape => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Concat { .. } => "concat",
+            Op::Cast => "cast",
+            Op::ArgMax { .. } => "argmax",
+            Op::TopK { .. } => "topk",
+            Op::Attention(_) => "attention",
+            Op::Rope { .. } => "rope",
+            Op::WriteState => "write_state",
+            Op::MatMulFused { .. } => "matmul_fused",
+            Op::ResidualLayerNorm { .. } => "residual_layer_norm",
+            Op::ResidualRmsNorm { .. } => "residual_rms_norm",
+            Op::SwiGlu => "swiglu",
+        }
+    }
+
+    /// Leaves of the graph: no inputs, data comes from outside the schedule.
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Param { .. } | Op::Constant { .. } | Op::State { .. })
+    }
+
+    /// Ops whose output is a view of their first input (no data moves when the
+    /// layout allows it).
+    pub fn is_view(&self) -> bool {
+        matches!(self, Op::Reshape | Op::Narrow { .. } | Op::Transpose { .. })
+    }
+
+    /// Elementwise ops that may run in place over their first input.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(self, Op::Binary(_) | Op::Activation(_) | Op::SwiGlu)
+    }
+
+    /// Ops with an effect beyond their output (must never be eliminated).
+    pub fn has_side_effect(&self) -> bool {
+        matches!(self, Op::WriteState)
+    }
+
+    /// Accumulation type of a float op over the node dtype: matmul, norms and
+    /// softmax accumulate in f32 whatever the storage.
+    pub fn accumulates_in_f32(&self) -> bool {
+        matches!(
+            self,
+            Op::MatMul { .. }
+                | Op::MatMulFused { .. }
+                | Op::LayerNorm { .. }
+                | Op::RmsNorm { .. }
+                | Op::ResidualLayerNorm { .. }
+                | Op::ResidualRmsNorm { .. }
+                | Op::Softmax { .. }
+                | Op::Attention(_)
+                | Op::Reduce { .. }
+        )
+    }
+
+    pub(crate) fn const_dtype_ok(data: &[u8], dtype: DType, numel: usize) -> bool {
+        data.len() == numel * dtype.size()
+    }
+}

@@ -1,0 +1,67 @@
+use std::fmt;
+
+use crate::{Graph, Op};
+
+fn attrs(op: &Op) -> String {
+    match op {
+        Op::Input { name } | Op::Param { name } | Op::State { name } => format!("\"{name}\""),
+        Op::Constant { data } => format!("{} bytes", data.len()),
+        Op::MatMul { transpose_rhs } => if *transpose_rhs { "rhsᵀ".into() } else { String::new() },
+        Op::MatMulFused { transpose_rhs, bias, act, residual } => {
+            let mut s = vec![];
+            if *transpose_rhs {
+                s.push("rhsᵀ".to_string());
+            }
+            if *bias {
+                s.push("+bias".into());
+            }
+            if let Some(a) = act {
+                s.push(format!("{a:?}").to_lowercase());
+            }
+            if *residual {
+                s.push("+residual".into());
+            }
+            s.join(" ")
+        }
+        Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::ResidualLayerNorm { eps } | Op::ResidualRmsNorm { eps } => format!("eps={eps:e}"),
+        Op::Softmax { axis } | Op::Concat { axis } | Op::ArgMax { axis } => format!("axis={axis}"),
+        Op::Reduce { op, axes, keep_dims } => format!("{op:?} axes={axes:?}{}", if *keep_dims { " keep" } else { "" }).to_lowercase(),
+        Op::Narrow { axis, start, len } => format!("axis={axis} {start}..{}", start + len),
+        Op::Transpose { perm } => format!("perm={perm:?}"),
+        Op::TopK { k, indices } => format!("k={k} {}", if *indices { "indices" } else { "values" }),
+        Op::Attention(s) => format!(
+            "heads={} kv_heads={} head_dim={} scale={:.4}{}{}{}",
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            s.scale,
+            if s.causal { " causal" } else { "" },
+            if s.mask { " mask" } else { "" },
+            if s.valid_len { " valid_len" } else { "" }
+        ),
+        Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
+        _ => String::new(),
+    }
+}
+
+/// One line per node: `%3 = matmul(%1, %2) rhsᵀ : [2, 8] f32  # name`.
+impl fmt::Display for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, n) in self.nodes.iter().enumerate() {
+            let args: Vec<String> = n.inputs.iter().map(|x| x.to_string()).collect();
+            let a = attrs(&n.op);
+            write!(f, "%{i} = {}({})", n.op.name(), args.join(", "))?;
+            if !a.is_empty() {
+                write!(f, " {a}")?;
+            }
+            write!(f, " : {} {}", n.shape, n.dtype)?;
+            match (&n.name, &n.op) {
+                (_, Op::Input { .. } | Op::Param { .. } | Op::State { .. }) | (None, _) => {}
+                (Some(name), _) => write!(f, "  # {name}")?,
+            }
+            writeln!(f)?;
+        }
+        let outs: Vec<String> = self.outputs.iter().map(|o| o.to_string()).collect();
+        writeln!(f, "outputs: {}", outs.join(", "))
+    }
+}

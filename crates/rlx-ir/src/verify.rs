@@ -1,0 +1,394 @@
+use std::collections::HashSet;
+
+use crate::{broadcast_shapes, DType, Graph, IrError, Op, Result, Shape};
+
+fn same_dtype(op: &str, a: DType, b: DType, what: &str) -> Result<()> {
+    if a != b {
+        return Err(IrError::dtype(op, format!("{what}: expected {a}, found {b}")));
+    }
+    Ok(())
+}
+
+fn float(op: &str, d: DType) -> Result<()> {
+    if !d.is_float() {
+        return Err(IrError::dtype(op, format!("expected a float tensor, found {d}")));
+    }
+    Ok(())
+}
+
+fn int(op: &str, d: DType, what: &str) -> Result<()> {
+    if !d.is_int() {
+        return Err(IrError::dtype(op, format!("{what}: expected i32 or i64, found {d}")));
+    }
+    Ok(())
+}
+
+fn arity(op: &str, n: usize, want: std::ops::RangeInclusive<usize>) -> Result<()> {
+    if !want.contains(&n) {
+        return Err(IrError::Invalid(format!(
+            "{op}: expected {}..={} inputs, found {n}",
+            want.start(),
+            want.end()
+        )));
+    }
+    Ok(())
+}
+
+fn matmul_shape(op: &str, a: &Shape, b: &Shape, transpose_rhs: bool) -> Result<Shape> {
+    if a.rank() < 2 || b.rank() < 2 {
+        return Err(IrError::shape(op, format!("matmul needs rank >= 2 operands, found {a} and {b}")));
+    }
+    let (m, k) = (a.0[a.rank() - 2], a.0[a.rank() - 1]);
+    let (kb, n) = if transpose_rhs {
+        (b.0[b.rank() - 1], b.0[b.rank() - 2])
+    } else {
+        (b.0[b.rank() - 2], b.0[b.rank() - 1])
+    };
+    if k != kb {
+        let how = if transpose_rhs { " (rhs transposed)" } else { "" };
+        return Err(IrError::shape(op, format!("cannot multiply {a} by {b}{how}: inner dimensions {k} and {kb} differ")));
+    }
+    let batch = broadcast_shapes(op, &Shape(a.0[..a.rank() - 2].to_vec()), &Shape(b.0[..b.rank() - 2].to_vec()))?;
+    let mut out = batch.0;
+    out.push(m);
+    out.push(n);
+    Ok(Shape(out))
+}
+
+fn last_dim_vec(op: &str, what: &str, x: &Shape, v: &Shape) -> Result<()> {
+    if v.0 != [x.last()] {
+        return Err(IrError::shape(op, format!("{what} must be [{}] for input {x}, found {v}", x.last())));
+    }
+    Ok(())
+}
+
+/// Shape and dtype of an op's output given its inputs. `declared` is the
+/// shape/dtype given by the caller for ops that cannot infer them.
+pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, DType)>) -> Result<(Shape, DType)> {
+    let name = op.name();
+    let need_declared = || {
+        declared
+            .map(|(s, d)| (s.clone(), d))
+            .ok_or_else(|| IrError::Invalid(format!("{name}: output shape/dtype must be given")))
+    };
+    match op {
+        Op::Input { .. } | Op::Param { .. } | Op::State { .. } => {
+            arity(name, ins.len(), 0..=0)?;
+            need_declared()
+        }
+        Op::Constant { data } => {
+            arity(name, ins.len(), 0..=0)?;
+            let (s, d) = need_declared()?;
+            if !Op::const_dtype_ok(data, d, s.numel()) {
+                return Err(IrError::shape(
+                    name,
+                    format!("{} bytes of data for {s} {d} (expected {})", data.len(), s.numel() * d.size()),
+                ));
+            }
+            Ok((s, d))
+        }
+        Op::MatMul { transpose_rhs } => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            same_dtype(name, ins[0].1, ins[1].1, "rhs")?;
+            Ok((matmul_shape(name, ins[0].0, ins[1].0, *transpose_rhs)?, ins[0].1))
+        }
+        Op::MatMulFused { transpose_rhs, bias, act: _, residual } => {
+            let want = 2 + *bias as usize + *residual as usize;
+            arity(name, ins.len(), want..=want)?;
+            float(name, ins[0].1)?;
+            for (i, (_, d)) in ins.iter().enumerate().skip(1) {
+                same_dtype(name, ins[0].1, *d, &format!("input {i}"))?;
+            }
+            let out = matmul_shape(name, ins[0].0, ins[1].0, *transpose_rhs)?;
+            let mut next = 2;
+            if *bias {
+                last_dim_vec(name, "bias", &out, ins[next].0)?;
+                next += 1;
+            }
+            if *residual && ins[next].0 != &out {
+                return Err(IrError::shape(name, format!("residual must be {out}, found {}", ins[next].0)));
+            }
+            Ok((out, ins[0].1))
+        }
+        Op::Binary(_) => {
+            arity(name, ins.len(), 2..=2)?;
+            same_dtype(name, ins[0].1, ins[1].1, "rhs")?;
+            Ok((broadcast_shapes(name, ins[0].0, ins[1].0)?, ins[0].1))
+        }
+        Op::Activation(_) => {
+            arity(name, ins.len(), 1..=1)?;
+            float(name, ins[0].1)?;
+            Ok((ins[0].0.clone(), ins[0].1))
+        }
+        Op::SwiGlu => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            same_dtype(name, ins[0].1, ins[1].1, "up")?;
+            if ins[0].0 != ins[1].0 {
+                return Err(IrError::shape(name, format!("gate {} and up {} differ", ins[0].0, ins[1].0)));
+            }
+            Ok((ins[0].0.clone(), ins[0].1))
+        }
+        Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+            let n = if matches!(op, Op::LayerNorm { .. }) { 3 } else { 2 };
+            arity(name, ins.len(), n..=n)?;
+            norm_checks(name, *eps, ins[0], &ins[1..])?;
+            Ok((ins[0].0.clone(), ins[0].1))
+        }
+        Op::ResidualLayerNorm { eps } | Op::ResidualRmsNorm { eps } => {
+            let n = if matches!(op, Op::ResidualLayerNorm { .. }) { 4 } else { 3 };
+            arity(name, ins.len(), n..=n)?;
+            if ins[0].0 != ins[1].0 {
+                return Err(IrError::shape(name, format!("x {} and residual {} differ", ins[0].0, ins[1].0)));
+            }
+            same_dtype(name, ins[0].1, ins[1].1, "residual")?;
+            norm_checks(name, *eps, ins[0], &ins[2..])?;
+            Ok((ins[0].0.clone(), ins[0].1))
+        }
+        Op::Softmax { axis } => {
+            arity(name, ins.len(), 1..=1)?;
+            float(name, ins[0].1)?;
+            if *axis >= ins[0].0.rank() {
+                return Err(IrError::attr(name, format!("axis {axis} out of range for {}", ins[0].0)));
+            }
+            Ok((ins[0].0.clone(), ins[0].1))
+        }
+        Op::Reduce { op: _, axes, keep_dims } => {
+            arity(name, ins.len(), 1..=1)?;
+            float(name, ins[0].1)?;
+            let s = ins[0].0;
+            if axes.is_empty() || axes.windows(2).any(|w| w[0] >= w[1]) || axes.iter().any(|&a| a >= s.rank()) {
+                return Err(IrError::attr(name, format!("axes {axes:?} must be sorted, distinct and < rank of {s}")));
+            }
+            let mut out = vec![];
+            for (i, &d) in s.0.iter().enumerate() {
+                if axes.contains(&i) {
+                    if *keep_dims {
+                        out.push(1);
+                    }
+                } else {
+                    out.push(d);
+                }
+            }
+            Ok((Shape(out), ins[0].1))
+        }
+        Op::Gather => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            int(name, ins[1].1, "ids")?;
+            if ins[0].0.rank() != 2 {
+                return Err(IrError::shape(name, format!("table must be [vocab, dim], found {}", ins[0].0)));
+            }
+            let mut out = ins[1].0 .0.clone();
+            out.push(ins[0].0 .0[1]);
+            Ok((Shape(out), ins[0].1))
+        }
+        Op::Narrow { axis, start, len } => {
+            arity(name, ins.len(), 1..=1)?;
+            let s = ins[0].0;
+            if *axis >= s.rank() || start + len > s.0[*axis] || *len == 0 {
+                return Err(IrError::attr(
+                    name,
+                    format!("cannot take {len} elements from {start} on axis {axis} of {s}"),
+                ));
+            }
+            let mut out = s.0.clone();
+            out[*axis] = *len;
+            Ok((Shape(out), ins[0].1))
+        }
+        Op::Reshape => {
+            arity(name, ins.len(), 1..=1)?;
+            let (s, _) = need_declared()?;
+            if s.numel() != ins[0].0.numel() {
+                return Err(IrError::shape(name, format!("cannot reshape {} ({} elements) to {s} ({} elements)", ins[0].0, ins[0].0.numel(), s.numel())));
+            }
+            Ok((s, ins[0].1))
+        }
+        Op::Transpose { perm } => {
+            arity(name, ins.len(), 1..=1)?;
+            let s = ins[0].0;
+            let mut seen = vec![false; s.rank()];
+            if perm.len() != s.rank() || perm.iter().any(|&p| p >= s.rank() || std::mem::replace(&mut seen[p], true)) {
+                return Err(IrError::attr(name, format!("{perm:?} is not a permutation of the axes of {s}")));
+            }
+            Ok((Shape(perm.iter().map(|&p| s.0[p]).collect()), ins[0].1))
+        }
+        Op::Concat { axis } => {
+            if ins.len() < 2 {
+                return Err(IrError::Invalid(format!("concat: expected at least 2 inputs, found {}", ins.len())));
+            }
+            let first = ins[0].0;
+            if *axis >= first.rank() {
+                return Err(IrError::attr(name, format!("axis {axis} out of range for {first}")));
+            }
+            let mut out = first.0.clone();
+            out[*axis] = 0;
+            for (i, (s, d)) in ins.iter().enumerate() {
+                same_dtype(name, ins[0].1, *d, &format!("input {i}"))?;
+                let ok = s.rank() == first.rank() && (0..s.rank()).all(|j| j == *axis || s.0[j] == first.0[j]);
+                if !ok {
+                    return Err(IrError::shape(name, format!("input {i} {s} does not match {first} outside axis {axis}")));
+                }
+                out[*axis] += s.0[*axis];
+            }
+            Ok((Shape(out), ins[0].1))
+        }
+        Op::Cast => {
+            arity(name, ins.len(), 1..=1)?;
+            let (_, d) = need_declared()?;
+            Ok((ins[0].0.clone(), d))
+        }
+        Op::ArgMax { axis } => {
+            arity(name, ins.len(), 1..=1)?;
+            let s = ins[0].0;
+            if *axis >= s.rank() {
+                return Err(IrError::attr(name, format!("axis {axis} out of range for {s}")));
+            }
+            let mut out = s.0.clone();
+            out.remove(*axis);
+            Ok((Shape(out), DType::I32))
+        }
+        Op::TopK { k, indices } => {
+            arity(name, ins.len(), 1..=1)?;
+            let s = ins[0].0;
+            if s.rank() == 0 || *k == 0 || *k > s.last() {
+                return Err(IrError::attr(name, format!("k = {k} must be in 1..={} for {s}", s.last())));
+            }
+            let mut out = s.0.clone();
+            *out.last_mut().unwrap_or(&mut 0) = *k;
+            Ok((Shape(out), if *indices { DType::I32 } else { ins[0].1 }))
+        }
+        Op::Attention(spec) => {
+            let want = 3 + spec.mask as usize + spec.valid_len as usize;
+            arity(name, ins.len(), want..=want)?;
+            float(name, ins[0].1)?;
+            same_dtype(name, ins[0].1, ins[1].1, "k")?;
+            same_dtype(name, ins[0].1, ins[2].1, "v")?;
+            if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
+                return Err(IrError::attr(
+                    name,
+                    format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),
+                ));
+            }
+            let (q, k, v) = (ins[0].0, ins[1].0, ins[2].0);
+            if q.rank() != 3 || k.rank() != 3 || v.rank() != 3 {
+                return Err(IrError::shape(name, format!("q, k, v must be [B, S, H*D], found {q}, {k}, {v}")));
+            }
+            if q.0[2] != spec.heads * spec.head_dim {
+                return Err(IrError::shape(name, format!("q {q} must have last dim heads*head_dim = {}", spec.heads * spec.head_dim)));
+            }
+            let kvw = spec.kv_heads * spec.head_dim;
+            if k.0 != [q.0[0], k.0[1], kvw] || v.0 != k.0 {
+                return Err(IrError::shape(name, format!("k {k} and v {v} must both be [{}, Skv, {kvw}]", q.0[0])));
+            }
+            let mut next = 3;
+            if spec.mask {
+                let m = ins[next].0;
+                if m.0 != [q.0[0], k.0[1]] {
+                    return Err(IrError::shape(name, format!("mask must be [{}, {}], found {m}", q.0[0], k.0[1])));
+                }
+                next += 1;
+            }
+            if spec.valid_len {
+                let (l, d) = ins[next];
+                if l.numel() != 1 || d != DType::I32 {
+                    return Err(IrError::shape(name, format!("valid_len must be an i32 [1], found {l} {d}")));
+                }
+            }
+            Ok((q.clone(), ins[0].1))
+        }
+        Op::Rope { theta, mode: _, head_dim } => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            let (x, p) = (ins[0].0, ins[1].0);
+            if ins[1].1 != DType::I32 {
+                return Err(IrError::dtype(name, format!("positions must be i32, found {}", ins[1].1)));
+            }
+            if x.rank() != 3 || *head_dim == 0 || head_dim % 2 != 0 || x.0[2] % head_dim != 0 {
+                return Err(IrError::shape(name, format!("x must be [B, S, heads*{head_dim}] with an even head_dim, found {x}")));
+            }
+            if p.0 != [x.0[1]] && p.0 != [x.0[0], x.0[1]] {
+                return Err(IrError::shape(name, format!("positions must be [{}] or [{}, {}], found {p}", x.0[1], x.0[0], x.0[1])));
+            }
+            if !(*theta > 0.0) {
+                return Err(IrError::attr(name, format!("theta must be positive, found {theta}")));
+            }
+            Ok((x.clone(), ins[0].1))
+        }
+        Op::WriteState => {
+            arity(name, ins.len(), 3..=3)?;
+            let (st, val, pos) = (ins[0].0, ins[1].0, ins[2].0);
+            same_dtype(name, ins[0].1, ins[1].1, "value")?;
+            if st.rank() != 3 || val.rank() != 3 || st.0[0] != val.0[0] || st.0[2] != val.0[2] || val.0[1] > st.0[1] {
+                return Err(IrError::shape(name, format!("value {val} does not fit state {st} (both [B, S, W])")));
+            }
+            if pos.numel() != 1 || ins[2].1 != DType::I32 {
+                return Err(IrError::shape(name, format!("position must be an i32 [1], found {pos} {}", ins[2].1)));
+            }
+            Ok((st.clone(), ins[0].1))
+        }
+    }
+}
+
+fn norm_checks(name: &str, eps: f32, x: (&Shape, DType), params: &[(&Shape, DType)]) -> Result<()> {
+    float(name, x.1)?;
+    if !(eps >= 0.0) {
+        return Err(IrError::attr(name, format!("eps must be >= 0, found {eps}")));
+    }
+    for (i, (s, d)) in params.iter().enumerate() {
+        last_dim_vec(name, if i == 0 { "gamma" } else { "beta" }, x.0, s)?;
+        same_dtype(name, x.1, *d, "gamma/beta")?;
+    }
+    Ok(())
+}
+
+impl Graph {
+    /// Checks every node (topological order, arity, shapes and dtypes as the
+    /// builders would infer them, unique leaf names) and the outputs.
+    pub fn verify(&self) -> Result<()> {
+        let mut names: HashSet<(&str, &str)> = HashSet::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let at = |e: IrError| IrError::AtNode { node: i, op: n.op.name().to_string(), source: Box::new(e) };
+            for inp in &n.inputs {
+                if inp.0 >= i {
+                    return Err(IrError::BadInput { node: i, input: inp.0 });
+                }
+            }
+            let leaf_name = match &n.op {
+                Op::Input { name } => Some(("input", name.as_str())),
+                Op::Param { name } => Some(("param", name.as_str())),
+                Op::State { name } => Some(("state", name.as_str())),
+                _ => None,
+            };
+            if let Some((kind, nm)) = leaf_name {
+                if nm.is_empty() {
+                    return Err(at(IrError::Invalid(format!("{kind} with an empty name"))));
+                }
+                if !names.insert((kind, nm)) {
+                    return Err(at(IrError::Invalid(format!("duplicate {kind} name '{nm}'"))));
+                }
+            }
+            let ins: Vec<(&Shape, DType)> = n.inputs.iter().map(|j| (&self.nodes[j.0].shape, self.nodes[j.0].dtype)).collect();
+            let (s, d) = infer(&n.op, &ins, Some((&n.shape, n.dtype))).map_err(at)?;
+            if s != n.shape || d != n.dtype {
+                return Err(at(IrError::Invalid(format!(
+                    "node records {} {} but its inputs give {s} {d}",
+                    n.shape, n.dtype
+                ))));
+            }
+            if matches!(n.op, Op::WriteState) && !matches!(self.nodes[n.inputs[0].0].op, Op::State { .. } | Op::WriteState) {
+                return Err(at(IrError::Invalid("write_state must write a state tensor".into())));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err(IrError::Invalid("graph has no outputs".into()));
+        }
+        for o in &self.outputs {
+            if o.0 >= self.nodes.len() {
+                return Err(IrError::Invalid(format!("output {o} does not exist")));
+            }
+        }
+        Ok(())
+    }
+}

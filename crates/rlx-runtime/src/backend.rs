@@ -1,0 +1,130 @@
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rlx_compile::{Schedule, Thunk};
+
+use crate::{Result, RuntimeError, Tensor, WeightStore};
+
+/// Options for turning a schedule into an executable.
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    /// Pipeline slots (independent arenas) for submit/wait; at least 1.
+    pub slots: usize,
+    /// GPU: record once and replay (default) or launch every thunk (eager).
+    /// `RLX_REPLAY=0` turns replay off.
+    pub replay: bool,
+    /// GPU: allow TF32 tensor cores for f32 matmuls.
+    pub allow_tf32: bool,
+}
+
+impl Default for PrepareOptions {
+    fn default() -> Self {
+        PrepareOptions { slots: 2, replay: true, allow_tf32: false }
+    }
+}
+
+/// A device that can run schedules.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &str;
+    /// Whether this backend can run the thunk (shape limits included).
+    fn supports(&self, thunk: &Thunk) -> bool;
+    /// Checks support, binds the weights and allocates arenas and state.
+    fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>>;
+}
+
+/// Counters an executable keeps about itself.
+#[derive(Debug, Clone, Default)]
+pub struct ExecStats {
+    pub calls: u64,
+    /// Kernels (or thunks) launched per call.
+    pub kernels_per_call: usize,
+    pub arena_bytes: u64,
+    pub slots: usize,
+    pub last_host_time: Duration,
+    /// Free-form description of the mode ("replay", "eager", "cpu").
+    pub mode: String,
+}
+
+/// A handle on a submitted call. Pass it to [`Executable::wait`]; dropping it
+/// abandons the result and frees its slot once the device is done.
+#[derive(Debug)]
+pub struct Ticket {
+    pub id: u64,
+    pub slot: usize,
+    abandoned: Arc<AtomicBool>,
+    collected: bool,
+}
+
+impl Ticket {
+    /// Made by executables; `flag` is set when the ticket is dropped unused.
+    pub fn new(id: u64, slot: usize, flag: Arc<AtomicBool>) -> Self {
+        Ticket { id, slot, abandoned: flag, collected: false }
+    }
+    /// Marks the ticket as collected so dropping it is not an abandonment.
+    pub fn collect(mut self) -> (u64, usize) {
+        self.collected = true;
+        (self.id, self.slot)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.collected {
+            self.abandoned.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// A compiled schedule bound to a device: its arenas, state and weights.
+pub trait Executable: Send {
+    /// Stages inputs and starts the call; returns at once where the backend
+    /// can. `inputs` are (name, tensor) pairs matching the schedule's inputs.
+    fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket>;
+    /// Blocks until the call behind `ticket` is done and returns its outputs
+    /// in the schedule's output order.
+    fn wait(&mut self, ticket: Ticket) -> Result<Vec<Tensor>>;
+    /// submit + wait.
+    fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Vec<Tensor>> {
+        let t = self.submit(inputs)?;
+        self.wait(t)
+    }
+    /// Zeroes every state tensor (e.g. to start a new sequence).
+    fn reset_state(&mut self) -> Result<()>;
+    /// Reads a state tensor back to the host.
+    fn read_state(&mut self, name: &str) -> Result<Tensor>;
+    fn stats(&self) -> ExecStats;
+    fn schedule(&self) -> &Arc<Schedule>;
+}
+
+/// Matches (name, tensor) pairs to the schedule's inputs: every input given
+/// once, no unknown names, shapes and dtypes exact. Returns the tensors in
+/// schedule order.
+pub fn check_inputs<'a>(schedule: &Schedule, inputs: &[(&str, &'a Tensor)]) -> Result<Vec<&'a Tensor>> {
+    let mut by_name: HashMap<&str, &'a Tensor> = HashMap::new();
+    for (name, t) in inputs {
+        if by_name.insert(name, t).is_some() {
+            return Err(RuntimeError::Input { name: name.to_string(), detail: "given more than once".into() });
+        }
+        if !schedule.inputs.iter().any(|s| s.name == *name) {
+            let known: Vec<&str> = schedule.inputs.iter().map(|s| s.name.as_str()).collect();
+            return Err(RuntimeError::Input { name: name.to_string(), detail: format!("not an input of this graph (inputs: {})", known.join(", ")) });
+        }
+    }
+    let mut out = Vec::with_capacity(schedule.inputs.len());
+    for slot in &schedule.inputs {
+        let t = by_name.get(slot.name.as_str()).ok_or_else(|| RuntimeError::Input {
+            name: slot.name.clone(),
+            detail: format!("missing: expected a {} {} tensor", slot.shape, slot.dtype),
+        })?;
+        if t.shape() != &slot.shape {
+            return Err(RuntimeError::Input { name: slot.name.clone(), detail: format!("expected shape {}, found {}", slot.shape, t.shape()) });
+        }
+        if t.dtype() != slot.dtype {
+            return Err(RuntimeError::Input { name: slot.name.clone(), detail: format!("expected dtype {}, found {}", slot.dtype, t.dtype()) });
+        }
+        out.push(*t);
+    }
+    Ok(out)
+}
