@@ -1,0 +1,139 @@
+use std::sync::Arc;
+
+use rlx_compile::{CompileOptions, Compiled, Schedule};
+use rlx_ir::Graph;
+use rlx_runtime::{Backend, ExecStats, Executable, PrepareOptions, Tensor, Ticket, WeightStore};
+
+use crate::{Device, Error, Result};
+
+/// A device plus the weights of one model. Every graph compiled from a
+/// session shares its [`WeightStore`].
+pub struct Session {
+    device: Device,
+    backend: Arc<dyn Backend>,
+    weights: Arc<WeightStore>,
+    compile_options: CompileOptions,
+    prepare_options: PrepareOptions,
+}
+
+fn backend_for(device: Device) -> Result<Arc<dyn Backend>> {
+    match device {
+        Device::Cpu => Ok(Arc::new(rlx_cpu::CpuBackend::new())),
+        Device::Cuda(n) => {
+            let b = rlx_cuda::CudaBackend::new(n).map_err(|e| Error::Device(device.to_string(), e.to_string()))?;
+            Ok(Arc::new(b))
+        }
+    }
+}
+
+impl Session {
+    /// A session with an empty weight store.
+    pub fn new(device: Device) -> Result<Session> {
+        Self::with_weights(device, Arc::new(WeightStore::new()))
+    }
+
+    /// A session over an existing store (e.g. the same weights on two devices).
+    pub fn with_weights(device: Device, weights: Arc<WeightStore>) -> Result<Session> {
+        Ok(Session {
+            device,
+            backend: backend_for(device)?,
+            weights,
+            compile_options: CompileOptions::default(),
+            prepare_options: PrepareOptions::default(),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    pub fn weights(&self) -> &Arc<WeightStore> {
+        &self.weights
+    }
+
+    /// Sets (or updates in place) one weight.
+    pub fn set_weight(&self, name: &str, tensor: Tensor) -> Result<()> {
+        Ok(self.weights.set(name, tensor)?)
+    }
+
+    pub fn compile_options(&self) -> &CompileOptions {
+        &self.compile_options
+    }
+
+    pub fn set_compile_options(&mut self, opts: CompileOptions) {
+        self.compile_options = opts;
+    }
+
+    pub fn prepare_options(&self) -> &PrepareOptions {
+        &self.prepare_options
+    }
+
+    pub fn set_prepare_options(&mut self, opts: PrepareOptions) {
+        self.prepare_options = opts;
+    }
+
+    /// Compiles a graph for this session's device and binds the weights.
+    pub fn compile(&self, graph: &Graph) -> Result<CompiledGraph> {
+        let compiled = rlx_compile::compile(graph, &self.compile_options)?;
+        let schedule = Arc::new(compiled.schedule.clone());
+        let exec = self.backend.prepare(schedule, self.weights.clone(), &self.prepare_options)?;
+        Ok(CompiledGraph { compiled, exec })
+    }
+}
+
+/// A graph compiled for one device: run it, or submit and wait.
+pub struct CompiledGraph {
+    compiled: Compiled,
+    exec: Box<dyn Executable>,
+}
+
+impl CompiledGraph {
+    /// Runs one call: inputs by name, outputs in the graph's output order.
+    pub fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Vec<Tensor>> {
+        Ok(self.exec.run(inputs)?)
+    }
+
+    /// Starts a call; collect it with [`wait`](Self::wait).
+    pub fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket> {
+        Ok(self.exec.submit(inputs)?)
+    }
+
+    pub fn wait(&mut self, ticket: Ticket) -> Result<Vec<Tensor>> {
+        Ok(self.exec.wait(ticket)?)
+    }
+
+    /// Zeroes all state tensors (e.g. a KV cache).
+    pub fn reset_state(&mut self) -> Result<()> {
+        Ok(self.exec.reset_state()?)
+    }
+
+    pub fn read_state(&mut self, name: &str) -> Result<Tensor> {
+        Ok(self.exec.read_state(name)?)
+    }
+
+    pub fn stats(&self) -> ExecStats {
+        self.exec.stats()
+    }
+
+    /// The graph as given.
+    pub fn before(&self) -> &Graph {
+        &self.compiled.before
+    }
+
+    /// The graph after passes.
+    pub fn after(&self) -> &Graph {
+        &self.compiled.after
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.compiled.schedule
+    }
+
+    pub fn executable(&mut self) -> &mut dyn Executable {
+        self.exec.as_mut()
+    }
+}
