@@ -3,8 +3,15 @@
 //!
 //! `compile` = verify → passes → verify → plan → lower.
 
+pub mod layout;
+mod lower;
+pub mod passes;
+pub mod plan;
+mod print;
 pub mod schedule;
 
+pub use lower::lower;
+pub use plan::{plan, ArenaPlan};
 pub use schedule::*;
 
 use rlx_ir::{DType, Graph, IrError};
@@ -49,6 +56,30 @@ pub struct Compiled {
 
 /// Verify, optimise, plan and lower a graph.
 pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, CompileError> {
-    let _ = (graph, opts);
-    todo!("rlx-compile: passes, planner and lowering are being written")
+    graph.verify()?;
+    let after = optimise(graph, opts)?;
+    let plan = plan::plan(&after)?;
+    let schedule = lower::lower(&after, &plan)?;
+    Ok(Compiled { before: graph.clone(), after, schedule })
+}
+
+/// The passes `opts` selects, in order: dce → merge → fuse → precision →
+/// dce, each result verified (an error names the pass).
+pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileError> {
+    fn step(g: Graph, pass: &'static str, f: impl FnOnce(&Graph) -> Result<Graph, IrError>) -> Result<Graph, CompileError> {
+        let out = f(&g).map_err(|source| CompileError::Pass { pass, source })?;
+        out.verify().map_err(|source| CompileError::Pass { pass, source })?;
+        Ok(out)
+    }
+    let mut g = step(graph.clone(), "dce", passes::dce::run)?;
+    if opts.merge_matmuls {
+        g = step(g, "merge_matmul", passes::merge_matmul::run)?;
+    }
+    if opts.fuse {
+        g = step(g, "fuse", passes::fuse::run)?;
+    }
+    if let Some(dtype) = opts.precision {
+        g = step(g, "precision", |g| passes::precision::run(g, dtype))?;
+    }
+    step(g, "dce", passes::dce::run)
 }

@@ -1,0 +1,55 @@
+//! Graph → graph rewrites. Each pass reads a graph and builds a new one
+//! without touching its input; `compile` verifies the result of every pass.
+
+pub mod dce;
+pub mod fuse;
+pub mod merge_matmul;
+pub mod precision;
+
+use rlx_ir::{Graph, IrError, Node, NodeId};
+
+/// Users of every node in node order (a node that reads x twice is listed
+/// twice). Graph outputs are not users; see [`Graph::use_counts`].
+pub(crate) fn users(g: &Graph) -> Vec<Vec<usize>> {
+    let mut u = vec![Vec::new(); g.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        for x in &n.inputs {
+            if let Some(list) = u.get_mut(x.0) {
+                list.push(i);
+            }
+        }
+    }
+    u
+}
+
+/// The new ids of `inputs` under `map` (old id → new id); an input that was
+/// dropped is an error rather than a panic, since it means a pass bug.
+pub(crate) fn map_ids(map: &[Option<NodeId>], inputs: &[NodeId], pass: &str, at: usize) -> Result<Vec<NodeId>, IrError> {
+    inputs
+        .iter()
+        .map(|x| {
+            map.get(x.0).copied().flatten().ok_or_else(|| {
+                IrError::Invalid(format!("{pass}: node {at} reads %{} which the pass removed", x.0))
+            })
+        })
+        .collect()
+}
+
+/// Appends a copy of `node` reading `inputs`, keeping its name. The
+/// declared shape/dtype is passed for ops that cannot infer it.
+pub(crate) fn emit(g: &mut Graph, node: &Node, inputs: Vec<NodeId>) -> Result<NodeId, IrError> {
+    let id = g.push(node.op.clone(), inputs, Some((node.shape.clone(), node.dtype)))?;
+    if let Some(name) = &node.name {
+        g.set_name(id, name.clone());
+    }
+    Ok(id)
+}
+
+/// Maps every graph output through `map`.
+pub(crate) fn map_outputs(g: &mut Graph, old: &Graph, map: &[Option<NodeId>], pass: &str) -> Result<(), IrError> {
+    for o in &old.outputs {
+        let id = map.get(o.0).copied().flatten().ok_or_else(|| IrError::Invalid(format!("{pass}: output %{} was removed", o.0)))?;
+        g.output(id)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! Precision policy: every float param, constant, state and intermediate is
+//! stored as `dtype`; graph inputs and outputs keep their declared dtypes
+//! (a Cast follows each float input and precedes each float output whose
+//! dtype changed). Integer tensors are untouched. Accumulation in f32 is
+//! the kernels' job, not the graph's.
+
+use half::{bf16, f16};
+use rlx_ir::{DType, Graph, IrError, NodeId, Op};
+
+use super::{emit, map_ids};
+
+pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
+    if !dtype.is_float() {
+        return Err(IrError::Attribute { op: "precision".into(), detail: format!("storage dtype must be a float type, found {dtype}") });
+    }
+    let store = |d: DType| if d.is_float() { dtype } else { d };
+    let mut out = Graph::new();
+    let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let ins = map_ids(&map, &node.inputs, "precision", i)?;
+        let id = match &node.op {
+            Op::Input { .. } => {
+                let x = emit(&mut out, node, ins)?;
+                if node.dtype.is_float() && node.dtype != dtype {
+                    out.cast(x, dtype)?
+                } else {
+                    x
+                }
+            }
+            Op::Constant { data } if node.dtype.is_float() => {
+                let data = convert(data, node.dtype, dtype);
+                out.push(Op::Constant { data }, vec![], Some((node.shape.clone(), dtype)))?
+            }
+            // A float → float cast has nothing left to do once both sides
+            // are stored alike.
+            Op::Cast if ins.first().is_some_and(|x| out.dtype(*x) == store(node.dtype)) => ins[0],
+            _ => {
+                let id = out.push(node.op.clone(), ins, Some((node.shape.clone(), store(node.dtype))))?;
+                if let Some(name) = &node.name {
+                    out.set_name(id, name.clone());
+                }
+                id
+            }
+        };
+        map[i] = Some(id);
+    }
+    for o in &g.outputs {
+        let id = map.get(o.0).copied().flatten().ok_or_else(|| IrError::Invalid(format!("precision: output %{} was removed", o.0)))?;
+        let want = g.dtype(*o);
+        let id = if out.dtype(id) != want {
+            let c = out.cast(id, want)?;
+            if let Some(name) = &g.nodes[o.0].name {
+                out.set_name(c, name.clone());
+            }
+            c
+        } else {
+            id
+        };
+        out.output(id)?;
+    }
+    Ok(out)
+}
+
+/// Little-endian float bytes of one float dtype as another (round to nearest).
+fn convert(data: &[u8], from: DType, to: DType) -> Vec<u8> {
+    let vals: Vec<f32> = match from {
+        DType::F16 => data.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::BF16 => data.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+    };
+    match to {
+        DType::F16 => vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
+        DType::BF16 => vals.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+        _ => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
