@@ -1,1 +1,111 @@
+//! RLX CPU backend: interprets a [`Schedule`](rlx_compile::Schedule) with
+//! fast kernels (the `gemm` crate for matmuls, rayon over rows for the
+//! rest). It is the reference every other backend is checked against.
+//!
+//! ```ignore
+//! let backend = rlx_cpu::CpuBackend::new();
+//! let mut exe = backend.prepare(schedule, weights, &PrepareOptions::default())?;
+//! let outputs = exe.run(&[("x", &x)])?;
+//! ```
 
+mod act;
+mod elem;
+mod exec;
+mod kernels;
+mod memory;
+mod validate;
+
+use std::sync::Arc;
+
+use rlx_compile::{Schedule, Thunk};
+use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, WeightStore};
+
+pub use act::erf;
+pub use exec::CpuExecutable;
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+pub(crate) fn exec_err(detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::backend("cpu", detail)
+}
+
+/// The CPU backend. Cheap to clone; executables share its thread pool.
+#[derive(Clone)]
+pub struct CpuBackend {
+    /// `None`: rayon's global pool (one thread per core).
+    pool: Option<Arc<rayon::ThreadPool>>,
+    /// Set when a requested pool could not be built; reported by `prepare`.
+    pool_error: Option<String>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    /// Runs kernels on rayon's global pool (threads = cores, or
+    /// `RAYON_NUM_THREADS`).
+    pub fn new() -> CpuBackend {
+        CpuBackend { pool: None, pool_error: None }
+    }
+
+    /// Runs kernels on a pool of its own with `n` threads (at least 1).
+    pub fn with_threads(n: usize) -> CpuBackend {
+        match rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).thread_name(|i| format!("rlx-cpu-{i}")).build() {
+            Ok(p) => CpuBackend { pool: Some(Arc::new(p)), pool_error: None },
+            Err(e) => CpuBackend { pool: None, pool_error: Some(format!("could not start {n} threads: {e}")) },
+        }
+    }
+
+    /// Threads kernels run on.
+    pub fn threads(&self) -> usize {
+        self.pool.as_ref().map(|p| p.current_num_threads()).unwrap_or_else(rayon::current_num_threads)
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn supports(&self, thunk: &Thunk) -> bool {
+        validate::check_thunk(thunk).is_ok()
+    }
+
+    fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
+        if let Some(e) = &self.pool_error {
+            return Err(exec_err(e.clone()));
+        }
+        for (i, t) in schedule.thunks.iter().enumerate() {
+            validate::check_thunk(t).map_err(|detail| RuntimeError::Unsupported { backend: "cpu".into(), thunk: format!("#{i} {}", t.kind()), detail })?;
+        }
+        Ok(Box::new(CpuExecutable::new(schedule, weights, opts.slots.max(1), self.pool.clone())?))
+    }
+}
+
+/// Reusable f32 buffers for matmuls on half-precision data: grown on first
+/// use, then reused by every call.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+}
+
+fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+impl Scratch {
+    pub(crate) fn c(&mut self, n: usize) -> &mut [f32] {
+        grown(&mut self.c, n)
+    }
+    pub(crate) fn abc(&mut self, na: usize, nb: usize, nc: usize) -> (&mut [f32], &mut [f32], &mut [f32]) {
+        (grown(&mut self.a, na), grown(&mut self.b, nb), grown(&mut self.c, nc))
+    }
+}

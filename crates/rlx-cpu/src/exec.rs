@@ -1,0 +1,376 @@
+//! The CPU executable: one persistent worker thread per executable runs
+//! submissions in order (so state stays consistent), each in its pipeline
+//! slot's arena. `submit` hands the worker a job and returns a ticket;
+//! `wait` collects the result.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rlx_compile::{Schedule, Space, TensorSlot, Thunk};
+use rlx_runtime::{check_inputs, ExecStats, Executable, RuntimeError, Tensor, Ticket, WeightStore};
+
+use crate::kernels;
+use crate::memory::{AlignedBuf, Mem, Region};
+use crate::validate::validate_thunk;
+use crate::{exec_err, Result, Scratch};
+
+/// Ticket ids are unique across executables, so a ticket from another
+/// executable is recognised as foreign.
+static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
+
+/// A weight as the kernels see it: the store's tensor, or an aligned copy
+/// when the tensor's bytes are not aligned for its element type.
+enum WeightMem {
+    Shared(Arc<Tensor>),
+    Copied(AlignedBuf),
+}
+
+impl WeightMem {
+    fn new(t: Arc<Tensor>, name: &str) -> Result<WeightMem> {
+        if t.bytes().as_ptr() as usize % t.dtype().size() == 0 {
+            return Ok(WeightMem::Shared(t));
+        }
+        AlignedBuf::from_bytes(t.bytes()).map(WeightMem::Copied).ok_or_else(|| exec_err(format!("out of memory copying weight '{name}'")))
+    }
+    fn region(&self) -> Region {
+        match self {
+            WeightMem::Shared(t) => Region::borrowed(t.bytes()),
+            WeightMem::Copied(b) => b.region(),
+        }
+    }
+}
+
+enum Job {
+    Run { id: u64, slot: usize, inputs: Vec<Tensor>, weights: Option<Vec<Arc<Tensor>>> },
+    Reset(Sender<()>),
+    ReadState(usize, Sender<Result<Tensor>>),
+}
+
+struct Done {
+    id: u64,
+    result: Result<Vec<Tensor>>,
+    host_time: Duration,
+}
+
+/// Everything the worker thread owns.
+struct Worker {
+    schedule: Arc<Schedule>,
+    arenas: Vec<AlignedBuf>,
+    states: Vec<AlignedBuf>,
+    consts: Vec<AlignedBuf>,
+    weights: Vec<WeightMem>,
+    /// Per thunk: f32 copy of a half-precision matmul weight.
+    b_cache: Vec<Option<Vec<f32>>>,
+    scratch: Scratch,
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+fn alloc(bytes: u64, what: &str) -> Result<AlignedBuf> {
+    AlignedBuf::zeroed(bytes as usize).ok_or_else(|| RuntimeError::OutOfMemory { requested: bytes, free: 0 }).map_err(|e| exec_err(format!("{what}: {e}")))
+}
+
+fn resolve_all(schedule: &Schedule, store: &WeightStore) -> Result<Vec<Arc<Tensor>>> {
+    schedule.weights.iter().map(|w| store.resolve(w)).collect()
+}
+
+impl Worker {
+    fn new(schedule: Arc<Schedule>, store: &WeightStore, slots: usize, pool: Option<Arc<rayon::ThreadPool>>) -> Result<Worker> {
+        let arenas = (0..slots).map(|i| alloc(schedule.arena_bytes, &format!("arena of slot {i}"))).collect::<Result<Vec<_>>>()?;
+        let states = schedule.states.iter().map(|s| alloc(s.buf.bytes, &format!("state '{}'", s.name))).collect::<Result<Vec<_>>>()?;
+        let consts = schedule
+            .consts
+            .iter()
+            .enumerate()
+            .map(|(i, c)| AlignedBuf::from_bytes(&c.data).ok_or_else(|| exec_err(format!("out of memory for const {i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let mut w = Worker { schedule, arenas, states, consts, weights: Vec::new(), b_cache: Vec::new(), scratch: Scratch::default(), pool };
+        w.bind_weights(resolve_all(&w.schedule, store)?)?;
+        w.validate_slots()?;
+        Ok(w)
+    }
+
+    fn mem(&self, slot: usize) -> Mem {
+        Mem {
+            arena: self.arenas.get(slot).map(|a| a.region()).unwrap_or(Region::borrowed(&[])),
+            weights: self.weights.iter().map(|w| w.region()).collect(),
+            states: self.states.iter().map(|s| s.region()).collect(),
+            consts: self.consts.iter().map(|c| c.region()).collect(),
+        }
+    }
+
+    /// Binds (new versions of) the weights, re-checks every thunk against
+    /// them and rebuilds the f32 caches of half-precision matmul weights.
+    fn bind_weights(&mut self, tensors: Vec<Arc<Tensor>>) -> Result<()> {
+        let mut weights = Vec::with_capacity(tensors.len());
+        for (t, slot) in tensors.into_iter().zip(&self.schedule.weights) {
+            weights.push(WeightMem::new(t, &slot.name)?);
+        }
+        self.weights = weights;
+        let mem = self.mem(0);
+        let mut cache = Vec::with_capacity(self.schedule.thunks.len());
+        for (i, t) in self.schedule.thunks.iter().enumerate() {
+            validate_thunk(t, &mem).map_err(|e| exec_err(format!("thunk #{i} ({}): {e}", t.kind())))?;
+            cache.push(match t {
+                Thunk::MatMul(mm) => kernels::matmul::weight_cache(mm, &mem)?,
+                _ => None,
+            });
+        }
+        self.b_cache = cache;
+        Ok(())
+    }
+
+    /// Inputs, outputs and states must lie where the schedule says.
+    fn validate_slots(&self) -> Result<()> {
+        let mem = self.mem(0);
+        let check = |kind: &str, s: &TensorSlot, writable: bool| -> Result<()> {
+            let need = (s.shape.numel() * s.dtype.size()) as u64;
+            if s.buf.bytes < need {
+                return Err(exec_err(format!("{kind} '{}' ({} {}) needs {need} bytes, its buffer has {}", s.name, s.shape, s.dtype, s.buf.bytes)));
+            }
+            let r = if writable { mem.dst::<u8>(&s.buf).map(|_| ()) } else { mem.check(&s.buf, 1) };
+            r.map_err(|e| exec_err(format!("{kind} '{}': {e}", s.name)))
+        };
+        for s in &self.schedule.inputs {
+            check("input", s, true)?;
+        }
+        for s in &self.schedule.outputs {
+            check("output", s, false)?;
+        }
+        for (i, s) in self.schedule.states.iter().enumerate() {
+            if s.buf.space != Space::State(i as u32) || s.buf.offset != 0 {
+                return Err(exec_err(format!("state '{}' must be the whole of Space::State({i}), found {:?} at offset {}", s.name, s.buf.space, s.buf.offset)));
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, slot: usize, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let mem = self.mem(slot);
+        for (s, t) in self.schedule.inputs.iter().zip(inputs) {
+            let d = mem.dst::<u8>(&s.buf).map_err(exec_err)?;
+            d.row_mut(0, t.bytes().len()).copy_from_slice(t.bytes());
+        }
+        let threads = self.pool.as_ref().map(|p| p.current_num_threads()).unwrap_or_else(rayon::current_num_threads);
+        let (schedule, scratch, cache) = (&self.schedule, &mut self.scratch, &self.b_cache);
+        let mut body = || -> Result<()> {
+            for (i, t) in schedule.thunks.iter().enumerate() {
+                let b = cache.get(i).and_then(|c| c.as_deref());
+                kernels::run(t, &mem, scratch, b, threads).map_err(|e| match e {
+                    RuntimeError::Backend { backend, detail } => RuntimeError::Backend { backend, detail: format!("thunk #{i} ({}): {detail}", t.kind()) },
+                    other => other,
+                })?;
+            }
+            Ok(())
+        };
+        match &self.pool {
+            Some(p) => p.install(body)?,
+            None => body()?,
+        }
+        self.schedule
+            .outputs
+            .iter()
+            .map(|s| {
+                let n = s.shape.numel() * s.dtype.size();
+                let src = mem.src::<u8>(&s.buf).map_err(exec_err)?;
+                Tensor::from_bytes(s.shape.clone(), s.dtype, src.row(0, n).to_vec())
+            })
+            .collect()
+    }
+
+    fn serve(mut self, jobs: Receiver<Job>, done: Sender<Done>) {
+        while let Ok(job) = jobs.recv() {
+            match job {
+                Job::Run { id, slot, inputs, weights } => {
+                    let t0 = Instant::now();
+                    let result = match weights {
+                        Some(w) => self.bind_weights(w),
+                        None => Ok(()),
+                    }
+                    .and_then(|_| self.run(slot, &inputs));
+                    if done.send(Done { id, result, host_time: t0.elapsed() }).is_err() {
+                        return;
+                    }
+                }
+                Job::Reset(reply) => {
+                    self.states.iter_mut().for_each(|s| s.bytes_mut().fill(0));
+                    let _ = reply.send(());
+                }
+                Job::ReadState(i, reply) => {
+                    let r = match (self.schedule.states.get(i), self.states.get(i)) {
+                        (Some(s), Some(b)) => Tensor::from_bytes(s.shape.clone(), s.dtype, b.bytes()[..(s.shape.numel() * s.dtype.size()).min(b.len())].to_vec()),
+                        _ => Err(exec_err(format!("no state #{i}"))),
+                    };
+                    let _ = reply.send(r);
+                }
+            }
+        }
+    }
+}
+
+enum SlotState {
+    Free,
+    /// A submitted call; the flag is set when its ticket was dropped.
+    Pending { id: u64, abandoned: Arc<AtomicBool> },
+}
+
+/// See the module docs.
+pub struct CpuExecutable {
+    schedule: Arc<Schedule>,
+    store: Arc<WeightStore>,
+    weight_version: u64,
+    slots: Vec<SlotState>,
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    ready: HashMap<u64, Result<Vec<Tensor>>>,
+    worker: Option<JoinHandle<()>>,
+    stats: ExecStats,
+}
+
+impl CpuExecutable {
+    pub(crate) fn new(schedule: Arc<Schedule>, store: Arc<WeightStore>, slots: usize, pool: Option<Arc<rayon::ThreadPool>>) -> Result<CpuExecutable> {
+        let weight_version = store.version();
+        let worker = Worker::new(schedule.clone(), &store, slots, pool)?;
+        let (job_tx, job_rx) = channel();
+        let (done_tx, done_rx) = channel();
+        let handle = std::thread::Builder::new()
+            .name("rlx-cpu-exec".into())
+            .spawn(move || worker.serve(job_rx, done_tx))
+            .map_err(|e| exec_err(format!("could not start the executable's worker thread: {e}")))?;
+        let stats = ExecStats {
+            calls: 0,
+            kernels_per_call: schedule.thunks.len(),
+            arena_bytes: schedule.arena_bytes,
+            slots,
+            last_host_time: Duration::ZERO,
+            mode: "cpu".into(),
+        };
+        Ok(CpuExecutable {
+            schedule,
+            store,
+            weight_version,
+            slots: (0..slots).map(|_| SlotState::Free).collect(),
+            jobs: Some(job_tx),
+            done: done_rx,
+            ready: HashMap::new(),
+            worker: Some(handle),
+            stats,
+        })
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        self.jobs.as_ref().and_then(|j| j.send(job).ok()).ok_or_else(|| exec_err("the executable's worker thread has stopped"))
+    }
+
+    /// Blocks for the next finished call.
+    fn recv_one(&mut self) -> Result<()> {
+        let d = self.done.recv().map_err(|_| exec_err("the executable's worker thread has stopped"))?;
+        self.stats.last_host_time = d.host_time;
+        self.ready.insert(d.id, d.result);
+        Ok(())
+    }
+
+    /// A free slot, reclaiming those whose tickets were dropped (waiting for
+    /// such a call to finish only when nothing else is free).
+    fn free_slot(&mut self) -> Result<usize> {
+        while let Ok(d) = self.done.try_recv() {
+            self.stats.last_host_time = d.host_time;
+            self.ready.insert(d.id, d.result);
+        }
+        loop {
+            let mut abandoned_pending = None;
+            for (i, s) in self.slots.iter_mut().enumerate() {
+                match s {
+                    SlotState::Free => return Ok(i),
+                    SlotState::Pending { id, abandoned } if abandoned.load(Ordering::Acquire) => {
+                        if self.ready.remove(id).is_some() {
+                            *s = SlotState::Free;
+                            return Ok(i);
+                        }
+                        abandoned_pending = Some(i);
+                    }
+                    SlotState::Pending { .. } => {}
+                }
+            }
+            match abandoned_pending {
+                Some(_) => self.recv_one()?,
+                None => return Err(RuntimeError::Busy { slots: self.slots.len() }),
+            }
+        }
+    }
+}
+
+impl Executable for CpuExecutable {
+    fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket> {
+        let staged: Vec<Tensor> = check_inputs(&self.schedule, inputs)?.into_iter().cloned().collect();
+        let slot = self.free_slot()?;
+        // Weights changed since the last call: the worker rebinds them
+        // before this call, after every earlier call has finished.
+        let version = self.store.version();
+        let weights = if version != self.weight_version {
+            let w = resolve_all(&self.schedule, &self.store)?;
+            self.weight_version = version;
+            Some(w)
+        } else {
+            None
+        };
+        let id = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
+        self.send(Job::Run { id, slot, inputs: staged, weights })?;
+        let flag = Arc::new(AtomicBool::new(false));
+        self.slots[slot] = SlotState::Pending { id, abandoned: flag.clone() };
+        self.stats.calls += 1;
+        Ok(Ticket::new(id, slot, flag))
+    }
+
+    fn wait(&mut self, ticket: Ticket) -> Result<Vec<Tensor>> {
+        let (id, slot) = ticket.collect();
+        match self.slots.get(slot) {
+            Some(SlotState::Pending { id: pid, .. }) if *pid == id => {}
+            _ => return Err(RuntimeError::BadTicket(id)),
+        }
+        loop {
+            if let Some(r) = self.ready.remove(&id) {
+                self.slots[slot] = SlotState::Free;
+                return r;
+            }
+            self.recv_one()?;
+        }
+    }
+
+    fn reset_state(&mut self) -> Result<()> {
+        let (tx, rx) = channel();
+        self.send(Job::Reset(tx))?;
+        rx.recv().map_err(|_| exec_err("the executable's worker thread has stopped"))
+    }
+
+    fn read_state(&mut self, name: &str) -> Result<Tensor> {
+        let i = self.schedule.states.iter().position(|s| s.name == name).ok_or_else(|| {
+            let known: Vec<&str> = self.schedule.states.iter().map(|s| s.name.as_str()).collect();
+            exec_err(format!("no state named '{name}' (states: {})", known.join(", ")))
+        })?;
+        let (tx, rx) = channel();
+        self.send(Job::ReadState(i, tx))?;
+        rx.recv().map_err(|_| exec_err("the executable's worker thread has stopped"))?
+    }
+
+    fn stats(&self) -> ExecStats {
+        self.stats.clone()
+    }
+
+    fn schedule(&self) -> &Arc<Schedule> {
+        &self.schedule
+    }
+}
+
+impl Drop for CpuExecutable {
+    fn drop(&mut self) {
+        // Closing the job channel ends the worker after its current job.
+        self.jobs = None;
+        if let Some(h) = self.worker.take() {
+            let _ = h.join();
+        }
+    }
+}

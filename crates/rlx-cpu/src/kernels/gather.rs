@@ -1,0 +1,39 @@
+//! Embedding lookup: out[i, :] = table[ids[i], :].
+
+use rayon::prelude::*;
+use rlx_compile::BufRef;
+use rlx_ir::DType;
+
+use crate::elem::read_int;
+use crate::memory::Mem;
+use crate::{exec_err, Result};
+
+pub struct GatherArgs<'a> {
+    pub dtype: DType,
+    pub id_dtype: DType,
+    pub n: usize,
+    pub dim: usize,
+    pub vocab: usize,
+    pub table: &'a BufRef,
+    pub ids: &'a BufRef,
+    pub out: &'a BufRef,
+}
+
+pub fn run(a: &GatherArgs<'_>, mem: &Mem) -> Result<()> {
+    let ids = mem.src::<u8>(a.ids).map_err(exec_err)?;
+    let table = mem.src::<u8>(a.table).map_err(exec_err)?;
+    let out = mem.dst::<u8>(a.out).map_err(exec_err)?;
+    // Check every id before writing anything, so an error leaves no partial rows.
+    for i in 0..a.n {
+        let id = read_int(&ids, a.id_dtype, i);
+        if id < 0 || id as u64 >= a.vocab as u64 {
+            return Err(exec_err(format!("gather: id {id} at position {i} is outside the vocabulary (size {})", a.vocab)));
+        }
+    }
+    let row = a.dim * a.dtype.size();
+    (0..a.n).into_par_iter().with_min_len((1 << 16) / row.max(1) + 1).for_each(|i| {
+        let id = read_int(&ids, a.id_dtype, i) as usize;
+        out.copy_from(i * row, &table, id * row, row);
+    });
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! Row reductions written with 16 independent accumulators, so LLVM turns
+//! them into vector code (a plain `iter().sum()` must stay sequential
+//! because float addition does not reassociate).
+
+const L: usize = 16;
+
+#[inline(always)]
+fn fold(v: &[f32], init: f32, f: impl Fn(f32, f32) -> f32, g: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [init; L];
+    let chunks = v.chunks_exact(L);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..L {
+            acc[i] = f(acc[i], g(c[i]));
+        }
+    }
+    let mut r = init;
+    for &x in rest {
+        r = f(r, g(x));
+    }
+    for a in acc {
+        r = f(r, a);
+    }
+    r
+}
+
+#[inline(always)]
+pub fn sum(v: &[f32]) -> f32 {
+    fold(v, 0.0, |a, b| a + b, |x| x)
+}
+
+/// Σ (x - c)².
+#[inline(always)]
+pub fn sum_sq_dev(v: &[f32], c: f32) -> f32 {
+    fold(v, 0.0, |a, b| a + b, |x| (x - c) * (x - c))
+}
+
+#[inline(always)]
+pub fn max(v: &[f32]) -> f32 {
+    fold(v, f32::NEG_INFINITY, f32::max, |x| x)
+}
+
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; L];
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..L {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut r: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    for v in acc {
+        r += v;
+    }
+    r
+}
+
+/// y += a * x.
+#[inline(always)]
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
+/// e^x in f32 without a libm call, so loops over it vectorise: x = n·ln2 + r
+/// with |r| ≤ ln2/2, e^r by its Taylor series to r⁷ (relative error ~2e-7),
+/// times 2^n built in the exponent bits. Inputs are clamped to the normal
+/// range, so e^-inf gives ~1e-38 rather than 0.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding and subtracting 1.5·2^23 rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}

@@ -1,0 +1,70 @@
+//! One file per kernel family; `run` maps a thunk to its kernel.
+
+pub mod attention;
+pub mod copy;
+pub mod elementwise;
+pub mod gather;
+pub mod lanes;
+pub mod matmul;
+pub mod norm;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+pub mod state;
+pub mod topk;
+
+use rlx_compile::Thunk;
+
+use crate::memory::Mem;
+use crate::{Result, Scratch};
+
+/// Runs one thunk. `b_cache` is the f32 copy of a half-precision matmul
+/// weight (see `matmul::weight_cache`); `threads` sizes gemm's parallelism.
+pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f32]>, threads: usize) -> Result<()> {
+    match thunk {
+        Thunk::MatMul(mm) => matmul::run(mm, mem, scratch, b_cache, threads),
+        Thunk::Binary { op, dtype, out_shape, a, a_strides, b, b_strides, out } => {
+            elementwise::binary(*op, *dtype, out_shape, a, a_strides, b, b_strides, out, mem)
+        }
+        Thunk::Activation { act, dtype, n, x, out } => elementwise::activation(*act, *dtype, *n, x, out, mem),
+        Thunk::Norm { rms, dtype, rows, cols, eps, x, residual, gamma, beta, out } => norm::run(
+            &norm::NormArgs { rms: *rms, dtype: *dtype, rows: *rows, cols: *cols, eps: *eps, x, residual: residual.as_ref(), gamma, beta: beta.as_ref(), out },
+            mem,
+        ),
+        Thunk::Softmax { dtype, outer, len, inner, x, out } => softmax::run(*dtype, *outer, *len, *inner, x, out, mem),
+        Thunk::Reduce { op, dtype, outer, len, inner, x, out } => reduce::reduce(*op, *dtype, *outer, *len, *inner, x, out, mem),
+        Thunk::ArgMax { dtype, outer, len, inner, x, out } => reduce::argmax(*dtype, *outer, *len, *inner, x, out, mem),
+        Thunk::TopK { dtype, rows, len, k, x, values, indices } => topk::run(
+            &topk::TopKArgs { dtype: *dtype, rows: *rows, len: *len, k: *k, x, values: values.as_ref(), indices: indices.as_ref() },
+            mem,
+        ),
+        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => gather::run(
+            &gather::GatherArgs { dtype: *dtype, id_dtype: *id_dtype, n: *n, dim: *dim, vocab: *vocab, table, ids, out },
+            mem,
+        ),
+        Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => copy::run(*dtype, shape, src, src_strides, dst, dst_strides, mem),
+        Thunk::Cast { from, to, n, src, dst } => elementwise::cast(*from, *to, *n, src, dst, mem),
+        Thunk::Attention(a) => attention::run(a, mem),
+        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => rope::run(
+            &rope::RopeArgs {
+                dtype: *dtype,
+                mode: *mode,
+                theta: *theta,
+                batch: *batch,
+                seq: *seq,
+                heads: *heads,
+                head_dim: *head_dim,
+                x,
+                positions,
+                positions_per_batch: *positions_per_batch,
+                out,
+            },
+            mem,
+        ),
+        Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => elementwise::swiglu(*dtype, *rows, *cols, gate, up, out, mem),
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => state::run(
+            &state::WriteStateArgs { dtype: *dtype, batch: *batch, max_rows: *max_rows, new_rows: *new_rows, width: *width, state, value, position },
+            mem,
+        ),
+    }
+}

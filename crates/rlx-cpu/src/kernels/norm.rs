@@ -1,0 +1,74 @@
+//! LayerNorm and RmsNorm over rows, with an optional residual added first.
+//! Two passes over the row in f32: mean, then variance of the deviations
+//! (more accurate than E[x²] - E[x]² when the mean is large).
+
+use rayon::prelude::*;
+use rlx_compile::BufRef;
+use rlx_ir::DType;
+
+use super::lanes;
+use crate::elem::{with_float, Elem};
+use crate::memory::{Dst, Mem, Src};
+use crate::{exec_err, Result};
+
+pub struct NormArgs<'a> {
+    pub rms: bool,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub eps: f32,
+    pub x: &'a BufRef,
+    pub residual: Option<&'a BufRef>,
+    pub gamma: &'a BufRef,
+    pub beta: Option<&'a BufRef>,
+    pub out: &'a BufRef,
+}
+
+pub fn run(a: &NormArgs<'_>, mem: &Mem) -> Result<()> {
+    with_float!(a.dtype, T => {
+        let x = mem.src::<T>(a.x).map_err(exec_err)?;
+        let res = a.residual.map(|r| mem.src::<T>(r)).transpose().map_err(exec_err)?;
+        let gamma = load_param::<T>(mem, a.gamma, a.cols)?;
+        let beta = a.beta.map(|b| load_param::<T>(mem, b, a.cols)).transpose()?;
+        let out = mem.dst::<T>(a.out).map_err(exec_err)?;
+        rows::<T>(a, x, res, &gamma, beta.as_deref(), out);
+    });
+    Ok(())
+}
+
+/// gamma / beta widened to f32 once per call (a few KB).
+fn load_param<T: Elem>(mem: &Mem, b: &BufRef, cols: usize) -> Result<Vec<f32>> {
+    let s = mem.src::<T>(b).map_err(exec_err)?;
+    let mut v = vec![0f32; cols];
+    s.load(0, &mut v);
+    Ok(v)
+}
+
+fn rows<T: Elem>(a: &NormArgs<'_>, x: Src<T>, res: Option<Src<T>>, gamma: &[f32], beta: Option<&[f32]>, out: Dst<T>) {
+    let cols = a.cols;
+    let inv_n = 1.0 / cols.max(1) as f32;
+    (0..a.rows).into_par_iter().with_min_len((1 << 13) / cols.max(1) + 1).for_each_init(
+        || (vec![0f32; cols], vec![0f32; cols]),
+        |(v, t), r| {
+            x.load(r * cols, v);
+            if let Some(res) = &res {
+                res.load(r * cols, t);
+                v.iter_mut().zip(t.iter()).for_each(|(a, b)| *a += b);
+            }
+            if a.rms {
+                let ms = lanes::sum_sq_dev(v, 0.0) * inv_n;
+                let s = 1.0 / (ms + a.eps).sqrt();
+                v.iter_mut().zip(gamma).for_each(|(x, g)| *x = *x * s * g);
+            } else {
+                let mean = lanes::sum(v) * inv_n;
+                let var = lanes::sum_sq_dev(v, mean) * inv_n;
+                let s = 1.0 / (var + a.eps).sqrt();
+                match beta {
+                    Some(beta) => v.iter_mut().zip(gamma).zip(beta).for_each(|((x, g), b)| *x = (*x - mean) * s * g + b),
+                    None => v.iter_mut().zip(gamma).for_each(|(x, g)| *x = (*x - mean) * s * g),
+                }
+            }
+            out.store(r * cols, v);
+        },
+    );
+}

@@ -1,0 +1,60 @@
+//! Reduce (sum, mean, max) and ArgMax over the middle axis of
+//! `[outer, len, inner]`, accumulating in f32.
+
+use rayon::prelude::*;
+use rlx_compile::BufRef;
+use rlx_ir::{DType, ReduceOp};
+
+use super::lanes;
+use crate::elem::{with_float, Elem};
+use crate::memory::{Dst, Mem, Src};
+use crate::{exec_err, Result};
+
+#[allow(clippy::too_many_arguments)]
+pub fn reduce(op: ReduceOp, dtype: DType, outer: usize, len: usize, inner: usize, x: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
+    with_float!(dtype, T => reduce_t::<T>(op, outer, len, inner, mem.src::<T>(x).map_err(exec_err)?, mem.dst::<T>(out).map_err(exec_err)?));
+    Ok(())
+}
+
+fn reduce_t<T: Elem>(op: ReduceOp, outer: usize, len: usize, inner: usize, x: Src<T>, out: Dst<T>) {
+    (0..outer * inner).into_par_iter().with_min_len((1 << 13) / len.max(1) + 1).for_each_init(
+        || vec![0f32; len],
+        |v, line| {
+            let (o, i) = (line / inner, line % inner);
+            x.load_strided(o * len * inner + i, inner, v);
+            let r = match op {
+                ReduceOp::Sum => lanes::sum(v),
+                ReduceOp::Mean => lanes::sum(v) / len.max(1) as f32,
+                // Max of an empty axis is -inf (the identity).
+                ReduceOp::Max => lanes::max(v),
+            };
+            out.set(line, T::from_f32(r));
+        },
+    );
+}
+
+pub fn argmax(dtype: DType, outer: usize, len: usize, inner: usize, x: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
+    let o = mem.dst::<i32>(out).map_err(exec_err)?;
+    with_float!(dtype, T => argmax_t::<T>(outer, len, inner, mem.src::<T>(x).map_err(exec_err)?, o));
+    Ok(())
+}
+
+/// Ties go to the lowest index; NaN never wins.
+fn argmax_t<T: Elem>(outer: usize, len: usize, inner: usize, x: Src<T>, out: Dst<i32>) {
+    (0..outer * inner).into_par_iter().with_min_len((1 << 13) / len.max(1) + 1).for_each_init(
+        || vec![0f32; len],
+        |v, line| {
+            let (o, i) = (line / inner, line % inner);
+            x.load_strided(o * len * inner + i, inner, v);
+            let mut best = 0usize;
+            let mut bv = f32::NEG_INFINITY;
+            for (j, &val) in v.iter().enumerate() {
+                if val > bv {
+                    bv = val;
+                    best = j;
+                }
+            }
+            out.set(line, best as i32);
+        },
+    );
+}

@@ -1,0 +1,60 @@
+//! Top k along the last axis, sorted descending, ties to the lower index.
+
+use rayon::prelude::*;
+use rlx_compile::BufRef;
+use rlx_ir::DType;
+
+use crate::elem::{with_float, Elem};
+use crate::memory::{Dst, Mem, Src};
+use crate::{exec_err, Result};
+
+pub struct TopKArgs<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub len: usize,
+    pub k: usize,
+    pub x: &'a BufRef,
+    pub values: Option<&'a BufRef>,
+    pub indices: Option<&'a BufRef>,
+}
+
+pub fn run(a: &TopKArgs<'_>, mem: &Mem) -> Result<()> {
+    let idx = a.indices.map(|b| mem.dst::<i32>(b)).transpose().map_err(exec_err)?;
+    with_float!(a.dtype, T => {
+        let x = mem.src::<T>(a.x).map_err(exec_err)?;
+        let vals = a.values.map(|b| mem.dst::<T>(b)).transpose().map_err(exec_err)?;
+        rows::<T>(a, x, vals, idx);
+    });
+    Ok(())
+}
+
+/// Descending by value, NaN last, equal values by ascending index.
+fn order(a: &(f32, usize), b: &(f32, usize)) -> std::cmp::Ordering {
+    let key = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { v };
+    key(b.0).total_cmp(&key(a.0)).then(a.1.cmp(&b.1))
+}
+
+fn rows<T: Elem>(a: &TopKArgs<'_>, x: Src<T>, vals: Option<Dst<T>>, idx: Option<Dst<i32>>) {
+    let (len, k) = (a.len, a.k);
+    (0..a.rows).into_par_iter().for_each_init(
+        || (vec![0f32; len], Vec::with_capacity(len)),
+        |(v, pairs), r| {
+            x.load(r * len, v);
+            pairs.clear();
+            pairs.extend(v.iter().copied().zip(0..len));
+            if k < len && k > 0 {
+                pairs.select_nth_unstable_by(k - 1, order);
+            }
+            let top = &mut pairs[..k];
+            top.sort_by(order);
+            for (j, (val, i)) in top.iter().enumerate() {
+                if let Some(d) = &vals {
+                    d.set(r * k + j, T::from_f32(*val));
+                }
+                if let Some(d) = &idx {
+                    d.set(r * k + j, *i as i32);
+                }
+            }
+        },
+    );
+}
