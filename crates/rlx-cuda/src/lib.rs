@@ -1,1 +1,212 @@
+//! RLX CUDA backend.
+//!
+//! Thunks become steps (kernel launches from `kernels/*.cu` compiled by
+//! NVRTC, cuBLASLt matmuls, staging copies); each slot's steps are recorded
+//! into CUDA graphs once and replayed on every call (or launched one by one
+//! in eager mode). CUDA libraries are loaded at run time: without a driver,
+//! a device or a library, `CudaBackend::new` returns an error saying what is
+//! missing, and the crate still builds and tests everywhere.
+//!
+//! Files: `driver` (owned driver handles), `nvrtc` (compile + disk cache),
+//! `launch` (thunk → steps), `blas` (cuBLASLt), `hostops` (TopK on the host),
+//! `weights` (shared device weights), `exec` (slots, replay, submit/wait).
 
+mod blas;
+mod driver;
+mod exec;
+mod hostops;
+mod launch;
+mod nvrtc;
+mod weights;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rlx_compile::{Schedule, Thunk};
+use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, WeightStore};
+
+pub use exec::CudaExecutable;
+pub use nvrtc::SOURCES as KERNEL_SOURCES;
+
+use driver::{err, Device, Module};
+use launch::Kernels;
+
+/// The CUDA backend for one device.
+pub struct CudaBackend {
+    dev: Arc<Device>,
+    kernels: Arc<Kernels>,
+}
+
+fn missing_lib(lib: &str, file: &str, hint: &str) -> RuntimeError {
+    err(format!("{lib} ({file}) was not found: {hint}; check LD_LIBRARY_PATH"))
+}
+
+/// Fails unless the driver, NVRTC and cuBLASLt can all be loaded. cudarc
+/// panics on first use of an absent library, so this runs before any call.
+fn probe_libraries() -> Result<()> {
+    // SAFETY: only tries to dlopen candidate names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(missing_lib("the CUDA driver", "libcuda.so.1", "install the NVIDIA driver (usually /usr/lib/x86_64-linux-gnu or /usr/local/nvidia/lib64)"));
+    }
+    if !nvrtc::nvrtc_present() {
+        return Err(missing_lib("NVRTC", "libnvrtc.so.13", "install the CUDA 13 toolkit or the pip wheel nvidia-cuda-nvrtc (e.g. /usr/local/cuda/lib64)"));
+    }
+    if !blas::cublaslt_present() {
+        return Err(missing_lib("cuBLASLt", "libcublasLt.so.13", "install the CUDA 13 toolkit or the pip wheel nvidia-cublas (e.g. /usr/local/cuda/lib64)"));
+    }
+    Ok(())
+}
+
+/// Runs a closure that calls into cudarc, turning a panic (a symbol missing
+/// from an older library) into an error.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+        Err(err(format!("{what}: the CUDA library failed to load ({msg}); check LD_LIBRARY_PATH and that it is CUDA 13")))
+    })
+}
+
+/// Devices and their loaded kernels, opened once per process.
+fn open(ordinal: usize) -> Result<(Arc<Device>, Arc<Kernels>)> {
+    static OPEN: OnceLock<Mutex<HashMap<usize, (Arc<Device>, Arc<Kernels>)>>> = OnceLock::new();
+    let mut g = OPEN.get_or_init(Default::default).lock().map_err(|_| err("device table lock poisoned"))?;
+    if let Some(v) = g.get(&ordinal) {
+        return Ok(v.clone());
+    }
+    let dev = Device::open(ordinal)?;
+    let mut funcs = HashMap::new();
+    for (file, src) in nvrtc::SOURCES {
+        let cubin = nvrtc::compile_cubin(file, src, dev.cc)?;
+        // Modules live for the process: functions are used by every executable.
+        let module: &'static Module = Box::leak(Box::new(Module::load(&dev, &cubin)?));
+        for name in kernel_names(src) {
+            funcs.insert(name.clone(), module.function(&name)?);
+        }
+    }
+    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32 });
+    g.insert(ordinal, (dev.clone(), kernels.clone()));
+    Ok((dev, kernels))
+}
+
+/// Entry points of a source: `extern "C" __global__ void NAME(` and the
+/// three typed names of each `RLX_FLOAT_KERNELS(NAME, ...)`.
+fn kernel_names(src: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for line in src.lines() {
+        let l = line.trim();
+        if let Some(rest) = l.strip_prefix("extern \"C\" __global__ void ") {
+            if let Some(name) = rest.split('(').next() {
+                out.push(name.trim().to_string());
+            }
+        } else if let Some(rest) = l.strip_prefix("RLX_FLOAT_KERNELS(") {
+            if let Some(name) = rest.split(',').next() {
+                for s in ["f32", "f16", "bf16"] {
+                    out.push(format!("{}_{s}", name.trim()));
+                }
+            }
+        }
+    }
+    out
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal` and loads (compiling on first use) the
+    /// kernels. An error, never a panic, when anything is missing.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        probe_libraries()?;
+        let (dev, kernels) = guarded("opening the CUDA device", || open(ordinal))?;
+        Ok(CudaBackend { dev, kernels })
+    }
+
+    /// Device name and compute capability.
+    pub fn device_name(&self) -> String {
+        format!("{} (sm_{}{})", self.dev.name, self.dev.cc.0, self.dev.cc.1)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory_info(&self) -> Result<(u64, u64)> {
+        self.dev.bind()?;
+        self.dev.mem_info()
+    }
+
+    /// Prepares and returns the concrete executable (tests reach
+    /// `segment_map` through it).
+    pub fn prepare_cuda(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
+        guarded("preparing a CUDA executable", || CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, opts))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn supports(&self, thunk: &Thunk) -> bool {
+        launch::unsupported(thunk).is_none()
+    }
+
+    fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
+        Ok(Box::new(self.prepare_cuda(schedule, weights, opts)?))
+    }
+}
+
+/// Compiles every kernel file for `arch` (CI check without a GPU); returns
+/// (file, CUBIN bytes).
+pub fn check_kernels(arch: (i32, i32)) -> Result<Vec<(&'static str, usize)>> {
+    nvrtc::compile_all(arch)
+}
+
+/// What `rlx doctor` prints: driver, device, compute capability, memory,
+/// library versions, or what is missing.
+pub fn doctor() -> String {
+    let mut lines = Vec::new();
+    // SAFETY: only tries to dlopen candidate names.
+    let have_driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !have_driver {
+        lines.push("CUDA driver: libcuda.so.1 not found (install the NVIDIA driver; check LD_LIBRARY_PATH)".to_string());
+    } else {
+        match guarded("driver", driver::driver_version) {
+            Ok(v) => lines.push(format!("CUDA driver: API version {}.{}", v / 1000, (v % 1000) / 10)),
+            Err(e) => lines.push(format!("CUDA driver: {e}")),
+        }
+    }
+    match nvrtc::nvrtc_version() {
+        Ok((a, b)) => lines.push(format!("NVRTC: {a}.{b}")),
+        Err(e) => lines.push(format!("NVRTC: {e}")),
+    }
+    match blas::cublaslt_version() {
+        Some(v) => lines.push(format!("cuBLASLt: {}.{}.{}", v / 10000, (v / 100) % 100, v % 100)),
+        None => lines.push("cuBLASLt: libcublasLt.so.13 not found (check LD_LIBRARY_PATH)".into()),
+    }
+    match nvrtc::find_include_dir() {
+        Ok(d) => lines.push(format!("CUDA headers: {}", d.display())),
+        Err(e) => lines.push(format!("CUDA headers: {e}")),
+    }
+    if have_driver {
+        let devs = guarded("devices", || {
+            // SAFETY: plain driver calls with out-pointers to locals.
+            unsafe {
+                driver::check(cudarc::driver::sys::cuInit(0), "cuInit")?;
+                let mut n = 0;
+                driver::check(cudarc::driver::sys::cuDeviceGetCount(&mut n), "cuDeviceGetCount")?;
+                Ok(n.max(0) as usize)
+            }
+        });
+        match devs {
+            Ok(0) => lines.push("devices: none".into()),
+            Ok(n) => {
+                for i in 0..n {
+                    match guarded("device", || Device::open(i)) {
+                        Ok(d) => {
+                            let mem = d.mem_info().map(|(f, t)| format!("{:.1} GiB total, {:.1} GiB free", t as f64 / 1073741824.0, f as f64 / 1073741824.0)).unwrap_or_else(|e| e.to_string());
+                            lines.push(format!("device {i}: {}, compute capability {}.{}, {} SMs, {mem}", d.name, d.cc.0, d.cc.1, d.sm_count));
+                        }
+                        Err(e) => lines.push(format!("device {i}: {e}")),
+                    }
+                }
+            }
+            Err(e) => lines.push(format!("devices: {e}")),
+        }
+    }
+    lines.join("\n")
+}

@@ -1,0 +1,103 @@
+// Shared helpers for every RLX kernel. Kernels take ONE parameter struct
+// whose fields are all 8 bytes wide (pointers, long long, double), so the
+// Rust side (src/launch.rs, `Args`) can build it as a plain array of words.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long i64;
+
+// NVRTC has no <math.h>; __int_as_float(0x7f800000) is +inf.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// Element type codes; must match `dtype_code` in src/launch.rs.
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+#define DT_I32 3
+#define DT_I64 4
+
+// Activation codes; must match `act_code` in src/launch.rs.
+#define ACT_NONE 0
+#define ACT_GELU 1
+#define ACT_GELU_TANH 2
+#define ACT_SILU 3
+#define ACT_RELU 4
+#define ACT_TANH 5
+
+// Bits of the per-slot device error flag (see src/exec.rs).
+#define ERR_GATHER_ID 1
+#define ERR_STATE_OVERFLOW 2
+
+#define MAX_RANK 8
+
+__device__ __forceinline__ float ld(const float* p, i64 i) { return p[i]; }
+__device__ __forceinline__ float ld(const __half* p, i64 i) { return __half2float(p[i]); }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void st(float* p, i64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(__half* p, i64 i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void st(__nv_bfloat16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+// Any element type as double (exact for every i32 and for i64 below 2^53).
+__device__ __forceinline__ double ld_any(const void* p, i64 i, i64 dt) {
+    switch (dt) {
+        case DT_F32: return (double)((const float*)p)[i];
+        case DT_F16: return (double)__half2float(((const __half*)p)[i]);
+        case DT_BF16: return (double)__bfloat162float(((const __nv_bfloat16*)p)[i]);
+        case DT_I32: return (double)((const int*)p)[i];
+        default: return (double)((const long long*)p)[i];
+    }
+}
+
+__device__ __forceinline__ float act_apply(i64 act, float x) {
+    switch (act) {
+        case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+        case ACT_GELU_TANH: {
+            float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+            return 0.5f * x * (1.0f + tanhf(u));
+        }
+        case ACT_SILU: return x / (1.0f + expf(-x));
+        case ACT_RELU: return x > 0.0f ? x : 0.0f;
+        case ACT_TANH: return tanhf(x);
+        default: return x;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum/max for blockDim.x a multiple of 32 (at most 1024). `scratch`
+// holds 32 floats; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+// Instantiates `extern "C"` entry points NAME_f32, NAME_f16, NAME_bf16 of a
+// templated kernel body `NAME##_body<T>(P)`.
+#define RLX_FLOAT_KERNELS(NAME, P)                                                     \
+    extern "C" __global__ void NAME##_f32(const P p) { NAME##_body<float>(p); }        \
+    extern "C" __global__ void NAME##_f16(const P p) { NAME##_body<__half>(p); }       \
+    extern "C" __global__ void NAME##_bf16(const P p) { NAME##_body<__nv_bfloat16>(p); }

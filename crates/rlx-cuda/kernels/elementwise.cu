@@ -1,0 +1,118 @@
+// Elementwise kernels: broadcasting binary ops, activations, the matmul
+// epilogue our cuBLASLt path cannot fuse, casts, strided copies, SwiGLU.
+// Grid-stride loops: any grid size covers any n.
+#include "common.cuh"
+
+struct BinaryP {
+    const void* a; const void* b; void* out;
+    i64 n; i64 rank; i64 op;
+    i64 shape[MAX_RANK]; i64 as[MAX_RANK]; i64 bs[MAX_RANK];
+};
+
+template <typename T>
+__device__ void binary_body(const BinaryP& p) {
+    const T* a = (const T*)p.a; const T* b = (const T*)p.b; T* out = (T*)p.out;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
+        i64 rem = i, ai = 0, bi = 0;
+        for (int d = (int)p.rank - 1; d >= 0; --d) {
+            i64 c = rem % p.shape[d];
+            rem /= p.shape[d];
+            ai += c * p.as[d];
+            bi += c * p.bs[d];
+        }
+        float x = ld(a, ai), y = ld(b, bi), r;
+        switch (p.op) {
+            case 0: r = x + y; break;
+            case 1: r = x - y; break;
+            case 2: r = x * y; break;
+            default: r = x / y; break;
+        }
+        st(out, i, r);
+    }
+}
+RLX_FLOAT_KERNELS(binary, BinaryP)
+
+struct ActP { const void* x; void* out; i64 n; i64 act; };
+
+template <typename T>
+__device__ void activation_body(const ActP& p) {
+    const T* x = (const T*)p.x; T* out = (T*)p.out;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x)
+        st(out, i, act_apply(p.act, ld(x, i)));
+}
+RLX_FLOAT_KERNELS(activation, ActP)
+
+// out = act(out) + residual: what remains of a MatMul thunk after cuBLASLt
+// computed a·b + bias (erf-GELU, SiLU, ... and any activation with a residual).
+struct EpilogueP { void* out; const void* res; i64 n; i64 act; };
+
+template <typename T>
+__device__ void epilogue_body(const EpilogueP& p) {
+    T* out = (T*)p.out; const T* res = (const T*)p.res;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
+        float v = act_apply(p.act, ld(out, i));
+        if (res) v += ld(res, i);
+        st(out, i, v);
+    }
+}
+RLX_FLOAT_KERNELS(epilogue, EpilogueP)
+
+// Any dtype to any dtype; floats round to nearest, float -> int truncates.
+struct CastP { const void* src; void* dst; i64 n; i64 from; i64 to; };
+
+extern "C" __global__ void cast_any(const CastP p) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
+        double v = ld_any(p.src, i, p.from);
+        switch (p.to) {
+            case DT_F32: ((float*)p.dst)[i] = (float)v; break;
+            case DT_F16: ((__half*)p.dst)[i] = __float2half_rn((float)v); break;
+            case DT_BF16: ((__nv_bfloat16*)p.dst)[i] = __float2bfloat16_rn((float)v); break;
+            case DT_I32:
+                if (p.from == DT_I64) ((int*)p.dst)[i] = (int)((const long long*)p.src)[i];
+                else ((int*)p.dst)[i] = (int)v;
+                break;
+            default:
+                if (p.from == DT_I64) ((long long*)p.dst)[i] = ((const long long*)p.src)[i];
+                else ((long long*)p.dst)[i] = (long long)v;
+                break;
+        }
+    }
+}
+
+// dst[idx] = src[idx] over `shape`, strides in elements; moves raw elements
+// of `esize` bytes so one kernel serves every dtype.
+struct CopyP {
+    const void* src; void* dst; i64 n; i64 rank; i64 esize;
+    i64 shape[MAX_RANK]; i64 ss[MAX_RANK]; i64 ds[MAX_RANK];
+};
+
+extern "C" __global__ void copy_strided(const CopyP p) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
+        i64 rem = i, si = 0, di = 0;
+        for (int d = (int)p.rank - 1; d >= 0; --d) {
+            i64 c = rem % p.shape[d];
+            rem /= p.shape[d];
+            si += c * p.ss[d];
+            di += c * p.ds[d];
+        }
+        switch (p.esize) {
+            case 2: ((unsigned short*)p.dst)[di] = ((const unsigned short*)p.src)[si]; break;
+            case 4: ((unsigned int*)p.dst)[di] = ((const unsigned int*)p.src)[si]; break;
+            default: ((unsigned long long*)p.dst)[di] = ((const unsigned long long*)p.src)[si]; break;
+        }
+    }
+}
+
+struct SwiGluP { const void* gate; const void* up; void* out; i64 rows; i64 cols; i64 gs; i64 us; };
+
+template <typename T>
+__device__ void swiglu_body(const SwiGluP& p) {
+    const T* g = (const T*)p.gate; const T* u = (const T*)p.up; T* out = (T*)p.out;
+    i64 n = p.rows * p.cols;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        i64 r = i / p.cols, c = i % p.cols;
+        float x = ld(g, r * p.gs + c);
+        st(out, i, x / (1.0f + expf(-x)) * ld(u, r * p.us + c));
+    }
+}
+RLX_FLOAT_KERNELS(swiglu, SwiGluP)

@@ -1,0 +1,299 @@
+//! MatMul thunks through cuBLASLt.
+//!
+//! cuBLASLt is column-major; our tensors are row-major. A row-major
+//! `out[M, N] = A[M, K] · B[K, N]` is the column-major `outᵀ = Bᵀ · Aᵀ`, so we
+//! hand cuBLASLt our B as its "A" and our A as its "B" and nothing moves.
+//! Bias (and GELU-tanh) ride in the epilogue; a residual is C with beta = 1.
+//! What cuBLASLt cannot fuse (erf-GELU, SiLU, ..., or an activation followed
+//! by a residual) is left to our `epilogue` kernel (see `Epilogue`).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublaslt::sys as lt;
+use rlx_compile::MatMulThunk;
+use rlx_ir::{Activation, DType};
+use rlx_runtime::Result;
+
+use crate::driver::{err, Device, DeviceBuffer, Stream};
+
+/// Fixed cuBLASLt workspace, set before any capture (a graph must not allocate).
+pub(crate) const WORKSPACE_BYTES: u64 = 32 << 20;
+
+fn lt_check(s: lt::cublasStatus_t, what: &str) -> Result<()> {
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(err(format!("{what} failed: {s:?}")))
+    }
+}
+
+pub fn cublaslt_present() -> bool {
+    // SAFETY: only tries to dlopen candidate names.
+    unsafe { lt::is_culib_present() }
+}
+
+pub fn cublaslt_version() -> Option<usize> {
+    if !cublaslt_present() {
+        return None;
+    }
+    // SAFETY: the library is present; the call takes no arguments.
+    std::panic::catch_unwind(|| unsafe { lt::cublasLtGetVersion() }).ok()
+}
+
+/// One cuBLASLt handle and its workspace, per executable.
+pub(crate) struct Blas {
+    handle: lt::cublasLtHandle_t,
+    workspace: DeviceBuffer,
+}
+// SAFETY: used from one thread at a time (the executable is behind &mut).
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+impl Blas {
+    pub fn new(dev: &Device) -> Result<Blas> {
+        let workspace = DeviceBuffer::alloc(dev, WORKSPACE_BYTES)?;
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        lt_check(unsafe { lt::cublasLtCreate(&mut handle) }, "cublasLtCreate")?;
+        Ok(Blas { handle, workspace })
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: handle came from cublasLtCreate.
+        unsafe {
+            lt::cublasLtDestroy(self.handle);
+        }
+    }
+}
+
+/// What runs after cuBLASLt: `out = act(out) + residual`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Epilogue {
+    pub act: Option<Activation>,
+    pub residual: bool,
+}
+
+/// Descriptors and the chosen algorithm for one MatMul thunk; shared by
+/// every slot (only pointers differ between slots).
+pub(crate) struct MatMulPlan {
+    desc: lt::cublasLtMatmulDesc_t,
+    layouts: [lt::cublasLtMatrixLayout_t; 4],
+    algo: lt::cublasLtMatmulAlgo_t,
+    has_bias: bool,
+    beta: f32,
+    /// Our kernel still has to run after the GEMM.
+    pub epilogue: Option<Epilogue>,
+}
+// SAFETY: immutable after creation except the bias pointer, which is set
+// right before each enqueue by the single thread that owns the executable.
+unsafe impl Send for MatMulPlan {}
+unsafe impl Sync for MatMulPlan {}
+
+impl Drop for MatMulPlan {
+    fn drop(&mut self) {
+        // SAFETY: all handles came from their create calls.
+        unsafe {
+            lt::cublasLtMatmulDescDestroy(self.desc);
+            for l in self.layouts {
+                lt::cublasLtMatrixLayoutDestroy(l);
+            }
+        }
+    }
+}
+
+fn data_type(d: DType) -> Result<lt::cudaDataType> {
+    match d {
+        DType::F32 => Ok(lt::cudaDataType::CUDA_R_32F),
+        DType::F16 => Ok(lt::cudaDataType::CUDA_R_16F),
+        DType::BF16 => Ok(lt::cudaDataType::CUDA_R_16BF),
+        other => Err(err(format!("matmul: dtype {other} is not supported (f32, f16, bf16)"))),
+    }
+}
+
+/// Largest power of two (up to 256) dividing a byte offset: the alignment
+/// cuBLASLt may assume for a pointer at that offset of a 256-aligned base.
+fn align_of(offset: u64) -> u32 {
+    if offset == 0 {
+        256
+    } else {
+        (1u64 << offset.trailing_zeros().min(8)) as u32
+    }
+}
+
+/// (rows, batch) after folding: a shared weight and a contiguous `a` make
+/// the batch one tall GEMM.
+pub(crate) fn folded(t: &MatMulThunk) -> (usize, usize) {
+    if t.batch > 1 && t.b_batch_stride == 0 && t.a_batch_stride == t.m as u64 * t.lda {
+        (t.batch * t.m, 1)
+    } else {
+        (t.m, t.batch)
+    }
+}
+
+unsafe fn set_desc<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
+    lt_check(lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()), "cublasLtMatmulDescSetAttribute")
+}
+
+unsafe fn layout(dt: lt::cudaDataType, rows: u64, cols: u64, ld: u64, batch: usize, stride: u64) -> Result<lt::cublasLtMatrixLayout_t> {
+    let mut l = std::ptr::null_mut();
+    lt_check(lt::cublasLtMatrixLayoutCreate(&mut l, dt, rows, cols, ld as i64), "cublasLtMatrixLayoutCreate")?;
+    if batch > 1 {
+        let count = batch as i32;
+        let stride = stride as i64;
+        let a = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT;
+        lt_check(lt::cublasLtMatrixLayoutSetAttribute(l, a, &count as *const i32 as *const c_void, 4), "cublasLtMatrixLayoutSetAttribute")?;
+        let a = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET;
+        lt_check(lt::cublasLtMatrixLayoutSetAttribute(l, a, &stride as *const i64 as *const c_void, 8), "cublasLtMatrixLayoutSetAttribute")?;
+    }
+    Ok(l)
+}
+
+impl MatMulPlan {
+    pub fn new(blas: &Blas, t: &MatMulThunk, allow_tf32: bool) -> Result<MatMulPlan> {
+        let dt = data_type(t.dtype)?;
+        let (rows, batch) = folded(t);
+        let fuse_act = matches!(t.act, Some(Activation::GeluTanh)) && t.residual.is_none();
+        let epilogue = match (t.act, t.residual.is_some()) {
+            (None, _) => None,
+            (Some(_), _) if fuse_act => None,
+            (Some(a), res) => Some(Epilogue { act: Some(a), residual: res }),
+        };
+        // Residual goes through C unless our epilogue kernel must add it after the activation.
+        let residual_in_c = t.residual.is_some() && epilogue.is_none();
+        let compute = if t.dtype == DType::F32 && allow_tf32 {
+            lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            lt::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        // SAFETY: descriptors are created here and destroyed by Drop (also on error).
+        unsafe {
+            let mut desc = std::ptr::null_mut();
+            lt_check(lt::cublasLtMatmulDescCreate(&mut desc, compute, lt::cudaDataType::CUDA_R_32F), "cublasLtMatmulDescCreate")?;
+            let mut plan = MatMulPlan {
+                desc,
+                layouts: [std::ptr::null_mut(); 4],
+                algo: std::mem::zeroed(),
+                has_bias: t.bias.is_some(),
+                beta: if residual_in_c { 1.0 } else { 0.0 },
+                epilogue,
+            };
+            let op_a: i32 = if t.b_trans { 1 } else { 0 };
+            let op_b: i32 = 0;
+            set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
+            set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b)?;
+            let epi = match (t.bias.is_some(), fuse_act) {
+                (false, false) => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+                (true, false) => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                (false, true) => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU,
+                (true, true) => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_BIAS,
+            };
+            set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epi as u32))?;
+            if t.bias.is_some() {
+                set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &(dt as i32))?;
+            }
+            let (n, k) = (t.n as u64, t.k as u64);
+            let a_rows_cols = if t.b_trans { (k, n) } else { (n, k) };
+            plan.layouts[0] = layout(dt, a_rows_cols.0, a_rows_cols.1, t.ldb, batch, t.b_batch_stride)?;
+            plan.layouts[1] = layout(dt, k, rows as u64, t.lda, batch, t.a_batch_stride)?;
+            plan.layouts[2] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
+            plan.layouts[3] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
+
+            let mut pref = std::ptr::null_mut();
+            lt_check(lt::cublasLtMatmulPreferenceCreate(&mut pref), "cublasLtMatmulPreferenceCreate")?;
+            let set_pref = |attr: lt::cublasLtMatmulPreferenceAttributes_t, v: u64, size: usize| {
+                lt_check(lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, &v as *const u64 as *const c_void, size), "cublasLtMatmulPreferenceSetAttribute")
+            };
+            use lt::cublasLtMatmulPreferenceAttributes_t as P;
+            let mut res = set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, 8);
+            // No in-place (atomic) split-K reductions: replay and eager must
+            // match bit for bit, run after run.
+            res = res.and(set_pref(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, 0x6, 4));
+            let c_off = t.residual.filter(|_| residual_in_c).map(|r| r.offset).unwrap_or(t.out.offset);
+            for (attr, off) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, t.b.offset),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, t.a.offset),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_off),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, t.out.offset),
+            ] {
+                res = res.and(set_pref(attr, align_of(off) as u64, 4));
+            }
+            let mut heur: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let mut found = 0;
+            if res.is_ok() {
+                res = lt_check(
+                    lt::cublasLtMatmulAlgoGetHeuristic(
+                        blas.handle,
+                        desc,
+                        plan.layouts[0],
+                        plan.layouts[1],
+                        plan.layouts[2],
+                        plan.layouts[3],
+                        pref,
+                        1,
+                        &mut heur,
+                        &mut found,
+                    ),
+                    "cublasLtMatmulAlgoGetHeuristic",
+                );
+            }
+            lt::cublasLtMatmulPreferenceDestroy(pref);
+            res.map_err(|e| err(format!("matmul {}x{}x{} {} (batch {batch}): {e}", rows, t.n, t.k, t.dtype)))?;
+            if found < 1 {
+                return Err(err(format!("cuBLASLt has no algorithm for matmul m={rows} n={} k={} {} batch {batch}", t.n, t.k, t.dtype)));
+            }
+            plan.algo = heur.algo;
+            Ok(plan)
+        }
+    }
+}
+
+/// One MatMul enqueue with a slot's pointers.
+pub(crate) struct MatMulCall {
+    pub plan: Arc<MatMulPlan>,
+    pub blas: Arc<Blas>,
+    pub a: u64,
+    pub b: u64,
+    /// C: the residual when fused through beta = 1, else `d`.
+    pub c: u64,
+    pub d: u64,
+    pub bias: u64,
+}
+
+impl MatMulCall {
+    pub fn enqueue(&self, s: &Stream) -> Result<()> {
+        let p = &self.plan;
+        let (alpha, beta) = (1.0f32, p.beta);
+        // SAFETY: pointers are device addresses inside live allocations of
+        // the sizes the thunk declares (checked at prepare).
+        unsafe {
+            if p.has_bias {
+                let bias = self.bias as *const c_void;
+                set_desc(p.desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+            }
+            lt_check(
+                lt::cublasLtMatmul(
+                    self.blas.handle,
+                    p.desc,
+                    &alpha as *const f32 as *const c_void,
+                    self.b as *const c_void,
+                    p.layouts[0],
+                    self.a as *const c_void,
+                    p.layouts[1],
+                    &beta as *const f32 as *const c_void,
+                    self.c as *const c_void,
+                    p.layouts[2],
+                    self.d as *mut c_void,
+                    p.layouts[3],
+                    &p.algo,
+                    self.blas.workspace.ptr as *mut c_void,
+                    WORKSPACE_BYTES as usize,
+                    s.0 as lt::cudaStream_t,
+                ),
+                "cublasLtMatmul",
+            )
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! Thin owned wrappers over the CUDA driver API (cudarc's `sys` layer):
+//! device buffers, pinned host buffers, streams, events, recorded graphs,
+//! modules. Every call's status becomes a `RuntimeError` naming the call.
+//!
+//! We use the raw layer rather than cudarc's safe types because replay needs
+//! exact control over what is enqueued (no hidden event tracking inside a
+//! capture) and over which addresses stay fixed.
+
+use std::ffi::{c_void, CStr};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use rlx_runtime::{Result, RuntimeError};
+
+pub(crate) fn err(detail: impl Into<String>) -> RuntimeError {
+    RuntimeError::backend("cuda", detail)
+}
+
+pub(crate) fn describe(r: CUresult) -> String {
+    let mut p: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string or leaves it null.
+    unsafe {
+        if sys::cuGetErrorString(r, &mut p) == CUresult::CUDA_SUCCESS && !p.is_null() {
+            return format!("{r:?}: {}", CStr::from_ptr(p).to_string_lossy());
+        }
+    }
+    format!("{r:?}")
+}
+
+/// Turns a driver status into a Result; `what` names the call for the message.
+pub(crate) fn check(r: CUresult, what: &str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(err(format!("{what} failed: {}", describe(r))))
+    }
+}
+
+/// One device's primary context, retained for the life of the process.
+#[derive(Debug)]
+pub(crate) struct Device {
+    pub ordinal: usize,
+    pub ctx: sys::CUcontext,
+    pub name: String,
+    pub cc: (i32, i32),
+    pub sm_count: i32,
+}
+
+// SAFETY: a CUcontext handle may be used from any thread once made current there.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl Device {
+    pub fn open(ordinal: usize) -> Result<Arc<Device>> {
+        // SAFETY: plain driver calls with out-pointers to locals.
+        unsafe {
+            check(sys::cuInit(0), "cuInit")?;
+            let mut count = 0;
+            check(sys::cuDeviceGetCount(&mut count), "cuDeviceGetCount")?;
+            if ordinal >= count.max(0) as usize {
+                return Err(err(format!("no CUDA device {ordinal}: the driver sees {count} device(s)")));
+            }
+            let mut dev = 0;
+            check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
+            let mut ctx = std::ptr::null_mut();
+            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            let mut name = [0 as std::ffi::c_char; 256];
+            check(sys::cuDeviceGetName(name.as_mut_ptr(), 255, dev), "cuDeviceGetName")?;
+            let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+            let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
+                let mut v = 0;
+                check(sys::cuDeviceGetAttribute(&mut v, a, dev), "cuDeviceGetAttribute")?;
+                Ok(v)
+            };
+            let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sm_count = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            Ok(Arc::new(Device { ordinal, ctx, name, cc: (major, minor), sm_count }))
+        }
+    }
+
+    /// Makes this device's context current on the calling thread (cheap).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: ctx is a retained primary context.
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: out-pointers to locals.
+        check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
+        Ok((free as u64, total as u64))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: no arguments.
+        check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+}
+
+/// Device memory, freed on drop.
+#[derive(Debug)]
+pub(crate) struct DeviceBuffer {
+    pub ptr: u64,
+    pub bytes: u64,
+}
+
+impl DeviceBuffer {
+    /// Allocates at least one byte; out of memory becomes `OutOfMemory` with
+    /// the free bytes the driver reports.
+    pub fn alloc(dev: &Device, bytes: u64) -> Result<DeviceBuffer> {
+        dev.bind()?;
+        let mut ptr = 0;
+        // SAFETY: out-pointer to a local.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1) as usize) };
+        if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
+            return Err(RuntimeError::OutOfMemory { requested: bytes, free });
+        }
+        check(r, &format!("cuMemAlloc({bytes} bytes)"))?;
+        Ok(DeviceBuffer { ptr, bytes })
+    }
+
+    /// Synchronous upload (used at prepare time and for weight refresh).
+    pub fn upload(&self, offset: u64, data: &[u8]) -> Result<()> {
+        if offset + data.len() as u64 > self.bytes {
+            return Err(err(format!("upload of {} bytes at {offset} overruns a {}-byte buffer", data.len(), self.bytes)));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: range checked above; data is a live host slice.
+        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset, data.as_ptr() as *const c_void, data.len()) }, "cuMemcpyHtoD")
+    }
+
+    pub fn download(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        if offset + out.len() as u64 > self.bytes {
+            return Err(err(format!("download of {} bytes at {offset} overruns a {}-byte buffer", out.len(), self.bytes)));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: range checked above; out is a live host slice.
+        check(unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, self.ptr + offset, out.len()) }, "cuMemcpyDtoH")
+    }
+
+    pub fn zero(&self) -> Result<()> {
+        // SAFETY: whole allocation.
+        check(unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.bytes as usize) }, "cuMemsetD8")
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from cuMemAlloc; a failure here can only be reported, not fixed.
+        unsafe {
+            sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Page-locked host memory: the staging area async copies (and captured
+/// copies) need.
+#[derive(Debug)]
+pub(crate) struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory; access is serialised by the owning executable.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn alloc(dev: &Device, len: usize) -> Result<PinnedBuffer> {
+        dev.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(unsafe { sys::cuMemHostAlloc(&mut p, len.max(8), sys::CU_MEMHOSTALLOC_PORTABLE) }, &format!("cuMemHostAlloc({len} bytes)"))?;
+        // SAFETY: p points to at least len.max(8) bytes.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 0, len.max(8)) };
+        Ok(PinnedBuffer { ptr: p as *mut u8, len })
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn slice(&self, off: usize, len: usize) -> &[u8] {
+        // SAFETY: callers stay inside the allocation (offsets come from our own layout).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len.min(self.len - off.min(self.len))) }
+    }
+    pub fn write(&mut self, off: usize, data: &[u8]) {
+        let n = data.len().min(self.len.saturating_sub(off));
+        // SAFETY: bounded by the allocation length.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), n) };
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from cuMemHostAlloc.
+        unsafe {
+            sys::cuMemFreeHost(self.ptr as *mut c_void);
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Stream(pub sys::CUstream);
+// SAFETY: stream handles are usable from any thread with the context current.
+unsafe impl Send for Stream {}
+
+impl Stream {
+    pub fn new(dev: &Device) -> Result<Stream> {
+        dev.bind()?;
+        let mut s = std::ptr::null_mut();
+        // Non-blocking: never serialised behind the legacy default stream,
+        // which synchronous uploads from other threads use.
+        check(unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }, "cuStreamCreate")?;
+        Ok(Stream(s))
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live stream.
+        check(unsafe { sys::cuStreamSynchronize(self.0) }, "cuStreamSynchronize")
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: live stream; pending work completes before release per the driver.
+        unsafe {
+            sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Event(pub sys::CUevent);
+// SAFETY: as for Stream.
+unsafe impl Send for Event {}
+
+impl Event {
+    pub fn new(timing: bool) -> Result<Event> {
+        let mut e = std::ptr::null_mut();
+        let flags = if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        // SAFETY: out-pointer to a local.
+        check(unsafe { sys::cuEventCreate(&mut e, flags as u32) }, "cuEventCreate")?;
+        Ok(Event(e))
+    }
+    pub fn record(&self, s: &Stream) -> Result<()> {
+        // SAFETY: live event and stream.
+        check(unsafe { sys::cuEventRecord(self.0, s.0) }, "cuEventRecord")
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live event.
+        check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
+    }
+    /// Milliseconds between two recorded timing events.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
+        let mut ms = 0.0f32;
+        // SAFETY: out-pointer to a local; both events live.
+        check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, start.0, end.0) }, "cuEventElapsedTime")?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: live event.
+        unsafe {
+            sys::cuEventDestroy_v2(self.0);
+        }
+    }
+}
+
+/// A recorded and instantiated CUDA graph: one replay segment of one slot.
+#[derive(Debug)]
+pub(crate) struct GraphExec {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    pub nodes: usize,
+}
+// SAFETY: as for Stream.
+unsafe impl Send for GraphExec {}
+
+impl GraphExec {
+    /// Records whatever `body` enqueues on `s` into a graph. Thread-local
+    /// capture mode: other threads' allocations and syncs stay legal.
+    pub fn capture(s: &Stream, body: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
+        // SAFETY: live stream; capture is always ended below, even if body fails.
+        unsafe {
+            check(sys::cuStreamBeginCapture_v2(s.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            let res = body();
+            let mut graph = std::ptr::null_mut();
+            let end = sys::cuStreamEndCapture(s.0, &mut graph);
+            res?;
+            check(end, "cuStreamEndCapture")?;
+            let mut nodes = 0usize;
+            check(sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes), "cuGraphGetNodes")?;
+            let mut exec = std::ptr::null_mut();
+            let r = sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0);
+            if r != CUresult::CUDA_SUCCESS {
+                sys::cuGraphDestroy(graph);
+                return Err(err(format!("cuGraphInstantiate failed: {}", describe(r))));
+            }
+            Ok(GraphExec { graph, exec, nodes })
+        }
+    }
+    pub fn launch(&self, s: &Stream) -> Result<()> {
+        // SAFETY: live exec and stream.
+        check(unsafe { sys::cuGraphLaunch(self.exec, s.0) }, "cuGraphLaunch")
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: both handles came from capture/instantiate above.
+        unsafe {
+            sys::cuGraphExecDestroy(self.exec);
+            sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// A loaded CUBIN. Functions stay valid while the module lives; modules are
+/// kept for the life of the process (see kernels.rs).
+#[derive(Debug)]
+pub(crate) struct Module(pub sys::CUmodule);
+// SAFETY: module handles are context-wide.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+
+impl Module {
+    pub fn load(dev: &Device, cubin: &[u8]) -> Result<Module> {
+        dev.bind()?;
+        let mut m = std::ptr::null_mut();
+        // SAFETY: cubin is a complete image produced by NVRTC.
+        check(unsafe { sys::cuModuleLoadData(&mut m, cubin.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        Ok(Module(m))
+    }
+    pub fn function(&self, name: &str) -> Result<Func> {
+        let c = std::ffi::CString::new(name).map_err(|_| err(format!("bad kernel name {name:?}")))?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: live module, NUL-terminated name.
+        check(unsafe { sys::cuModuleGetFunction(&mut f, self.0, c.as_ptr()) }, &format!("cuModuleGetFunction({name})"))?;
+        Ok(Func(f))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Func(pub sys::CUfunction);
+// SAFETY: function handles are immutable once loaded.
+unsafe impl Send for Func {}
+unsafe impl Sync for Func {}
+
+impl Func {
+    /// Launches with a single by-value parameter struct made of 8-byte words.
+    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, args: &[u64]) -> Result<()> {
+        // The kernel's one parameter is the struct: kernelParams[0] points at it.
+        let mut params = [args.as_ptr() as *mut c_void];
+        // SAFETY: args outlives the call (the driver copies parameters at launch).
+        let r = unsafe {
+            sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
+        };
+        check(r, "cuLaunchKernel")
+    }
+}
+
+pub(crate) fn driver_version() -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: out-pointer to a local.
+    check(unsafe { sys::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion")?;
+    Ok(v)
+}
+
+pub(crate) unsafe extern "C" fn host_trampoline(data: *mut c_void) {
+    // SAFETY: data is a `*const HostTask` kept alive by its slot for the
+    // executable's lifetime; the driver calls this once per enqueue.
+    let task = &*(data as *const crate::hostops::HostTask);
+    task.run();
+}
+
+/// Enqueues a host callback that runs `task` once prior stream work is done.
+pub(crate) fn launch_host(s: &Stream, task: *const crate::hostops::HostTask) -> Result<()> {
+    // SAFETY: see host_trampoline.
+    check(unsafe { sys::cuLaunchHostFunc(s.0, Some(host_trampoline), task as *mut c_void) }, "cuLaunchHostFunc")
+}
+
+pub(crate) fn memcpy_htod_async(dst: u64, src: *const u8, bytes: usize, s: &Stream) -> Result<()> {
+    // SAFETY: src is pinned memory owned by the slot; dst is inside an arena.
+    check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, bytes, s.0) }, "cuMemcpyHtoDAsync")
+}
+
+pub(crate) fn memcpy_dtoh_async(dst: *mut u8, src: u64, bytes: usize, s: &Stream) -> Result<()> {
+    // SAFETY: dst is pinned memory owned by the slot.
+    check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s.0) }, "cuMemcpyDtoHAsync")
+}
+
+pub(crate) fn memset_d32_async(dst: u64, value: u32, n: usize, s: &Stream) -> Result<()> {
+    // SAFETY: dst points to n device words owned by the executable.
+    check(unsafe { sys::cuMemsetD32Async(dst, value, n, s.0) }, "cuMemsetD32Async")
+}

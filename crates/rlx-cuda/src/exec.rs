@@ -1,0 +1,460 @@
+//! The CUDA executable: slots (arena, pinned staging, steps, recorded
+//! segments, completion event), pipelined submit/wait, replay or eager.
+//!
+//! One stream per executable: calls run on the device in submission order,
+//! which is what state (KV caches) needs; the host never waits in `submit`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rlx_compile::{Schedule, Space, Thunk};
+use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, Tensor, Ticket, WeightStore};
+
+use crate::blas::{Blas, MatMulPlan};
+use crate::driver::{err, Device, DeviceBuffer, Event, GraphExec, PinnedBuffer, Stream};
+use crate::hostops::{self, HostTask};
+use crate::launch::{self, Bases, Kernels, Op, Step};
+use crate::weights::DeviceWeights;
+
+/// A maximal run of steps: recorded once (replay) or a host-side run.
+enum Segment {
+    Replay { steps: std::ops::Range<usize>, graph: GraphExec },
+    Host { steps: std::ops::Range<usize> },
+}
+
+struct Pending {
+    id: u64,
+    abandoned: Arc<AtomicBool>,
+}
+
+struct Slot {
+    // Arena and flag are only referenced through the steps' pointers; they
+    // are held here so they live exactly as long as those steps.
+    _arena: DeviceBuffer,
+    _err: DeviceBuffer,
+    pin_in: PinnedBuffer,
+    pin_out: PinnedBuffer,
+    steps: Vec<Step>,
+    segments: Vec<Segment>,
+    done: Event,
+    /// RLX_PROFILE: one timing event after each step, plus a start event.
+    prof: Vec<Event>,
+    pending: Option<Pending>,
+}
+
+pub struct CudaExecutable {
+    dev: Arc<Device>,
+    schedule: Arc<Schedule>,
+    store: Arc<WeightStore>,
+    weights: Arc<DeviceWeights>,
+    _weight_bufs: Vec<Arc<DeviceBuffer>>,
+    states: Vec<DeviceBuffer>,
+    _consts: Vec<DeviceBuffer>,
+    _plans: Vec<Option<Arc<MatMulPlan>>>,
+    _blas: Arc<Blas>,
+    // Drop synchronises the stream before any of these buffers are freed.
+    slots: Vec<Slot>,
+    stream: Stream,
+    /// (offset, bytes) of each input in pin_in and each output in pin_out.
+    in_layout: Vec<(usize, usize)>,
+    out_layout: Vec<(usize, usize)>,
+    replay: bool,
+    trace: bool,
+    profile: bool,
+    next_id: u64,
+    next_slot: usize,
+    stats: ExecStats,
+}
+
+fn env_flag(name: &str) -> Option<bool> {
+    std::env::var(name).ok().map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no"))
+}
+
+fn layout(sizes: impl Iterator<Item = usize>) -> (Vec<(usize, usize)>, usize) {
+    let mut off = 0;
+    let mut v = Vec::new();
+    for s in sizes {
+        v.push((off, s));
+        off += s.div_ceil(16) * 16;
+    }
+    (v, off)
+}
+
+fn check_buf(what: &str, b: &rlx_compile::BufRef, arena: u64, weights: &[Arc<DeviceBuffer>], states: &[DeviceBuffer], consts: &[DeviceBuffer]) -> Result<()> {
+    let cap = match b.space {
+        Space::Arena => Some(arena),
+        Space::Weight(i) => weights.get(i as usize).map(|w| w.bytes),
+        Space::State(i) => states.get(i as usize).map(|w| w.bytes),
+        Space::Const(i) => consts.get(i as usize).map(|w| w.bytes),
+    };
+    match cap {
+        Some(c) if b.offset + b.bytes <= c => Ok(()),
+        Some(c) => Err(err(format!("{what}: bytes {}..{} of {:?} overrun its {c} bytes", b.offset, b.offset + b.bytes, b.space))),
+        None => Err(err(format!("{what}: {:?} does not exist in this schedule", b.space))),
+    }
+}
+
+impl CudaExecutable {
+    pub(crate) fn new(dev: Arc<Device>, kernels: &Kernels, schedule: Arc<Schedule>, store: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
+        dev.bind()?;
+        let replay = opts.replay && env_flag("RLX_REPLAY") != Some(false);
+        let trace = env_flag("RLX_TRACE") == Some(true);
+        let profile = env_flag("RLX_PROFILE") == Some(true);
+        let nslots = opts.slots.max(1);
+        for t in &schedule.thunks {
+            if let Some(why) = launch::unsupported(t) {
+                return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
+            }
+            hostops::check_sizes(t)?;
+        }
+
+        let weights = DeviceWeights::for_store(&dev, &store)?;
+        let weight_bufs = weights.bind(&store, &schedule.weights)?;
+        let mut states = Vec::new();
+        for s in &schedule.states {
+            let b = DeviceBuffer::alloc(&dev, s.buf.bytes)?;
+            b.zero()?;
+            states.push(b);
+        }
+        let mut consts = Vec::new();
+        for c in &schedule.consts {
+            let b = DeviceBuffer::alloc(&dev, c.data.len() as u64)?;
+            b.upload(0, &c.data)?;
+            consts.push(b);
+        }
+        let arena_bytes = schedule.arena_bytes;
+        for (i, t) in schedule.thunks.iter().enumerate() {
+            for b in thunk_bufs(t) {
+                check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &states, &consts)?;
+            }
+        }
+        for s in schedule.inputs.iter().chain(&schedule.outputs) {
+            check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &states, &consts)?;
+        }
+
+        let blas = Arc::new(Blas::new(&dev)?);
+        let plans: Vec<Option<Arc<MatMulPlan>>> = schedule
+            .thunks
+            .iter()
+            .map(|t| match t {
+                Thunk::MatMul(m) => MatMulPlan::new(&blas, m, opts.allow_tf32).map(|p| Some(Arc::new(p))),
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+
+        let (in_layout, in_bytes) = layout(schedule.inputs.iter().map(|s| s.buf.bytes as usize));
+        let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
+        let stream = Stream::new(&dev)?;
+        let mut slots = Vec::with_capacity(nslots);
+        for _ in 0..nslots {
+            let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
+            let errbuf = DeviceBuffer::alloc(&dev, 4)?;
+            let pin_in = PinnedBuffer::alloc(&dev, in_bytes)?;
+            let pin_out = PinnedBuffer::alloc(&dev, out_bytes + 4)?;
+            let bases = Bases {
+                arena: arena.ptr,
+                weights: weight_bufs.iter().map(|b| b.ptr).collect(),
+                states: states.iter().map(|b| b.ptr).collect(),
+                consts: consts.iter().map(|b| b.ptr).collect(),
+                err: errbuf.ptr,
+            };
+            let mut steps = vec![Step { op: Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, host: false, kind: "io" }];
+            for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
+                // SAFETY: off + bytes lies inside pin_in (layout above).
+                let src = unsafe { pin_in.as_ptr().add(*off) };
+                steps.push(Step { op: Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, host: false, kind: "io" });
+            }
+            for (i, t) in schedule.thunks.iter().enumerate() {
+                let host = HostTask::for_thunk(&dev, t)?;
+                steps.extend(launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?);
+            }
+            for (s, (off, bytes)) in schedule.outputs.iter().zip(&out_layout) {
+                // SAFETY: inside pin_out.
+                let dst = unsafe { pin_out.as_ptr().add(*off) };
+                steps.push(Step { op: Op::DtoH { dst, src: bases.ptr(&s.buf)?, bytes: *bytes }, host: false, kind: "io" });
+            }
+            // SAFETY: the last 4 bytes of pin_out hold the error flag.
+            let dst = unsafe { pin_out.as_ptr().add(out_bytes) };
+            steps.push(Step { op: Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, host: false, kind: "io" });
+            let segments = if replay { record(&stream, &steps)? } else { Vec::new() };
+            let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
+            slots.push(Slot { _arena: arena, _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
+        }
+        let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel()).count()).unwrap_or(0);
+        let mode = if replay { "replay" } else { "eager" };
+        let stats = ExecStats { calls: 0, kernels_per_call, arena_bytes, slots: nslots, last_host_time: Duration::ZERO, mode: mode.into() };
+        let exec = CudaExecutable {
+            dev,
+            schedule,
+            store,
+            weights,
+            _weight_bufs: weight_bufs,
+            states,
+            _consts: consts,
+            _plans: plans,
+            _blas: blas,
+            slots,
+            stream,
+            in_layout,
+            out_layout,
+            replay,
+            trace,
+            profile,
+            next_id: 1,
+            next_slot: 0,
+            stats,
+        };
+        if trace {
+            eprintln!("{}", exec.segment_map());
+        }
+        Ok(exec)
+    }
+
+    /// Which thunks replay inside which recorded segment and which run on
+    /// the host (printed once under RLX_TRACE=1).
+    pub fn segment_map(&self) -> String {
+        let mut s = format!("rlx-cuda: {} thunks, mode {}, {} slot(s)\n", self.schedule.thunks.len(), self.stats.mode, self.slots.len());
+        let Some(slot) = self.slots.first() else { return s };
+        if !self.replay {
+            s.push_str("  eager: every step launched per call\n");
+            return s;
+        }
+        for (i, seg) in slot.segments.iter().enumerate() {
+            let (kind, r, nodes) = match seg {
+                Segment::Replay { steps, graph } => ("replay", steps.clone(), graph.nodes),
+                Segment::Host { steps } => ("host", steps.clone(), 0),
+            };
+            let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+            for st in &slot.steps[r.clone()] {
+                *kinds.entry(st.kind).or_default() += 1;
+            }
+            let list: Vec<String> = kinds.iter().map(|(k, n)| format!("{k}x{n}")).collect();
+            s.push_str(&format!("  segment {i}: {kind} steps {}..{} ({} graph nodes): {}\n", r.start, r.end, nodes, list.join(" ")));
+        }
+        s
+    }
+
+    /// A slot that is free: never used, collected, or abandoned (waiting for
+    /// the device to finish an abandoned call is bounded and safe).
+    fn free_slot(&mut self) -> Result<usize> {
+        let n = self.slots.len();
+        for k in 0..n {
+            let i = (self.next_slot + k) % n;
+            if self.slots[i].pending.is_none() {
+                return Ok(i);
+            }
+        }
+        for k in 0..n {
+            let i = (self.next_slot + k) % n;
+            let abandoned = self.slots[i].pending.as_ref().map(|p| p.abandoned.load(Ordering::Acquire)).unwrap_or(false);
+            if abandoned {
+                self.slots[i].done.synchronize()?;
+                self.slots[i].pending = None;
+                return Ok(i);
+            }
+        }
+        Err(RuntimeError::Busy { slots: n })
+    }
+
+    fn launch(&self, slot: &Slot) -> Result<()> {
+        if self.profile {
+            slot.prof[0].record(&self.stream)?;
+            for (i, st) in slot.steps.iter().enumerate() {
+                st.enqueue(&self.stream)?;
+                slot.prof[i + 1].record(&self.stream)?;
+            }
+            return Ok(());
+        }
+        if self.replay {
+            for seg in &slot.segments {
+                match seg {
+                    Segment::Replay { graph, .. } => graph.launch(&self.stream)?,
+                    Segment::Host { steps } => {
+                        for st in &slot.steps[steps.clone()] {
+                            st.enqueue(&self.stream)?;
+                        }
+                    }
+                }
+            }
+            return Ok(());
+        }
+        for st in &slot.steps {
+            st.enqueue(&self.stream)?;
+        }
+        Ok(())
+    }
+
+    fn print_profile(&self, slot: &Slot) -> Result<()> {
+        let mut per: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        for (i, st) in slot.steps.iter().enumerate() {
+            let ms = Event::elapsed_ms(&slot.prof[i], &slot.prof[i + 1])? as f64;
+            let e = per.entry(st.kind).or_default();
+            e.0 += ms * 1000.0;
+            e.1 += 1;
+        }
+        let total: f64 = per.values().map(|v| v.0).sum();
+        let list: Vec<String> = per.iter().map(|(k, (us, n))| format!("{k} {us:.1}us/{n}")).collect();
+        eprintln!("rlx-cuda profile (eager, CUDA events): total {total:.1}us: {}", list.join(", "));
+        Ok(())
+    }
+}
+
+/// Splits steps into segments and records each replayable one as a graph.
+fn record(stream: &Stream, steps: &[Step]) -> Result<Vec<Segment>> {
+    let mut segs = Vec::new();
+    let mut i = 0;
+    while i < steps.len() {
+        let host = steps[i].host;
+        let mut j = i;
+        while j < steps.len() && steps[j].host == host {
+            j += 1;
+        }
+        if host {
+            segs.push(Segment::Host { steps: i..j });
+        } else {
+            let graph = GraphExec::capture(stream, || {
+                for st in &steps[i..j] {
+                    st.enqueue(stream)?;
+                }
+                Ok(())
+            })?;
+            segs.push(Segment::Replay { steps: i..j, graph });
+        }
+        i = j;
+    }
+    Ok(segs)
+}
+
+fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
+    match t {
+        Thunk::MatMul(m) => [Some(&m.a), Some(&m.b), m.bias.as_ref(), m.residual.as_ref(), Some(&m.out)].into_iter().flatten().collect(),
+        Thunk::Binary { a, b, out, .. } => vec![a, b, out],
+        Thunk::Activation { x, out, .. } | Thunk::Softmax { x, out, .. } | Thunk::Reduce { x, out, .. } | Thunk::ArgMax { x, out, .. } => vec![x, out],
+        Thunk::Norm { x, residual, gamma, beta, out, .. } => [Some(x), residual.as_ref(), Some(gamma), beta.as_ref(), Some(out)].into_iter().flatten().collect(),
+        Thunk::TopK { x, values, indices, .. } => [Some(x), values.as_ref(), indices.as_ref()].into_iter().flatten().collect(),
+        Thunk::Gather { table, ids, out, .. } => vec![table, ids, out],
+        Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => vec![src, dst],
+        Thunk::Attention(a) => [Some(&a.q.buf), Some(&a.k.buf), Some(&a.v.buf), a.mask.as_ref(), a.valid_len.as_ref(), Some(&a.out)].into_iter().flatten().collect(),
+        Thunk::Rope { x, positions, out, .. } => vec![&x.buf, positions, out],
+        Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
+        Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
+    }
+}
+
+impl Executable for CudaExecutable {
+    fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket> {
+        let t0 = Instant::now();
+        let tensors = check_inputs(&self.schedule, inputs)?;
+        self.dev.bind()?;
+        self.weights.refresh(&self.store)?;
+        let si = self.free_slot()?;
+        let t_stage = Instant::now();
+        {
+            let slot = &mut self.slots[si];
+            for (t, (off, _)) in tensors.iter().zip(&self.in_layout) {
+                slot.pin_in.write(*off, t.bytes());
+            }
+        }
+        let t_launch = Instant::now();
+        self.launch(&self.slots[si])?;
+        self.slots[si].done.record(&self.stream)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let flag = Arc::new(AtomicBool::new(false));
+        self.slots[si].pending = Some(Pending { id, abandoned: flag.clone() });
+        self.next_slot = (si + 1) % self.slots.len();
+        self.stats.calls += 1;
+        let end = Instant::now();
+        self.stats.last_host_time = end - t0;
+        if self.trace {
+            eprintln!(
+                "rlx-cuda call {id} slot {si} {}: check {:?}, stage {:?}, launch {:?}",
+                self.stats.mode,
+                t_stage - t0,
+                t_launch - t_stage,
+                end - t_launch
+            );
+        }
+        Ok(Ticket::new(id, si, flag))
+    }
+
+    fn wait(&mut self, ticket: Ticket) -> Result<Vec<Tensor>> {
+        let (id, si) = ticket.collect();
+        let pending_id = self.slots.get(si).and_then(|s| s.pending.as_ref()).map(|p| p.id);
+        if pending_id != Some(id) {
+            return Err(RuntimeError::BadTicket(id));
+        }
+        let t0 = Instant::now();
+        self.dev.bind()?;
+        let slot = &mut self.slots[si];
+        let synced = slot.done.synchronize();
+        slot.pending = None;
+        synced?;
+        let t1 = Instant::now();
+        let mut outs = Vec::with_capacity(self.out_layout.len());
+        for (s, (off, bytes)) in self.schedule.outputs.iter().zip(&self.out_layout) {
+            outs.push(Tensor::from_bytes(s.shape.clone(), s.dtype, slot.pin_out.slice(*off, *bytes).to_vec())?);
+        }
+        let out_bytes = self.out_layout.last().map(|(o, b)| o + b.div_ceil(16) * 16).unwrap_or(0);
+        let flag = slot.pin_out.slice(out_bytes, 4);
+        let flag = u32::from_le_bytes([flag[0], flag[1], flag[2], flag[3]]);
+        if self.trace {
+            eprintln!("rlx-cuda call {id}: wait {:?}, copy-out {:?}", t1 - t0, t1.elapsed());
+        }
+        if self.profile {
+            self.print_profile(&self.slots[si])?;
+        }
+        if flag != 0 {
+            let mut why = Vec::new();
+            if flag & 1 != 0 {
+                why.push("a gather id was outside 0..vocab (its rows were written as zeros)");
+            }
+            if flag & 2 != 0 {
+                why.push("a state write ran past the state's capacity (position + new rows > max rows; nothing was written)");
+            }
+            return Err(RuntimeError::backend("cuda", format!("call {id}: {}", why.join("; "))));
+        }
+        Ok(outs)
+    }
+
+    fn reset_state(&mut self) -> Result<()> {
+        self.dev.bind()?;
+        self.stream.synchronize()?;
+        for s in &self.states {
+            s.zero()?;
+        }
+        Ok(())
+    }
+
+    fn read_state(&mut self, name: &str) -> Result<Tensor> {
+        self.dev.bind()?;
+        let i = self.schedule.states.iter().position(|s| s.name == name).ok_or_else(|| {
+            let known: Vec<&str> = self.schedule.states.iter().map(|s| s.name.as_str()).collect();
+            err(format!("no state named '{name}' (states: {})", known.join(", ")))
+        })?;
+        self.stream.synchronize()?;
+        let slot = &self.schedule.states[i];
+        let mut data = vec![0u8; slot.buf.bytes as usize];
+        self.states[i].download(0, &mut data)?;
+        Tensor::from_bytes(slot.shape.clone(), slot.dtype, data)
+    }
+
+    fn stats(&self) -> ExecStats {
+        self.stats.clone()
+    }
+
+    fn schedule(&self) -> &Arc<Schedule> {
+        &self.schedule
+    }
+}
+
+impl Drop for CudaExecutable {
+    fn drop(&mut self) {
+        // Nothing may be freed while the device still uses it.
+        let _ = self.dev.bind();
+        let _ = self.stream.synchronize();
+    }
+}
+

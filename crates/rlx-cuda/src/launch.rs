@@ -1,0 +1,406 @@
+//! Lowering thunks to device steps: which kernel, what grid, which argument
+//! words (pointers already resolved for one slot). A slot's steps are built
+//! once at prepare; eager mode enqueues them one by one, replay records them
+//! into CUDA graphs. Both enqueue the very same steps, so both give the same
+//! bits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rlx_compile::{BufRef, Space, Thunk};
+use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode};
+use rlx_runtime::Result;
+
+use crate::blas::{Blas, MatMulCall, MatMulPlan};
+use crate::driver::{self, err, Func, Stream};
+use crate::hostops::HostTask;
+
+pub(crate) const MAX_RANK: usize = 8;
+const BLOCK: u32 = 256;
+
+pub(crate) fn dtype_code(d: DType) -> i64 {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::I32 => 3,
+        DType::I64 => 4,
+    }
+}
+
+fn act_code(a: Option<Activation>) -> i64 {
+    match a {
+        None => 0,
+        Some(Activation::Gelu) => 1,
+        Some(Activation::GeluTanh) => 2,
+        Some(Activation::Silu) => 3,
+        Some(Activation::Relu) => 4,
+        Some(Activation::Tanh) => 5,
+    }
+}
+
+fn suffix(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => "f32",
+    }
+}
+
+/// A kernel's parameter struct as 8-byte words (see kernels/common.cuh).
+#[derive(Default)]
+struct Args(Vec<u64>);
+
+impl Args {
+    fn p(mut self, v: u64) -> Self {
+        self.0.push(v);
+        self
+    }
+    fn i(mut self, v: impl TryInto<i64>) -> Self {
+        self.0.push(v.try_into().unwrap_or(i64::MAX) as u64);
+        self
+    }
+    fn f(mut self, v: f64) -> Self {
+        self.0.push(v.to_bits());
+        self
+    }
+    /// A fixed `i64[MAX_RANK]` array, zero padded.
+    fn arr(mut self, v: impl IntoIterator<Item = u64>) -> Self {
+        let mut a: Vec<u64> = v.into_iter().take(MAX_RANK).collect();
+        a.resize(MAX_RANK, 0);
+        self.0.extend(a);
+        self
+    }
+}
+
+/// One thing to enqueue on the stream.
+pub(crate) enum Op {
+    Kernel { func: Func, grid: [u32; 3], block: u32, args: Vec<u64> },
+    MatMul(MatMulCall),
+    Memset32 { ptr: u64, value: u32, n: usize },
+    HtoD { dst: u64, src: *const u8, bytes: usize },
+    DtoH { dst: *mut u8, src: u64, bytes: usize },
+    /// Runs on the host (through the stream); never recorded in a graph.
+    Host(Box<HostTask>),
+}
+
+pub(crate) struct Step {
+    pub op: Op,
+    /// Host-side steps split replay segments.
+    pub host: bool,
+    /// Thunk kind for traces and profiles ("io" for staging copies).
+    pub kind: &'static str,
+}
+
+// SAFETY: the raw pointers are pinned buffers owned by the same slot as the step.
+unsafe impl Send for Step {}
+
+impl Step {
+    fn new(op: Op, kind: &'static str) -> Step {
+        Step { op, host: false, kind }
+    }
+    pub fn is_kernel(&self) -> bool {
+        matches!(self.op, Op::Kernel { .. } | Op::MatMul(_))
+    }
+    pub fn enqueue(&self, s: &Stream) -> Result<()> {
+        match &self.op {
+            Op::Kernel { func, grid, block, args } => func.launch(s, *grid, *block, 0, args),
+            Op::MatMul(call) => call.enqueue(s),
+            Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
+            Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
+            Op::DtoH { dst, src, bytes } => driver::memcpy_dtoh_async(*dst, *src, *bytes, s),
+            Op::Host(task) => driver::launch_host(s, task.as_ref() as *const HostTask),
+        }
+    }
+}
+
+/// Device addresses of every memory space, for one slot.
+pub(crate) struct Bases {
+    pub arena: u64,
+    pub weights: Vec<u64>,
+    pub states: Vec<u64>,
+    pub consts: Vec<u64>,
+    /// The slot's i32 error flag.
+    pub err: u64,
+}
+
+impl Bases {
+    pub fn ptr(&self, b: &BufRef) -> Result<u64> {
+        let base = match b.space {
+            Space::Arena => Some(self.arena),
+            Space::Weight(i) => self.weights.get(i as usize).copied(),
+            Space::State(i) => self.states.get(i as usize).copied(),
+            Space::Const(i) => self.consts.get(i as usize).copied(),
+        };
+        base.map(|p| p + b.offset).ok_or_else(|| err(format!("buffer in {:?} has no backing memory", b.space)))
+    }
+}
+
+/// Loaded kernel functions by name (`binary_f16`, `gather`, ...).
+pub(crate) struct Kernels {
+    pub funcs: HashMap<String, Func>,
+    pub sm_count: u32,
+}
+
+impl Kernels {
+    fn get(&self, name: &str) -> Result<Func> {
+        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
+    }
+    fn typed(&self, base: &str, d: DType) -> Result<Func> {
+        self.get(&format!("{base}_{}", suffix(d)))
+    }
+    /// 1-D grid for a grid-stride loop over n items.
+    fn grid(&self, n: u64) -> [u32; 3] {
+        let want = n.div_ceil(BLOCK as u64).max(1);
+        [want.min(self.sm_count as u64 * 32).max(1) as u32, 1, 1]
+    }
+    fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
+        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, args: args.0 }, kind)
+    }
+    fn rows(&self, name: Func, rows: u64, args: Args, kind: &'static str) -> Step {
+        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, args: args.0 }, kind)
+    }
+}
+
+fn strides(v: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    v.iter().copied()
+}
+
+/// The steps of one thunk for one slot. `plan` is the thunk's cuBLASLt plan
+/// (MatMul only); `host` the staging task (TopK only).
+pub(crate) fn lower(
+    t: &Thunk,
+    b: &Bases,
+    k: &Kernels,
+    blas: &Arc<Blas>,
+    plan: Option<&Arc<MatMulPlan>>,
+    host: Option<Box<HostTask>>,
+) -> Result<Vec<Step>> {
+    let kind = t.kind();
+    let mut steps = Vec::new();
+    match t {
+        Thunk::MatMul(m) => {
+            let plan = plan.ok_or_else(|| err("matmul without a cuBLASLt plan"))?.clone();
+            let d = b.ptr(&m.out)?;
+            let c = match (&m.residual, plan.epilogue.is_none()) {
+                (Some(r), true) => b.ptr(r)?,
+                _ => d,
+            };
+            let bias = match &m.bias {
+                Some(x) => b.ptr(x)?,
+                None => 0,
+            };
+            let epi = plan.epilogue;
+            steps.push(Step::new(Op::MatMul(MatMulCall { plan, blas: blas.clone(), a: b.ptr(&m.a)?, b: b.ptr(&m.b)?, c, d, bias }), kind));
+            if let Some(e) = epi {
+                let n = (m.batch * m.m * m.n) as u64;
+                let res = match (&m.residual, e.residual) {
+                    (Some(r), true) => b.ptr(r)?,
+                    _ => 0,
+                };
+                let args = Args::default().p(d).p(res).i(n).i(act_code(e.act));
+                steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, kind));
+            }
+        }
+        Thunk::Binary { op, dtype, out_shape, a, a_strides, b: bb, b_strides, out } => {
+            let n: usize = out_shape.iter().product();
+            let op = match op {
+                BinaryOp::Add => 0,
+                BinaryOp::Sub => 1,
+                BinaryOp::Mul => 2,
+                BinaryOp::Div => 3,
+            };
+            let args = Args::default()
+                .p(b.ptr(a)?)
+                .p(b.ptr(bb)?)
+                .p(b.ptr(out)?)
+                .i(n)
+                .i(out_shape.len())
+                .i(op)
+                .arr(out_shape.iter().map(|&d| d as u64))
+                .arr(strides(a_strides))
+                .arr(strides(b_strides));
+            steps.push(k.flat(k.typed("binary", *dtype)?, n as u64, args, kind));
+        }
+        Thunk::Activation { act, dtype, n, x, out } => {
+            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*n).i(act_code(Some(*act)));
+            steps.push(k.flat(k.typed("activation", *dtype)?, *n as u64, args, kind));
+        }
+        Thunk::Norm { rms, dtype, rows, cols, eps, x, residual, gamma, beta, out } => {
+            let res = residual.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
+            let bet = beta.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
+            let args = Args::default().p(b.ptr(x)?).p(res).p(b.ptr(gamma)?).p(bet).p(b.ptr(out)?).i(*rows).i(*cols).i(*rms as i64).f(*eps as f64);
+            steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind));
+        }
+        Thunk::Softmax { dtype, outer, len, inner, x, out } => {
+            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
+            steps.push(k.rows(k.typed("softmax", *dtype)?, (*outer * *inner) as u64, args, kind));
+        }
+        Thunk::Reduce { op, dtype, outer, len, inner, x, out } => {
+            let op = match op {
+                ReduceOp::Sum => 0,
+                ReduceOp::Mean => 1,
+                ReduceOp::Max => 2,
+            };
+            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(op);
+            steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
+        }
+        Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
+            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
+            steps.push(k.rows(k.typed("argmax", *dtype)?, (*outer * *inner) as u64, args, kind));
+        }
+        Thunk::TopK { x, values, indices, .. } => {
+            let task = host.ok_or_else(|| err("topk without its host staging"))?;
+            let (pin_x, xb, pin_v, vb, pin_i, ib) = task.buffers();
+            let mut s = Step::new(Op::DtoH { dst: pin_x, src: b.ptr(x)?, bytes: xb }, kind);
+            s.host = true;
+            steps.push(s);
+            let mut s = Step::new(Op::Host(task), kind);
+            s.host = true;
+            steps.push(s);
+            if let Some(v) = values {
+                let mut s = Step::new(Op::HtoD { dst: b.ptr(v)?, src: pin_v, bytes: vb }, kind);
+                s.host = true;
+                steps.push(s);
+            }
+            if let Some(i) = indices {
+                let mut s = Step::new(Op::HtoD { dst: b.ptr(i)?, src: pin_i, bytes: ib }, kind);
+                s.host = true;
+                steps.push(s);
+            }
+        }
+        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
+            let args = Args::default()
+                .p(b.ptr(table)?)
+                .p(b.ptr(ids)?)
+                .p(b.ptr(out)?)
+                .p(b.err)
+                .i(*n)
+                .i(*dim)
+                .i(*vocab)
+                .i((*id_dtype == DType::I64) as i64)
+                .i(dtype.size());
+            steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, args, kind));
+        }
+        Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
+            let n: usize = shape.iter().product();
+            let args = Args::default()
+                .p(b.ptr(src)?)
+                .p(b.ptr(dst)?)
+                .i(n)
+                .i(shape.len())
+                .i(dtype.size())
+                .arr(shape.iter().map(|&d| d as u64))
+                .arr(strides(src_strides))
+                .arr(strides(dst_strides));
+            steps.push(k.flat(k.get("copy_strided")?, n as u64, args, kind));
+        }
+        Thunk::Cast { from, to, n, src, dst } => {
+            let args = Args::default().p(b.ptr(src)?).p(b.ptr(dst)?).i(*n).i(dtype_code(*from)).i(dtype_code(*to));
+            steps.push(k.flat(k.get("cast_any")?, *n as u64, args, kind));
+        }
+        Thunk::Attention(a) => {
+            let rows_per_block = 16u64;
+            let args = Args::default()
+                .p(b.ptr(&a.q.buf)?)
+                .p(b.ptr(&a.k.buf)?)
+                .p(b.ptr(&a.v.buf)?)
+                .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+                .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+                .p(b.ptr(&a.out)?)
+                .i(a.batch)
+                .i(a.heads)
+                .i(a.kv_heads)
+                .i(a.head_dim)
+                .i(a.q_len)
+                .i(a.kv_len)
+                .i(a.causal as i64)
+                .i(dtype_code(a.mask_dtype))
+                .p(a.q.batch_stride)
+                .p(a.q.row_stride)
+                .p(a.k.batch_stride)
+                .p(a.k.row_stride)
+                .p(a.v.batch_stride)
+                .p(a.v.row_stride)
+                .f(a.scale as f64);
+            let grid = [(a.q_len as u64).div_ceil(rows_per_block).max(1) as u32, a.heads as u32, a.batch as u32];
+            steps.push(Step::new(Op::Kernel { func: k.typed("attention", a.dtype)?, grid, block: 128, args: args.0 }, kind));
+        }
+        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
+            let n = (batch * seq * heads * (head_dim / 2)) as u64;
+            let args = Args::default()
+                .p(b.ptr(&x.buf)?)
+                .p(b.ptr(positions)?)
+                .p(b.ptr(out)?)
+                .i(*batch)
+                .i(*seq)
+                .i(*heads)
+                .i(*head_dim)
+                .p(x.batch_stride)
+                .p(x.row_stride)
+                .i(matches!(mode, RopeMode::Interleaved) as i64)
+                .i(*positions_per_batch as i64)
+                .f(*theta as f64);
+            steps.push(k.flat(k.typed("rope", *dtype)?, n, args, kind));
+        }
+        Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
+            let n = (rows * cols) as u64;
+            let args = Args::default().p(b.ptr(&gate.buf)?).p(b.ptr(&up.buf)?).p(b.ptr(out)?).i(*rows).i(*cols).p(gate.row_stride).p(up.row_stride);
+            steps.push(k.flat(k.typed("swiglu", *dtype)?, n, args, kind));
+        }
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => {
+            let n = (batch * new_rows * width) as u64;
+            let args = Args::default()
+                .p(b.ptr(state)?)
+                .p(b.ptr(value)?)
+                .p(b.ptr(position)?)
+                .p(b.err)
+                .i(*batch)
+                .i(*max_rows)
+                .i(*new_rows)
+                .i(*width)
+                .i(dtype.size());
+            steps.push(k.flat(k.get("write_state")?, n, args, kind));
+        }
+    }
+    Ok(steps)
+}
+
+/// Why this backend cannot run a thunk, or None when it can.
+pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
+    let float = |d: &DType| d.is_float();
+    let too_big = |n: usize| n as u64 >= (1u64 << 40);
+    match t {
+        Thunk::MatMul(m) if !float(&m.dtype) => Some(format!("matmul dtype {}", m.dtype)),
+        Thunk::MatMul(m) if m.batch == 0 || m.m == 0 || m.n == 0 || m.k == 0 => Some("matmul with an empty dimension".into()),
+        Thunk::MatMul(m) if m.lda < m.k as u64 || m.ldb < if m.b_trans { m.k } else { m.n } as u64 => Some("matmul leading dimension smaller than the row".into()),
+        Thunk::Binary { out_shape, a_strides, b_strides, .. } if out_shape.len() > MAX_RANK || a_strides.len() != out_shape.len() || b_strides.len() != out_shape.len() => {
+            Some(format!("binary of rank {} (at most {MAX_RANK}, strides per dim)", out_shape.len()))
+        }
+        Thunk::Copy { shape, src_strides, dst_strides, .. } if shape.len() > MAX_RANK || src_strides.len() != shape.len() || dst_strides.len() != shape.len() => {
+            Some(format!("copy of rank {} (at most {MAX_RANK}, strides per dim)", shape.len()))
+        }
+        Thunk::Copy { dtype, .. } if ![2, 4, 8].contains(&dtype.size()) => Some(format!("copy of {dtype}")),
+        Thunk::Binary { dtype, .. }
+        | Thunk::Activation { dtype, .. }
+        | Thunk::Norm { dtype, .. }
+        | Thunk::Softmax { dtype, .. }
+        | Thunk::Reduce { dtype, .. }
+        | Thunk::ArgMax { dtype, .. }
+        | Thunk::TopK { dtype, .. }
+        | Thunk::Rope { dtype, .. }
+        | Thunk::SwiGlu { dtype, .. }
+            if !float(dtype) =>
+        {
+            Some(format!("{} on {dtype} (f32, f16, bf16 only)", t.kind()))
+        }
+        Thunk::Gather { id_dtype, .. } if !matches!(id_dtype, DType::I32 | DType::I64) => Some(format!("gather with {id_dtype} ids")),
+        Thunk::Attention(a) if a.head_dim == 0 || a.head_dim > 128 => Some(format!("attention head_dim {} (1..=128)", a.head_dim)),
+        Thunk::Attention(a) if a.kv_heads == 0 || a.heads % a.kv_heads != 0 => Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads)),
+        Thunk::Attention(a) if !float(&a.dtype) || a.batch > 65535 || a.heads > 65535 => Some("attention dtype or grid".into()),
+        Thunk::Rope { head_dim, .. } if head_dim % 2 != 0 => Some(format!("rope with odd head_dim {head_dim}")),
+        Thunk::TopK { k, len, .. } if *k > *len || *k == 0 => Some(format!("topk k={k} of len {len}")),
+        Thunk::Norm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => Some("too many rows".into()),
+        _ => None,
+    }
+}

@@ -1,0 +1,181 @@
+//! Kernel compilation: NVRTC turns each `kernels/*.cu` into a CUBIN for the
+//! device's own architecture, cached on disk under a key that changes with
+//! anything that could change the binary.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::sys as nv;
+use rlx_runtime::Result;
+use sha2::{Digest, Sha256};
+
+use crate::driver::err;
+
+/// Our shared header, given to NVRTC in memory.
+pub(crate) const HEADER: (&str, &str) = ("common.cuh", include_str!("../kernels/common.cuh"));
+
+/// Every kernel source file: (file name, text).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("rows.cu", include_str!("../kernels/rows.cu")),
+    ("indexed.cu", include_str!("../kernels/indexed.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+];
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen candidate names.
+    unsafe { nv::is_culib_present() }
+}
+
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_present() {
+        return Err(err(missing_nvrtc()));
+    }
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: out-pointers to locals; the library is present.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { nv::nvrtcVersion(&mut a, &mut b) })).map_err(|_| err(missing_nvrtc()))?;
+    if r != nv::nvrtcResult::NVRTC_SUCCESS {
+        return Err(err(format!("nvrtcVersion failed: {r:?}")));
+    }
+    Ok((a, b))
+}
+
+fn missing_nvrtc() -> String {
+    "libnvrtc (NVRTC, CUDA 13) was not found: install the CUDA toolkit or the pip wheel nvidia-cuda-nvrtc, \
+     and put its lib folder (e.g. /usr/local/cuda/lib64) on LD_LIBRARY_PATH"
+        .into()
+}
+
+/// The folder holding cuda_fp16.h / cuda_bf16.h: $RLX_CUDA_INCLUDE,
+/// $CUDA_HOME/include, $CUDA_PATH/include, /usr/local/cuda/include, or a pip
+/// `nvidia/cu13/include` next to the loaded libnvrtc.
+pub fn find_include_dir() -> Result<PathBuf> {
+    let mut tried: Vec<PathBuf> = Vec::new();
+    let mut cands: Vec<PathBuf> = Vec::new();
+    if let Ok(d) = std::env::var("RLX_CUDA_INCLUDE") {
+        cands.push(PathBuf::from(d));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(d) = std::env::var(var) {
+            cands.push(Path::new(&d).join("include"));
+        }
+    }
+    cands.push(PathBuf::from("/usr/local/cuda/include"));
+    // pip wheels: lib/ and include/ are siblings under nvidia/cu13.
+    if let Ok(paths) = std::env::var("LD_LIBRARY_PATH") {
+        for p in paths.split(':').filter(|p| !p.is_empty()) {
+            if let Some(parent) = Path::new(p).parent() {
+                cands.push(parent.join("include"));
+            }
+        }
+    }
+    for c in cands {
+        if c.join("cuda_fp16.h").is_file() && c.join("cuda_bf16.h").is_file() {
+            return Ok(c);
+        }
+        tried.push(c);
+    }
+    let tried: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+    Err(err(format!(
+        "cuda_fp16.h / cuda_bf16.h not found (NVRTC needs them for half types); looked in: {}. \
+         Set RLX_CUDA_INCLUDE or CUDA_HOME, or install the headers of the pip wheel nvidia-cuda-runtime",
+        tried.join(", ")
+    )))
+}
+
+fn cache_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("RLX_CUDA_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/tmp".into());
+    Path::new(&home).join(".cache/rlx/cuda")
+}
+
+fn options(arch: (i32, i32), include: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
+        format!("-I{}", include.display()),
+        "--std=c++17".into(),
+    ]
+}
+
+/// Compiles (or loads from the disk cache) one source file to a CUBIN.
+pub fn compile_cubin(file: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+    let version = nvrtc_version()?;
+    let include = find_include_dir()?;
+    let opts = options(arch, &include);
+    let mut h = Sha256::new();
+    for part in [source, HEADER.1, &opts.join(" "), &format!("{arch:?} {version:?}")] {
+        h.update(part.as_bytes());
+        h.update([0u8]);
+    }
+    let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let path = cache_dir().join(format!("{}-sm{}{}-{key}.cubin", file.trim_end_matches(".cu"), arch.0, arch.1));
+    if let Ok(bytes) = std::fs::read(&path) {
+        if !bytes.is_empty() {
+            return Ok(bytes);
+        }
+    }
+    let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts))).map_err(|_| err(missing_nvrtc()))??;
+    // The cache is an optimisation: failing to write it is not an error.
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(cubin)
+}
+
+fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>> {
+    let bad = |what: &str| err(format!("{file}: {what} contains a NUL byte"));
+    let src = CString::new(source).map_err(|_| bad("source"))?;
+    let name = CString::new(file).map_err(|_| bad("name"))?;
+    let hsrc = CString::new(HEADER.1).map_err(|_| bad("header"))?;
+    let hname = CString::new(HEADER.0).map_err(|_| bad("header name"))?;
+    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str())).collect::<std::result::Result<_, _>>().map_err(|_| bad("an option"))?;
+    let opt_ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    let headers = [hsrc.as_ptr()];
+    let names = [hname.as_ptr()];
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer is a live NUL-terminated string; prog is destroyed below.
+    unsafe {
+        let r = nv::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), 1, headers.as_ptr(), names.as_ptr());
+        if r != nv::nvrtcResult::NVRTC_SUCCESS {
+            return Err(err(format!("{file}: nvrtcCreateProgram failed: {r:?}")));
+        }
+        let r = nv::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let mut log_len = 0usize;
+        nv::nvrtcGetProgramLogSize(prog, &mut log_len);
+        let mut log = vec![0u8; log_len.max(1)];
+        nv::nvrtcGetProgramLog(prog, log.as_mut_ptr() as *mut c_char);
+        let log = CStr::from_bytes_until_nul(&log).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+        let out = if r != nv::nvrtcResult::NVRTC_SUCCESS {
+            Err(err(format!("{file}: NVRTC compile failed ({r:?}) with options {opts:?}:\n{log}")))
+        } else {
+            let mut n = 0usize;
+            let r = nv::nvrtcGetCUBINSize(prog, &mut n);
+            let mut bin = vec![0u8; n];
+            if r == nv::nvrtcResult::NVRTC_SUCCESS && n > 0 && nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char) == nv::nvrtcResult::NVRTC_SUCCESS {
+                Ok(bin)
+            } else {
+                Err(err(format!("{file}: NVRTC produced no CUBIN ({r:?})")))
+            }
+        };
+        nv::nvrtcDestroyProgram(&mut prog);
+        out
+    }
+}
+
+/// Compiles every kernel file for `arch` without a GPU (the CI check);
+/// returns (file, CUBIN bytes) pairs.
+pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, usize)>> {
+    let mut out = Vec::new();
+    for (file, src) in SOURCES {
+        let bin = compile_cubin(file, src, arch)?;
+        out.push((*file, bin.len()));
+    }
+    Ok(out)
+}
