@@ -1,0 +1,116 @@
+use rlx_ir::{AttentionSpec, DType, Graph, IrError, Node, NodeId, Op, Shape};
+
+#[test]
+fn matmul_mismatch_names_both_shapes() {
+    let mut g = Graph::new();
+    let a = g.input("a", [2, 3], DType::F32).unwrap();
+    let b = g.input("b", [4, 5], DType::F32).unwrap();
+    let err = g.matmul(a, b).unwrap_err().to_string();
+    assert!(err.contains("[2, 3]") && err.contains("[4, 5]"), "{err}");
+    assert_eq!(g.len(), 2, "a failed builder call must not add a node");
+}
+
+#[test]
+fn shapes_are_inferred() {
+    let mut g = Graph::new();
+    let a = g.input("a", [7, 2, 3], DType::F32).unwrap();
+    let w = g.param("w", [5, 3], DType::F32).unwrap();
+    let y = g.matmul_t(a, w).unwrap();
+    assert_eq!(g.shape(y), &Shape::new([7, 2, 5]));
+    let b = g.param("b", [1, 5], DType::F32).unwrap();
+    let z = g.add(y, b).unwrap();
+    assert_eq!(g.shape(z), &Shape::new([7, 2, 5]));
+    let r = g.reduce(rlx_ir::ReduceOp::Mean, z, &[2, 0], false).unwrap();
+    assert_eq!(g.shape(r), &Shape::new([2]));
+    let t = g.transpose(z, &[2, 0, 1]).unwrap();
+    assert_eq!(g.shape(t), &Shape::new([5, 7, 2]));
+    let n = g.narrow(t, 0, 1, 3).unwrap();
+    assert_eq!(g.shape(n), &Shape::new([3, 7, 2]));
+    let c = g.concat(&[n, t], 0).unwrap();
+    assert_eq!(g.shape(c), &Shape::new([8, 7, 2]));
+    let am = g.argmax(c, 1).unwrap();
+    assert_eq!((g.shape(am).clone(), g.dtype(am)), (Shape::new([8, 2]), DType::I32));
+    let (v, i) = g.top_k(c, 2).unwrap();
+    assert_eq!(g.shape(v), &Shape::new([8, 7, 2]));
+    assert_eq!(g.dtype(i), DType::I32);
+    let h = g.cast(c, DType::F16).unwrap();
+    assert_eq!(g.dtype(h), DType::F16);
+    g.output(h).unwrap();
+    g.verify().unwrap();
+}
+
+#[test]
+fn broadcasting_rules() {
+    let mut g = Graph::new();
+    let a = g.input("a", [3, 1, 4], DType::F32).unwrap();
+    let b = g.input("b", [2, 1], DType::F32).unwrap();
+    let c = g.mul(a, b).unwrap();
+    assert_eq!(g.shape(c), &Shape::new([3, 2, 4]));
+    let d = g.input("d", [3], DType::F32).unwrap();
+    let err = g.add(c, d).unwrap_err().to_string();
+    assert!(err.contains("[3, 2, 4]") && err.contains("[3]"), "{err}");
+    let e = g.input("e", [4], DType::F16).unwrap();
+    assert!(matches!(g.add(c, e), Err(IrError::DType { .. })));
+}
+
+#[test]
+fn attention_and_state_checks() {
+    let mut g = Graph::new();
+    let q = g.input("q", [2, 5, 8 * 4], DType::F32).unwrap();
+    let k = g.input("k", [2, 9, 2 * 4], DType::F32).unwrap();
+    let len = g.input("len", [1], DType::I32).unwrap();
+    let spec = AttentionSpec { heads: 8, kv_heads: 2, head_dim: 4, scale: 0.5, causal: true, mask: false, valid_len: false };
+    let o = g.attention(spec, q, k, k, None, Some(len)).unwrap();
+    assert_eq!(g.shape(o), &Shape::new([2, 5, 32]));
+    let bad = AttentionSpec { kv_heads: 3, ..spec };
+    assert!(g.attention(bad, q, k, k, None, None).is_err());
+
+    let st = g.state("kv", [2, 16, 8], DType::F32).unwrap();
+    let w = g.write_state(st, k, len).unwrap();
+    assert_eq!(g.shape(w), &Shape::new([2, 16, 8]));
+    let too_long = g.input("big", [2, 17, 8], DType::F32).unwrap();
+    assert!(g.write_state(st, too_long, len).is_err());
+    g.output(o).unwrap();
+    g.verify().unwrap();
+}
+
+#[test]
+fn verifier_rejects_broken_graphs() {
+    let mut g = Graph::new();
+    let a = g.input("a", [2, 3], DType::F32).unwrap();
+    let b = g.gelu(a).unwrap();
+    g.output(b).unwrap();
+    g.verify().unwrap();
+
+    // A node that lies about its shape.
+    let mut bad = g.clone();
+    bad.nodes[1].shape = Shape::new([3, 2]);
+    let e = bad.verify().unwrap_err().to_string();
+    assert!(e.contains("node 1") && e.contains("gelu"), "{e}");
+
+    // A forward reference.
+    let mut bad = g.clone();
+    bad.nodes[0] = Node { op: Op::Activation(rlx_ir::Activation::Relu), inputs: vec![NodeId(1)], shape: Shape::new([2, 3]), dtype: DType::F32, name: None };
+    assert!(bad.verify().is_err());
+
+    // Duplicate input names and no outputs.
+    let mut bad = g.clone();
+    bad.nodes.push(Node { op: Op::Input { name: "a".into() }, inputs: vec![], shape: Shape::new([1]), dtype: DType::F32, name: None });
+    assert!(bad.verify().unwrap_err().to_string().contains("duplicate"));
+    let mut bad = g.clone();
+    bad.outputs.clear();
+    assert!(bad.verify().is_err());
+}
+
+#[test]
+fn printer_is_readable() {
+    let mut g = Graph::new();
+    let a = g.input("x", [2, 3], DType::F32).unwrap();
+    let w = g.param("w", [4, 3], DType::F32).unwrap();
+    let y = g.matmul_t(a, w).unwrap();
+    g.set_name(y, "logits");
+    g.output(y).unwrap();
+    let text = g.to_string();
+    assert!(text.contains("%2 = matmul(%0, %1) rhsᵀ : [2, 4] f32  # logits"), "{text}");
+    assert!(text.contains("outputs: %2"));
+}
