@@ -1,1 +1,30 @@
+//! Models for RLX: loaders (safetensors, Hugging Face config and tokenizer,
+//! sentence-transformers pooling), the BERT graph builder, and
+//! [`SentenceEmbedder`], which turns texts into vectors.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), rlx_models::ModelError> {
+//! let embedder = rlx_models::SentenceEmbedder::load("models/all-MiniLM-L6-v2", rlx::Device::Cpu)?;
+//! let vectors = embedder.embed(&["first text", "second text"])?;
+//! assert_eq!(vectors[0].len(), embedder.dim());
+//! # Ok(()) }
+//! ```
 
+mod bert;
+mod config;
+mod embedder;
+mod embedding_writer;
+mod error;
+pub mod safetensors;
+mod text_lines;
+mod tokenizer;
+mod weights;
+
+pub use bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS};
+pub use config::{BertConfig, Pooling, SentenceConfig};
+pub use embedder::{cosine, l2_normalize, EmbedderOptions, SentenceEmbedder, SEQ_BUCKETS};
+pub use embedding_writer::{EmbeddingWriter, OutputFormat};
+pub use error::{ModelError, Result};
+pub use text_lines::TextLines;
+pub use tokenizer::TextTokenizer;
+pub use weights::{bert_weight_specs, load_bert_weights, random_weights};

@@ -1,0 +1,267 @@
+//! `SentenceEmbedder`: text → one vector per text. Texts are tokenised,
+//! sorted by length, grouped into batches and padded to shape buckets; one
+//! executable per (batch, seq) bucket is compiled on first use and cached,
+//! all of them sharing the one weight store.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use rlx::{CompileOptions, CompiledGraph, DType, Device, Session, Tensor, WeightStore};
+
+use crate::bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS};
+use crate::weights::load_bert_weights;
+use crate::{BertConfig, ModelError, Result, SentenceConfig, TextTokenizer};
+
+/// Sequence buckets; a model's own maximum length is added when it is not
+/// one of these.
+pub const SEQ_BUCKETS: &[usize] = &[16, 32, 64, 128, 256, 512];
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EmbedderOptions {
+    /// Storage dtype of weights and activations (f32, f16, bf16); matmuls,
+    /// norms and softmax accumulate in f32 either way.
+    pub dtype: DType,
+    /// Texts per forward pass (the largest batch bucket).
+    pub batch_size: usize,
+}
+
+impl Default for EmbedderOptions {
+    fn default() -> Self {
+        EmbedderOptions { dtype: DType::F32, batch_size: 32 }
+    }
+}
+
+/// Cache key: (batch, seq, with hidden states).
+type BucketKey = (usize, usize, bool);
+
+pub struct SentenceEmbedder {
+    config: BertConfig,
+    sentence: SentenceConfig,
+    tokenizer: Option<TextTokenizer>,
+    session: Session,
+    options: EmbedderOptions,
+    seq_buckets: Vec<usize>,
+    compiled: Mutex<HashMap<BucketKey, CompiledGraph>>,
+}
+
+impl SentenceEmbedder {
+    /// Loads a sentence-transformers BERT model directory (config.json,
+    /// model.safetensors, tokenizer.json, modules.json, 1_Pooling/) with
+    /// default options.
+    pub fn load(dir: impl AsRef<Path>, device: Device) -> Result<SentenceEmbedder> {
+        Self::load_with(dir, device, EmbedderOptions::default())
+    }
+
+    pub fn load_with(dir: impl AsRef<Path>, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")));
+        }
+        check_options(&options)?;
+        let config = BertConfig::from_file(&dir.join("config.json"))?;
+        let sentence = SentenceConfig::from_dir(dir, &config)?;
+        let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"), sentence.max_seq_length)?;
+        let store = Arc::new(WeightStore::new());
+        load_bert_weights(&dir.join("model.safetensors"), &config, options.dtype, &store)?;
+        Self::from_weights(config, sentence, Some(tokenizer), store, device, options)
+    }
+
+    /// An embedder over weights already in a store (e.g. [`random_weights`]);
+    /// without a tokenizer only [`embed_ids`](Self::embed_ids) works.
+    ///
+    /// [`random_weights`]: crate::random_weights
+    pub fn from_weights(
+        config: BertConfig,
+        sentence: SentenceConfig,
+        tokenizer: Option<TextTokenizer>,
+        weights: Arc<WeightStore>,
+        device: Device,
+        options: EmbedderOptions,
+    ) -> Result<SentenceEmbedder> {
+        check_options(&options)?;
+        let mut session = Session::with_weights(device, weights)?;
+        if options.dtype != DType::F32 {
+            session.set_compile_options(CompileOptions { precision: Some(options.dtype), ..CompileOptions::default() });
+        }
+        let max = sentence.max_seq_length.min(config.max_position_embeddings);
+        let mut seq_buckets: Vec<usize> = SEQ_BUCKETS.iter().copied().filter(|&b| b < max).collect();
+        seq_buckets.push(max);
+        Ok(SentenceEmbedder { config, sentence, tokenizer, session, options, seq_buckets, compiled: Mutex::new(HashMap::new()) })
+    }
+
+    /// Length of the vectors [`embed`](Self::embed) returns.
+    pub fn dim(&self) -> usize {
+        self.config.hidden_size
+    }
+
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    pub fn sentence_config(&self) -> &SentenceConfig {
+        &self.sentence
+    }
+
+    pub fn options(&self) -> &EmbedderOptions {
+        &self.options
+    }
+
+    pub fn device(&self) -> Device {
+        self.session.device()
+    }
+
+    pub fn tokenizer(&self) -> Option<&TextTokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// One vector per text, in input order (normalised when the model says
+    /// so). The empty text is a text: `[CLS] [SEP]`.
+    pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        let ids = self.tokenize(texts)?;
+        self.embed_ids(&ids)
+    }
+
+    /// Token ids of each text, as the model sees them.
+    pub fn tokenize(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| ModelError::Input("this embedder has no tokenizer: use embed_ids".into()))?;
+        tok.encode_batch(texts)
+    }
+
+    /// One vector per id sequence (each with its special tokens), in input
+    /// order.
+    pub fn embed_ids(&self, ids: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let max = self.seq_buckets.last().copied().unwrap_or(0);
+        for (i, row) in ids.iter().enumerate() {
+            if row.is_empty() {
+                return Err(ModelError::Input(format!("text {i}: no tokens (expected at least [CLS] and [SEP])")));
+            }
+            if row.len() > max {
+                return Err(ModelError::Input(format!("text {i}: {} tokens, the model takes at most {max}", row.len())));
+            }
+            if let Some(bad) = row.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+                return Err(ModelError::Input(format!("text {i}: token id {bad} is outside the vocabulary (size {})", self.config.vocab_size)));
+            }
+        }
+        // Sorting by length keeps the padding inside each batch small.
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_by_key(|&i| ids[i].len());
+        let mut out = vec![Vec::new(); ids.len()];
+        for group in order.chunks(self.options.batch_size) {
+            let rows: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
+            let pooled = self.forward(&rows, false)?;
+            for (&i, v) in group.iter().zip(pooled.into_iter().next().unwrap_or_default()) {
+                out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
+            }
+        }
+        Ok(out)
+    }
+
+    /// The hidden states of one id sequence: the embedding-LayerNorm output,
+    /// then each layer's output, each `[len][hidden]` row-major (padding
+    /// rows removed).
+    pub fn hidden_states(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let outs = self.forward(&[ids], true)?;
+        let width = ids.len() * self.dim();
+        Ok(outs.into_iter().skip(1).map(|mut rows| rows.swap_remove(0).into_iter().take(width).collect()).collect())
+    }
+
+    /// The smallest sequence bucket that holds `len` tokens.
+    pub fn seq_bucket(&self, len: usize) -> Option<usize> {
+        self.seq_buckets.iter().copied().find(|&b| b >= len)
+    }
+
+    /// The batch bucket for `n` texts: the next power of two, at most the
+    /// batch size, so few executables cover every batch.
+    pub fn batch_bucket(&self, n: usize) -> usize {
+        n.next_power_of_two().min(self.options.batch_size).max(n)
+    }
+
+    /// Runs one padded batch; returns, per graph output, one vector per row
+    /// of `rows` (output 0 the pooled vectors, then the hidden states).
+    fn forward(&self, rows: &[&[u32]], hidden: bool) -> Result<Vec<Vec<Vec<f32>>>> {
+        let longest = rows.iter().map(|r| r.len()).max().unwrap_or(1);
+        let seq = self
+            .seq_bucket(longest)
+            .ok_or_else(|| ModelError::Input(format!("{longest} tokens do not fit the largest bucket {:?}", self.seq_buckets.last())))?;
+        let batch = self.batch_bucket(rows.len());
+        let mut ids = vec![0i32; batch * seq];
+        let mut mask = vec![0f32; batch * seq];
+        for (b, row) in rows.iter().enumerate() {
+            for (t, &id) in row.iter().enumerate() {
+                ids[b * seq + t] = id as i32;
+                mask[b * seq + t] = 1.0;
+            }
+        }
+        // Filler rows attend to one position so their mean is defined.
+        for b in rows.len()..batch {
+            mask[b * seq] = 1.0;
+        }
+        let ids = Tensor::from_i32([batch, seq], &ids)?;
+        let mask = Tensor::from_f32([batch, seq], &mask)?;
+
+        let mut cache = self.compiled.lock().map_err(|_| ModelError::Input("embedder poisoned by a panic in another thread".into()))?;
+        let key = (batch, seq, hidden);
+        if !cache.contains_key(&key) {
+            let opts = BertGraphOptions { pooling: self.sentence.pooling, hidden_states: hidden, token_type_ids: false };
+            let graph = build_bert_graph(&self.config, batch, seq, &opts)?;
+            let exe = self.session.compile(&graph)?;
+            cache.insert(key, exe);
+        }
+        let exe = cache.get_mut(&key).ok_or_else(|| ModelError::Input("compiled bucket vanished from the cache".into()))?;
+        // The precision policy may store inputs in another dtype; give the
+        // executable exactly what its schedule expects.
+        let want = |name: &str| exe.schedule().inputs.iter().find(|s| s.name == name).map(|s| s.dtype);
+        let ids = match want(INPUT_IDS) {
+            Some(d) if d != ids.dtype() => ids.to_dtype(d),
+            _ => ids,
+        };
+        let mask = match want(ATTENTION_MASK) {
+            Some(d) if d != mask.dtype() => mask.to_dtype(d),
+            _ => mask,
+        };
+        let outputs = exe.run(&[(INPUT_IDS, &ids), (ATTENTION_MASK, &mask)])?;
+        drop(cache);
+
+        let mut result = Vec::with_capacity(outputs.len());
+        for t in outputs {
+            let values = t.to_f32();
+            let per_row = values.len() / batch;
+            result.push(values.chunks(per_row.max(1)).take(rows.len()).map(|c| c.to_vec()).collect());
+        }
+        Ok(result)
+    }
+}
+
+fn check_options(o: &EmbedderOptions) -> Result<()> {
+    if !o.dtype.is_float() {
+        return Err(ModelError::Input(format!("dtype {} is not a float type: expected f32, f16 or bf16", o.dtype)));
+    }
+    if o.batch_size == 0 {
+        return Err(ModelError::Input("batch size must be at least 1".into()));
+    }
+    Ok(())
+}
+
+/// `x / max(‖x‖₂, 1e-12)`, as sentence-transformers' Normalize.
+pub fn l2_normalize(mut v: Vec<f32>) -> Vec<f32> {
+    let norm = v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt().max(1e-12);
+    for x in &mut v {
+        *x = (*x as f64 / norm) as f32;
+    }
+    v
+}
+
+/// Cosine similarity of two vectors (0 when either is zero).
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        ab += x as f64 * y as f64;
+        aa += x as f64 * x as f64;
+        bb += y as f64 * y as f64;
+    }
+    if aa == 0.0 || bb == 0.0 {
+        return 0.0;
+    }
+    (ab / (aa.sqrt() * bb.sqrt())) as f32
+}
