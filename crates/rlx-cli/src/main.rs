@@ -1,5 +1,6 @@
 //! `rlx`: the command-line face of RLX.
 
+mod bench;
 mod doctor;
 mod inspect;
 
@@ -18,12 +19,15 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Report the CUDA driver, device and libraries RLX can find.
     Doctor,
+    /// Time RLX (replay and eager) against PyTorch (eager and CUDA-graph replay) on BERT shapes.
+    Bench(bench::BenchArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result: Result<(), String> = match cli.command {
         Command::Inspect(a) => inspect::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Doctor => {
             doctor::run();
             Ok(())

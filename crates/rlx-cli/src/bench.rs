@@ -1,0 +1,408 @@
+//! `rlx bench`: RLX replay and eager against PyTorch eager and PyTorch
+//! CUDA-graph replay, on the same seeded random BERT weights and inputs, with
+//! the outputs compared so a fast-but-wrong result shows.
+
+mod model;
+mod peer;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Args;
+use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, WeightStore};
+
+use model::{Inputs, ModelSpec};
+use peer::{OutputKind, PeerCommand, PeerJob, PeerOutcome};
+use report::{Context, Row};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Models, comma-separated: minilm, bert-base, tiny.
+    #[arg(long, default_value = "minilm,bert-base")]
+    model: String,
+    /// Storage precision: f16, bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Shapes as BATCHxSEQ, comma-separated.
+    #[arg(long, default_value = "1x128,32x128")]
+    shapes: String,
+    /// cuda, cuda:N or cpu.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 200)]
+    runs: usize,
+    /// Untimed runs before timing.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
+    /// Seed of the random weights and inputs.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Skip the PyTorch peer (RLX rows only).
+    #[arg(long)]
+    no_peer: bool,
+    /// Python interpreter for the peer.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The peer script (default: bench/gpu_peer.py in the current directory
+    /// or the source tree).
+    #[arg(long)]
+    peer_script: Option<PathBuf>,
+    /// Write the markdown table to this file.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Draw grouped bars per configuration to this SVG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Keep the temporary directory (weights, inputs, PyTorch outputs).
+    #[arg(long)]
+    keep_temp: bool,
+}
+
+/// Medians of one RLX executable.
+struct Timing {
+    wall_us: f64,
+    submit_us: f64,
+    cpu_us: Option<f64>,
+    kernels: usize,
+    mode: String,
+    outputs: Vec<Tensor>,
+}
+
+/// One configuration's RLX results awaiting the peer's.
+struct Pending {
+    row: Row,
+    kind: OutputKind,
+    rlx_output: Option<Vec<f32>>,
+    inputs: Inputs,
+}
+
+pub fn run(args: BenchArgs) -> Result<(), String> {
+    let device: Device = args.device.parse().map_err(|e: rlx::Error| format!("--device: {e}"))?;
+    let dtype = match DType::parse(&args.dtype) {
+        Some(d) if d.is_float() => d,
+        _ => return Err(format!("--dtype: expected f16, bf16 or f32, found '{}'", args.dtype)),
+    };
+    let specs = args.model.split(',').map(model::model_spec).collect::<Result<Vec<_>, _>>()?;
+    let shapes = parse_shapes(&args.shapes)?;
+    if args.runs == 0 {
+        return Err("--runs: expected at least 1".into());
+    }
+    if let Device::Cuda(_) = device {
+        // Fail before any work, with the reason, when there is no GPU.
+        Session::new(device).map_err(|e| format!("no usable CUDA GPU for --device {}: {e} (`rlx doctor` shows what was found; --device cpu times the CPU backend)", args.device))?;
+    }
+    let gpu = matches!(device, Device::Cuda(_));
+    let tmp = TempDir::create(args.keep_temp)?;
+    let want_peer = !args.no_peer;
+
+    let mut pending = Vec::new();
+    let mut jobs = Vec::new();
+    for spec in &specs {
+        let store = model::weights(spec, args.seed, dtype)?;
+        let model_dir = tmp.path.join(format!("{}-{}", spec.name, dtype));
+        if want_peer {
+            model::write_hf_dir(&model_dir, spec, &store, dtype)?;
+        }
+        for &(batch, seq) in &shapes {
+            let inputs = Inputs::new(spec.cfg.vocab_size, batch, seq, args.seed);
+            let p = bench_rlx(spec, &store, device, dtype, &inputs, &args)?;
+            if want_peer {
+                let id = format!("{}-{}-{}x{}", spec.name, dtype, batch, seq);
+                let job = PeerJob {
+                    ids: tmp.path.join(format!("{id}.ids")),
+                    mask: tmp.path.join(format!("{id}.mask")),
+                    hidden_out: tmp.path.join(format!("{id}.hidden")),
+                    id,
+                    model_dir: model_dir.clone(),
+                    dtype: dtype.name().to_string(),
+                    batch,
+                    seq,
+                };
+                peer::write_i64(&job.ids, &inputs.ids)?;
+                peer::write_i64(&job.mask, &inputs.mask)?;
+                jobs.push(job);
+            }
+            pending.push(p);
+        }
+    }
+
+    let mut notes = Vec::new();
+    let peer_desc = if want_peer {
+        let script = args.peer_script.clone().unwrap_or_else(default_peer_script);
+        let cmd = PeerCommand { python: &args.python, script: &script, runs: args.runs, warmup: args.warmup, device: &peer_device(device) };
+        eprintln!("running the PyTorch peer ({} configurations)...", jobs.len());
+        match peer::run(&cmd, &jobs, &tmp.path) {
+            PeerOutcome::Unavailable(why) => {
+                notes.push(format!("PyTorch peer not run: {why}. Only RLX rows are shown."));
+                "none (unavailable)".to_string()
+            }
+            PeerOutcome::Ran { versions, results, notes: peer_notes } => {
+                notes.extend(peer_notes);
+                for (p, job) in pending.iter_mut().zip(&jobs) {
+                    merge_peer(p, results.get(&job.id));
+                }
+                versions
+            }
+        }
+    } else {
+        notes.push("PyTorch peer skipped (--no-peer).".into());
+        "none (--no-peer)".to_string()
+    };
+
+    let rows: Vec<Row> = pending.into_iter().map(|p| p.row).collect();
+    let ctx = Context {
+        machine: report::machine(gpu),
+        date: report::utc_now(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        runs: args.runs,
+        warmup: args.warmup,
+        peer: peer_desc,
+        notes,
+    };
+    let md = report::markdown(&ctx, &rows);
+    println!("{md}");
+    if let Some(path) = &args.output {
+        std::fs::write(path, &md).map_err(|e| format!("--output {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        report::plot_svg(path, &ctx, &rows)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Times one configuration with replay on, then off, and checks that both
+/// modes agree bit for bit.
+fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: &Inputs, args: &BenchArgs) -> Result<Pending, String> {
+    let label = format!("{} {} {}x{}", spec.name, dtype, inputs.batch, inputs.seq);
+    let (graph, kind) = model::graph(spec, inputs.batch, inputs.seq)?;
+    let tensors = inputs.tensors()?;
+    let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    let mut session = Session::with_weights(device, store.clone()).map_err(|e| format!("{label}: {e}"))?;
+    session.set_compile_options(CompileOptions { precision: (dtype != DType::F32).then_some(dtype), ..CompileOptions::default() });
+    let mut row = Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
+
+    eprintln!("{label}: RLX replay...");
+    session.set_prepare_options(PrepareOptions { replay: true, ..PrepareOptions::default() });
+    let mut exe = session.compile(&graph).map_err(|e| format!("{label}: compiling for {device} (replay): {e}"))?;
+    let replay = time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| format!("{label}: replay: {e}"))?;
+    drop(exe);
+    eprintln!("{label}: RLX eager...");
+    session.set_prepare_options(PrepareOptions { replay: false, ..PrepareOptions::default() });
+    let mut exe = session.compile(&graph).map_err(|e| format!("{label}: compiling for {device} (eager): {e}"))?;
+    let eager = time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| format!("{label}: eager: {e}"))?;
+    drop(exe);
+
+    row.rlx_replay_us = Some(replay.wall_us);
+    row.rlx_eager_us = Some(eager.wall_us);
+    row.host_submit_us = Some(replay.submit_us);
+    row.host_cpu_us = replay.cpu_us;
+    row.kernels = Some(replay.kernels);
+    eprintln!(
+        "{label}: replay {:.1} µs ({}), eager {:.1} µs ({}), submit {:.2} µs, {} kernels",
+        replay.wall_us, replay.mode, eager.wall_us, eager.mode, replay.submit_us, replay.kernels
+    );
+    if matches!(device, Device::Cuda(_)) && !replay.mode.contains("replay") {
+        row.notes.push(format!("the replay executable ran in mode '{}' (is RLX_REPLAY=0 set?)", replay.mode));
+    }
+    if replay.outputs != eager.outputs {
+        let d = max_diff(&replay.outputs, &eager.outputs);
+        row.notes.push(format!("replay and eager outputs differ (max abs diff {d:.3e}); they should be bit-identical"));
+    }
+    let rlx_output = replay.outputs.first().map(Tensor::to_f32);
+    Ok(Pending { row, kind, rlx_output, inputs: inputs.clone() })
+}
+
+/// Warm-up, then `runs` timed calls: wall clock around submit + wait, the
+/// time submit takes, and the calling thread's CPU time per call.
+fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, runs: usize) -> Result<Timing, rlx::Error> {
+    let mut outputs = exe.run(inputs)?;
+    for _ in 1..warmup {
+        outputs = exe.run(inputs)?;
+    }
+    let mut wall = Vec::with_capacity(runs);
+    let mut submit = Vec::with_capacity(runs);
+    let cpu_start = thread_cpu_ns();
+    for _ in 0..runs {
+        let t0 = Instant::now();
+        let ticket = exe.submit(inputs)?;
+        let t1 = Instant::now();
+        outputs = exe.wait(ticket)?;
+        let t2 = Instant::now();
+        submit.push((t1 - t0).as_secs_f64() * 1e6);
+        wall.push((t2 - t0).as_secs_f64() * 1e6);
+    }
+    let cpu_us = match (cpu_start, thread_cpu_ns()) {
+        (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / 1e3 / runs as f64),
+        _ => None,
+    };
+    let stats = exe.stats();
+    Ok(Timing { wall_us: median(&mut wall), submit_us: median(&mut submit), cpu_us, kernels: stats.kernels_per_call, mode: stats.mode, outputs })
+}
+
+/// Fills a row with the peer's timings and compares the outputs.
+fn merge_peer(p: &mut Pending, result: Option<&peer::PeerResult>) {
+    let Some(r) = result else {
+        p.row.notes.push("no PyTorch result for this configuration".into());
+        return;
+    };
+    p.row.torch_eager_us = r.eager_us;
+    p.row.torch_graph_us = r.graph_us;
+    p.row.notes.extend(r.notes.iter().cloned());
+    let (Some(hidden_path), Some(rlx)) = (&r.hidden, &p.rlx_output) else { return };
+    let (b, s) = (p.inputs.batch, p.inputs.seq);
+    let count = rlx_hidden_count(p, b, s);
+    let compared = peer::read_f32(hidden_path, count).and_then(|h| peer::compare(p.kind, rlx, &h, b, s, &p.inputs.mask));
+    match compared {
+        Ok(d) => p.row.max_abs_diff = Some(d),
+        Err(e) => p.row.notes.push(format!("output comparison failed: {e}")),
+    }
+}
+
+/// Values in PyTorch's [batch, seq, hidden] output, from RLX's output size.
+fn rlx_hidden_count(p: &Pending, batch: usize, seq: usize) -> usize {
+    let n = p.rlx_output.as_ref().map_or(0, Vec::len);
+    match p.kind {
+        OutputKind::Hidden => n,
+        OutputKind::MeanPooled { .. } | OutputKind::Cls { .. } => n / batch.max(1) * batch * seq,
+    }
+}
+
+fn max_diff(a: &[Tensor], b: &[Tensor]) -> f64 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.to_f32().into_iter().zip(y.to_f32()).map(|(p, q)| f64::from((p - q).abs())))
+        .fold(if a.len() == b.len() { 0.0 } else { f64::INFINITY }, f64::max)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// CPU time of the calling thread in nanoseconds, from
+/// `clock_gettime(CLOCK_THREAD_CPUTIME_ID)` (exact, unlike
+/// /proc/thread-self/schedstat, which only advances at scheduler ticks).
+/// Declared by hand to avoid a libc dependency for one call.
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn thread_cpu_ns() -> Option<u64> {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut t = Timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid, writable timespec (two 64-bit fields on 64-bit Linux).
+    let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    (rc == 0).then(|| t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64)
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn thread_cpu_ns() -> Option<u64> {
+    None
+}
+
+fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>, String> {
+    let parse = |part: &str| -> Option<(usize, usize)> {
+        let (b, q) = part.trim().to_ascii_lowercase().split_once(['x', '×']).map(|(b, q)| (b.trim().to_string(), q.trim().to_string()))?;
+        match (b.parse().ok()?, q.parse().ok()?) {
+            (0, _) | (_, 0) => None,
+            (b, q) => Some((b, q)),
+        }
+    };
+    s.split(',').map(|p| parse(p).ok_or_else(|| format!("--shapes: expected BATCHxSEQ with positive numbers (e.g. 1x128,32x128), found '{}'", p.trim()))).collect()
+}
+
+fn peer_device(d: Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(n) => format!("cuda:{n}"),
+    }
+}
+
+/// bench/gpu_peer.py under the current directory if present, else in the
+/// source tree this binary was built from.
+fn default_peer_script() -> PathBuf {
+    let here = PathBuf::from("bench/gpu_peer.py");
+    if here.is_file() {
+        return here;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/gpu_peer.py")
+}
+
+/// A scratch directory removed on drop unless kept.
+struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl TempDir {
+    fn create(keep: bool) -> Result<TempDir, String> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let path = std::env::temp_dir().join(format!("rlx-bench-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        Ok(TempDir { path, keep })
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if self.keep {
+            eprintln!("kept {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_shapes("1x128, 32X128,2×16").ok(), Some(vec![(1, 128), (32, 128), (2, 16)]));
+        for bad in ["", "1x", "0x128", "1x128,abc", "3"] {
+            let e = parse_shapes(bad).err().unwrap_or_default();
+            assert!(e.contains("--shapes"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [5.0, 1.0, 3.0]), 3.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert!(median(&mut []).is_nan());
+    }
+
+    #[test]
+    fn thread_cpu_time_advances_with_work() {
+        let Some(a) = thread_cpu_ns() else { return };
+        let mut x = 0u64;
+        for i in 0..2_000_000u64 {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+        }
+        let b = thread_cpu_ns().unwrap_or(0);
+        // Sleeping costs no CPU time; the loop above does.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let c = thread_cpu_ns().unwrap_or(0);
+        assert!(b > a, "{a} {b}");
+        assert!(c - b < 10_000_000, "sleep counted as CPU: {}", c - b);
+    }
+}

@@ -1,0 +1,365 @@
+//! The PyTorch side of `rlx bench`: writes the jobs file, runs
+//! bench/gpu_peer.py once for all jobs, reads its JSON lines and its hidden
+//! states, and compares them with RLX's outputs.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{json, Value};
+
+/// One configuration for the peer to run (see the peer script's docstring).
+#[derive(Debug, Clone)]
+pub struct PeerJob {
+    pub id: String,
+    pub model_dir: PathBuf,
+    pub dtype: String,
+    pub batch: usize,
+    pub seq: usize,
+    pub ids: PathBuf,
+    pub mask: PathBuf,
+    pub hidden_out: PathBuf,
+}
+
+/// What the peer reported for one job.
+#[derive(Debug, Clone, Default)]
+pub struct PeerResult {
+    pub eager_us: Option<f64>,
+    pub graph_us: Option<f64>,
+    /// The eager last hidden state, f32 [batch, seq, hidden], if written.
+    pub hidden: Option<PathBuf>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum PeerOutcome {
+    /// No peer could run at all (python, torch or the GPU missing).
+    Unavailable(String),
+    Ran {
+        /// "torch X, transformers Y on DEVICE".
+        versions: String,
+        results: HashMap<String, PeerResult>,
+        /// Problems outside any one job (a crash, a bad line).
+        notes: Vec<String>,
+    },
+}
+
+pub struct PeerCommand<'a> {
+    pub python: &'a str,
+    pub script: &'a Path,
+    pub runs: usize,
+    pub warmup: usize,
+    /// "cuda" or "cpu".
+    pub device: &'a str,
+}
+
+/// Runs the peer on `jobs`, writing the jobs file into `dir`. Progress lines
+/// go to stderr as results arrive; the peer's own stderr passes through.
+pub fn run(cmd: &PeerCommand, jobs: &[PeerJob], dir: &Path) -> PeerOutcome {
+    if !cmd.script.is_file() {
+        return PeerOutcome::Unavailable(format!("peer script {} not found (run from the repository root or pass --peer-script)", cmd.script.display()));
+    }
+    let list: Vec<Value> = jobs
+        .iter()
+        .map(|j| {
+            json!({
+                "id": j.id, "model_dir": j.model_dir, "dtype": j.dtype, "batch": j.batch, "seq": j.seq,
+                "ids": j.ids, "mask": j.mask, "hidden_out": j.hidden_out,
+            })
+        })
+        .collect();
+    let jobs_path = dir.join("jobs.json");
+    if let Err(e) = std::fs::write(&jobs_path, Value::Array(list).to_string()) {
+        return PeerOutcome::Unavailable(format!("cannot write {}: {e}", jobs_path.display()));
+    }
+    let child = Command::new(cmd.python)
+        .arg(cmd.script)
+        .arg(&jobs_path)
+        .args(["--runs", &cmd.runs.to_string(), "--warmup", &cmd.warmup.to_string(), "--device", cmd.device])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => return PeerOutcome::Unavailable(format!("cannot start '{}': {e}", cmd.python)),
+    };
+    let mut results = HashMap::new();
+    let mut notes = Vec::new();
+    let mut versions = String::new();
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            match parse_line(&line) {
+                Line::Fatal(msg) => notes.push(msg),
+                Line::Job { id, result, version } => {
+                    eprintln!("peer: {id}: eager {} µs, graph {} µs", fmt_opt(result.eager_us), fmt_opt(result.graph_us));
+                    if versions.is_empty() {
+                        versions = version;
+                    }
+                    results.insert(id, result);
+                }
+                Line::Other(l) => notes.push(format!("unexpected peer output: {l}")),
+            }
+        }
+    }
+    let status = child.wait();
+    let code = status.as_ref().ok().and_then(|s| s.code());
+    // Exit status 3 is the script's "cannot run here" (no torch, no GPU).
+    if code == Some(3) || (results.is_empty() && code != Some(0)) {
+        let why = if notes.is_empty() { format!("the peer exited with {status:?} and reported nothing") } else { notes.join("; ") };
+        return PeerOutcome::Unavailable(why);
+    }
+    if code != Some(0) {
+        notes.push(format!("the peer exited with {status:?}; configurations without a result were not measured"));
+    }
+    PeerOutcome::Ran { versions, results, notes }
+}
+
+fn fmt_opt(v: Option<f64>) -> String {
+    v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "—".into())
+}
+
+enum Line {
+    Fatal(String),
+    Job { id: String, result: PeerResult, version: String },
+    Other(String),
+}
+
+fn parse_line(line: &str) -> Line {
+    let Ok(v) = serde_json::from_str::<Value>(line) else {
+        return Line::Other(line.chars().take(200).collect());
+    };
+    let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+    let Some(id) = s("id") else {
+        return match s("error") {
+            Some(e) => Line::Fatal(e),
+            None => Line::Other(line.chars().take(200).collect()),
+        };
+    };
+    let mut r = PeerResult { eager_us: v.get("eager_us").and_then(Value::as_f64), graph_us: v.get("graph_us").and_then(Value::as_f64), ..Default::default() };
+    r.hidden = s("hidden_out").map(PathBuf::from);
+    if let Some(e) = s("error") {
+        r.notes.push(format!("PyTorch failed: {e}"));
+    }
+    if let Some(e) = s("graph_error") {
+        r.notes.push(format!("PyTorch CUDA graph: {e}"));
+    }
+    if let Some(form) = s("graph_mask") {
+        let diff = v.get("graph_vs_eager_max_abs").and_then(Value::as_f64).map(|d| format!("{d:.1e}")).unwrap_or_else(|| "?".into());
+        r.notes.push(format!("PyTorch CUDA graph captured with the {form} mask (max abs diff to its eager output {diff})"));
+    }
+    let version = format!(
+        "torch {}, transformers {} on {}",
+        s("torch").unwrap_or_else(|| "?".into()),
+        s("transformers").unwrap_or_else(|| "?".into()),
+        s("device").unwrap_or_else(|| "?".into())
+    );
+    Line::Job { id, result: r, version }
+}
+
+pub fn write_i64(path: &Path, values: &[i64]) -> Result<(), String> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// A file of little-endian f32 values; its length must be exactly `count`.
+pub fn read_f32(path: &Path, count: usize) -> Result<Vec<f32>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if bytes.len() != count * 4 {
+        return Err(format!("{}: expected {count} f32 values ({} bytes), found {} bytes", path.display(), count * 4, bytes.len()));
+    }
+    Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// How RLX's output relates to PyTorch's last hidden state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OutputKind {
+    /// [batch, seq, hidden]: compared at positions the mask keeps.
+    Hidden,
+    /// [batch, hidden]: PyTorch's hidden state mean-pooled over the mask
+    /// (and L2-normalised when `normalized`) first.
+    MeanPooled { normalized: bool },
+    /// [batch, hidden]: the first position of each row.
+    Cls { normalized: bool },
+}
+
+/// Max abs difference between RLX's output and the same quantity computed
+/// from PyTorch's hidden state, with the largest magnitude of the latter.
+pub fn compare(kind: OutputKind, rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usize, mask: &[i64]) -> Result<(f64, f64), String> {
+    let bs = batch * seq;
+    if bs == 0 || torch_hidden.len() % bs != 0 || mask.len() != bs {
+        return Err(format!("PyTorch hidden state of {} values does not fit batch {batch} × seq {seq} (mask {})", torch_hidden.len(), mask.len()));
+    }
+    let h = torch_hidden.len() / bs;
+    let mut max_diff = 0f64;
+    let mut scale = 0f64;
+    let mut note = |a: f64, b: f64| {
+        max_diff = max_diff.max((a - b).abs());
+        scale = scale.max(b.abs());
+    };
+    match kind {
+        OutputKind::Hidden => {
+            if rlx.len() != torch_hidden.len() {
+                return Err(format!("RLX output has {} values, PyTorch's hidden state {}", rlx.len(), torch_hidden.len()));
+            }
+            for p in (0..bs).filter(|&p| mask[p] != 0) {
+                for i in 0..h {
+                    note(f64::from(rlx[p * h + i]), f64::from(torch_hidden[p * h + i]));
+                }
+            }
+        }
+        OutputKind::MeanPooled { normalized } | OutputKind::Cls { normalized } => {
+            if rlx.len() != batch * h {
+                return Err(format!("RLX output has {} values, expected batch {batch} × hidden {h}", rlx.len()));
+            }
+            for b in 0..batch {
+                let mut v = vec![0f64; h];
+                if matches!(kind, OutputKind::Cls { .. }) {
+                    for (i, x) in v.iter_mut().enumerate() {
+                        *x = f64::from(torch_hidden[b * seq * h + i]);
+                    }
+                } else {
+                    let kept: Vec<usize> = (0..seq).filter(|&s| mask[b * seq + s] != 0).collect();
+                    for &s in &kept {
+                        for (i, x) in v.iter_mut().enumerate() {
+                            *x += f64::from(torch_hidden[(b * seq + s) * h + i]);
+                        }
+                    }
+                    let n = kept.len().max(1) as f64;
+                    v.iter_mut().for_each(|x| *x /= n);
+                }
+                if normalized {
+                    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+                    v.iter_mut().for_each(|x| *x /= norm);
+                }
+                for (i, x) in v.iter().enumerate() {
+                    note(f64::from(rlx[b * h + i]), *x);
+                }
+            }
+        }
+    }
+    Ok((max_diff, scale))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hidden_comparison_skips_masked_positions() {
+        // batch 1, seq 2, hidden 2; position 1 is padding and differs wildly.
+        let torch = [1.0, -2.0, 5.0, 5.0];
+        let rlx = [1.5, -2.0, 100.0, 100.0];
+        let (d, s) = compare(OutputKind::Hidden, &rlx, &torch, 1, 2, &[1, 0]).unwrap_or((f64::NAN, 0.0));
+        assert_eq!((d, s), (0.5, 2.0));
+    }
+
+    #[test]
+    fn pooled_comparison_means_then_normalises() {
+        // batch 2, seq 2, hidden 2.
+        let torch = [3.0, 0.0, 1.0, 4.0, /* row 1 */ 0.0, 2.0, 9.0, 9.0];
+        let mask = [1, 1, 1, 0];
+        // Row 0 mean (2, 2); row 1 mean (0, 2) (position 1 masked).
+        let rlx = [2.0, 2.0, 0.0, 2.25];
+        let (d, s) = compare(OutputKind::MeanPooled { normalized: false }, &rlx, &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
+        assert!((d - 0.25).abs() < 1e-12 && (s - 2.0).abs() < 1e-12, "{d} {s}");
+        let r = 0.5f32.sqrt();
+        let rlx = [r, r, 0.0, 1.0];
+        let (d, _) = compare(OutputKind::MeanPooled { normalized: true }, &rlx, &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
+        assert!(d < 1e-7, "{d}");
+        let (d, _) = compare(OutputKind::Cls { normalized: false }, &[3.0, 0.0, 0.0, 2.0], &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
+        assert_eq!(d, 0.0);
+    }
+
+    #[test]
+    fn mismatched_sizes_are_errors() {
+        assert!(compare(OutputKind::Hidden, &[0.0; 3], &[0.0; 4], 1, 2, &[1, 1]).is_err());
+        assert!(compare(OutputKind::MeanPooled { normalized: false }, &[0.0; 4], &[0.0; 4], 1, 2, &[1, 1]).is_err());
+        assert!(compare(OutputKind::Hidden, &[0.0; 4], &[0.0; 4], 1, 2, &[1]).is_err());
+    }
+
+    #[test]
+    fn peer_lines_parse_into_results_and_fatal_errors() {
+        match parse_line(r#"{"error": "python peer unavailable: no torch"}"#) {
+            Line::Fatal(m) => assert!(m.contains("no torch")),
+            _ => panic!("a line without id is fatal"),
+        }
+        let l = r#"{"id": "a", "eager_us": 2912.5, "graph_us": null, "graph_error": "capture failed", "hidden_out": "/t/h.bin", "torch": "2.11", "transformers": "5.0", "device": "H200"}"#;
+        match parse_line(l) {
+            Line::Job { id, result, version } => {
+                assert_eq!(id, "a");
+                assert_eq!(result.eager_us, Some(2912.5));
+                assert_eq!(result.graph_us, None);
+                assert_eq!(result.hidden, Some(PathBuf::from("/t/h.bin")));
+                assert!(result.notes[0].contains("capture failed"));
+                assert_eq!(version, "torch 2.11, transformers 5.0 on H200");
+            }
+            _ => panic!("a job line"),
+        }
+        assert!(matches!(parse_line("Some warning"), Line::Other(_)));
+    }
+
+    /// Runs `run` with `sh` standing in for python and a script body.
+    fn run_fake(name: &str, body: &str) -> PeerOutcome {
+        let dir = std::env::temp_dir().join(format!("rlx-bench-peer-{name}-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let script = dir.join("peer.sh");
+        let _ = std::fs::write(&script, body);
+        let cmd = PeerCommand { python: "sh", script: &script, runs: 3, warmup: 1, device: "cpu" };
+        let job = PeerJob {
+            id: "j1".into(),
+            model_dir: dir.clone(),
+            dtype: "f32".into(),
+            batch: 1,
+            seq: 2,
+            ids: dir.join("ids"),
+            mask: dir.join("mask"),
+            hidden_out: dir.join("h"),
+        };
+        let out = run(&cmd, &[job], &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        out
+    }
+
+    #[test]
+    fn a_peer_without_torch_is_reported_unavailable() {
+        let out = run_fake("notorch", "echo '{\"error\": \"python peer unavailable: cannot import torch\"}'; exit 3\n");
+        match out {
+            PeerOutcome::Unavailable(m) => assert!(m.contains("cannot import torch"), "{m}"),
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_peer_that_runs_reports_per_job_and_crashes_become_notes() {
+        // The jobs file path arrives as $1 and must exist.
+        let body = "test -f \"$1\" || exit 9\necho 'warming up'\necho '{\"id\": \"j1\", \"eager_us\": 10.0, \"graph_us\": 2.0, \"torch\": \"t\", \"transformers\": \"x\", \"device\": \"cpu\"}'\nexit 1\n";
+        match run_fake("runs", body) {
+            PeerOutcome::Ran { versions, results, notes } => {
+                assert_eq!(versions, "torch t, transformers x on cpu");
+                assert_eq!(results.get("j1").map(|r| (r.eager_us, r.graph_us)), Some((Some(10.0), Some(2.0))));
+                assert!(notes.iter().any(|n| n.contains("warming up")), "{notes:?}");
+                assert!(notes.iter().any(|n| n.contains("exited")), "{notes:?}");
+            }
+            other => panic!("expected Ran, got {other:?}"),
+        }
+        assert!(matches!(run_fake("nostart", "exit 9\n"), PeerOutcome::Unavailable(_)));
+    }
+
+    #[test]
+    fn f32_files_round_trip_and_lengths_are_checked() {
+        let dir = std::env::temp_dir().join(format!("rlx-bench-peer-test-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let p = dir.join("x.bin");
+        let vals = [1.5f32, -2.25, 3.0];
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let _ = std::fs::write(&p, bytes);
+        assert_eq!(read_f32(&p, 3).ok(), Some(vals.to_vec()));
+        assert!(read_f32(&p, 4).is_err());
+        let q = dir.join("i.bin");
+        assert!(write_i64(&q, &[7, -1]).is_ok());
+        assert_eq!(std::fs::read(&q).map(|b| b.len()).unwrap_or(0), 16);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
