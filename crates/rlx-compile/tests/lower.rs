@@ -1,0 +1,132 @@
+//! Lowering of whole layers: the expected thunks with the expected views,
+//! a JSON round trip, the printer, and clean errors for what cannot lower.
+
+mod common;
+
+use common::*;
+use rlx_compile::{compile, CompileError, CompileOptions, Schedule, Space, Thunk};
+use rlx_ir::{DType, Graph};
+
+fn kinds(s: &Schedule) -> Vec<&'static str> {
+    s.thunks.iter().map(|t| t.kind()).collect()
+}
+
+#[test]
+fn bert_layer_lowers_to_fused_thunks_with_strided_qkv() {
+    let c = compile(&bert_layer(true), &CompileOptions::default()).unwrap();
+    let s = &c.schedule;
+    assert_eq!(kinds(s), ["matmul", "attention", "matmul", "layer_norm", "matmul", "matmul", "layer_norm"], "{s}");
+    let Thunk::MatMul(qkv) = &s.thunks[0] else { unreachable!() };
+    assert_eq!((qkv.batch, qkv.m, qkv.n, qkv.k, qkv.b_trans, qkv.b_batch_stride), (1, 10, 48, 16, true, 0));
+    assert!(qkv.bias.is_some());
+    let w = &s.weights[match qkv.b.space { Space::Weight(i) => i as usize, _ => panic!("{s}") }];
+    assert_eq!(w.parts, ["q.w", "k.w", "v.w"]);
+    assert_eq!((w.concat_axis, w.shape.dims()), (0, &[48, 16][..]));
+    let Thunk::Attention(a) = &s.thunks[1] else { unreachable!() };
+    for (view, at) in [(a.q, 0), (a.k, 16), (a.v, 32)] {
+        assert_eq!((view.batch_stride, view.row_stride), (5 * 48, 48), "{s}");
+        assert_eq!(view.buf.offset, qkv.out.offset + at * 4);
+        assert_eq!(view.buf.space, Space::Arena);
+    }
+    assert!(a.mask.is_some() && a.mask_dtype == DType::F32);
+    let Thunk::Norm { residual, rms: false, .. } = &s.thunks[3] else { unreachable!() };
+    assert!(residual.is_some());
+    let Thunk::MatMul(ff1) = &s.thunks[4] else { unreachable!() };
+    assert_eq!(ff1.act, Some(rlx_ir::Activation::Gelu));
+    assert_eq!(s.inputs.len(), 2);
+    assert_eq!(s.outputs[0].name, "hidden");
+    assert!(s.arena.planned_bytes < s.arena.naive_bytes, "{s}");
+}
+
+#[test]
+fn schedule_round_trips_through_json_and_prints() {
+    for opts in [CompileOptions::default(), CompileOptions { precision: Some(DType::BF16), ..Default::default() }] {
+        let s = compile(&bert_layer(true), &opts).unwrap().schedule;
+        let json = serde_json::to_string(&s).unwrap();
+        let back: Schedule = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+        let text = s.to_string();
+        for want in ["matmul", "attention", "arena+0x", "w0", "% saved", "q.w+k.w+v.w", "hidden"] {
+            assert!(text.contains(want), "'{want}' missing from:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn bf16_storage_casts_at_the_edges() {
+    let opts = CompileOptions { precision: Some(DType::BF16), ..Default::default() };
+    let s = compile(&bert_layer(true), &opts).unwrap().schedule;
+    let k = kinds(&s);
+    assert_eq!(k.iter().filter(|k| **k == "cast").count(), 3, "x, mask in; hidden out: {s}");
+    assert_eq!(s.outputs[0].dtype, DType::F32);
+    for t in &s.thunks {
+        if let Thunk::MatMul(m) = t {
+            assert_eq!(m.dtype, DType::BF16);
+        }
+    }
+    assert!(s.weights.iter().all(|w| w.dtype == DType::BF16));
+}
+
+#[test]
+fn swiglu_reads_both_halves_of_the_merged_projection() {
+    let s = compile(&llama_mlp(), &CompileOptions::default()).unwrap().schedule;
+    assert_eq!(kinds(&s), ["binary", "rms_norm", "matmul", "swiglu", "matmul"], "{s}");
+    let (Thunk::MatMul(gu), Thunk::SwiGlu { rows, cols, gate, up, .. }) = (&s.thunks[2], &s.thunks[3]) else { unreachable!() };
+    assert_eq!((gu.n, *rows, *cols), (48, 6, 24));
+    assert_eq!((gate.row_stride, up.row_stride), (48, 48));
+    assert_eq!(up.buf.offset - gate.buf.offset, 24 * 4);
+    let Thunk::MatMul(down) = &s.thunks[4] else { unreachable!() };
+    assert!(down.residual.is_some());
+}
+
+#[test]
+fn views_of_leaves_are_copied_into_their_own_output_buffers() {
+    let mut g = Graph::new();
+    let x = g.input("x", [2, 4], DType::F32).unwrap();
+    let w = g.param("w", [3, 4], DType::F32).unwrap();
+    let wn = g.narrow(w, 0, 1, 2).unwrap(); // a view into the weight
+    g.output(x).unwrap();
+    g.output(wn).unwrap();
+    let s = compile(&g, &CompileOptions::default()).unwrap().schedule;
+    assert_eq!(kinds(&s), ["copy", "copy"], "{s}");
+    let Thunk::Copy { src, dst, .. } = &s.thunks[1] else { unreachable!() };
+    assert_eq!((src.space, src.offset), (Space::Weight(0), 16));
+    assert_eq!(*dst, s.outputs[1].buf);
+    assert_ne!(s.outputs[0].buf, s.inputs[0].buf);
+}
+
+#[test]
+fn unsupported_batch_broadcast_is_a_lowering_error() {
+    let mut g = Graph::new();
+    let a = g.input("a", [2, 1, 3, 4], DType::F32).unwrap();
+    let b = g.input("b", [1, 3, 4, 5], DType::F32).unwrap();
+    let y = g.matmul(a, b).unwrap();
+    g.output(y).unwrap();
+    let e = compile(&g, &CompileOptions::default()).unwrap_err();
+    assert!(matches!(e, CompileError::Lower { node: 2, .. }), "{e}");
+    assert!(e.to_string().contains("matmul"), "{e}");
+}
+
+#[test]
+fn reduce_over_split_axes_and_batched_matmul() {
+    let mut g = Graph::new();
+    let x = g.input("x", [2, 3, 4, 5], DType::F32).unwrap();
+    let r = g.reduce(rlx_ir::ReduceOp::Mean, x, &[1, 3], false).unwrap();
+    let y = g.input("y", [2, 3, 5, 2], DType::F32).unwrap();
+    let m = g.matmul(x, y).unwrap();
+    g.output(r).unwrap();
+    g.output(m).unwrap();
+    let c = compile(&g, &CompileOptions::default()).unwrap();
+    let s = &c.schedule;
+    assert_eq!(kinds(s), ["copy", "reduce", "matmul"], "{s}");
+    let (ins, ps) = random_feeds(&g, 9);
+    let err = max_rel_err(&Interp::new(s, &ps).run(&ins), &eval(&g, &ins, &ps));
+    assert!(err < 1e-5, "{err:e}");
+}
+
+#[test]
+#[ignore = "prints a schedule for eyeballing"]
+fn show() {
+    let c = compile(&bert_layer(true), &CompileOptions::default()).unwrap();
+    println!("{}\n{}", c.after, c.schedule);
+}
