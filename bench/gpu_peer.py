@@ -40,6 +40,7 @@ def load_model(job, torch, transformers, device):
     )
     # A missing or unexpected weight would silently leave a random one in
     # place and make the output comparison meaningless.
+    info = info if isinstance(info, dict) else {}
     missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
     unexpected = [k for k in info.get("unexpected_keys", []) if not k.endswith("position_ids")]
     if missing or unexpected:

@@ -14,7 +14,7 @@ use clap::Args;
 use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, WeightStore};
 
 use model::{Inputs, ModelSpec};
-use peer::{OutputKind, PeerCommand, PeerJob, PeerOutcome};
+use peer::{PeerCommand, PeerJob, PeerOutcome};
 use report::{Context, Row};
 
 #[derive(Args)]
@@ -74,7 +74,6 @@ struct Timing {
 /// One configuration's RLX results awaiting the peer's.
 struct Pending {
     row: Row,
-    kind: OutputKind,
     rlx_output: Option<Vec<f32>>,
     inputs: Inputs,
 }
@@ -179,7 +178,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
 /// modes agree bit for bit.
 fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: &Inputs, args: &BenchArgs) -> Result<Pending, String> {
     let label = format!("{} {} {}x{}", spec.name, dtype, inputs.batch, inputs.seq);
-    let (graph, kind) = model::graph(spec, inputs.batch, inputs.seq)?;
+    let graph = model::graph(spec, inputs.batch, inputs.seq)?;
     let tensors = inputs.tensors()?;
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
     let mut session = Session::with_weights(device, store.clone()).map_err(|e| format!("{label}: {e}"))?;
@@ -214,7 +213,7 @@ fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: 
         row.notes.push(format!("replay and eager outputs differ (max abs diff {d:.3e}); they should be bit-identical"));
     }
     let rlx_output = replay.outputs.first().map(Tensor::to_f32);
-    Ok(Pending { row, kind, rlx_output, inputs: inputs.clone() })
+    Ok(Pending { row, rlx_output, inputs: inputs.clone() })
 }
 
 /// Warm-up, then `runs` timed calls: wall clock around submit + wait, the
@@ -255,20 +254,12 @@ fn merge_peer(p: &mut Pending, result: Option<&peer::PeerResult>) {
     p.row.notes.extend(r.notes.iter().cloned());
     let (Some(hidden_path), Some(rlx)) = (&r.hidden, &p.rlx_output) else { return };
     let (b, s) = (p.inputs.batch, p.inputs.seq);
-    let count = rlx_hidden_count(p, b, s);
-    let compared = peer::read_f32(hidden_path, count).and_then(|h| peer::compare(p.kind, rlx, &h, b, s, &p.inputs.mask));
+    // PyTorch's hidden state is [batch, seq, hidden]; RLX's pooled output [batch, hidden].
+    let count = rlx.len() * s;
+    let compared = peer::read_f32(hidden_path, count).and_then(|h| peer::compare_pooled(rlx, &h, b, s, &p.inputs.mask, model::POOLED_NORMALIZED));
     match compared {
         Ok(d) => p.row.max_abs_diff = Some(d),
         Err(e) => p.row.notes.push(format!("output comparison failed: {e}")),
-    }
-}
-
-/// Values in PyTorch's [batch, seq, hidden] output, from RLX's output size.
-fn rlx_hidden_count(p: &Pending, batch: usize, seq: usize) -> usize {
-    let n = p.rlx_output.as_ref().map_or(0, Vec::len);
-    match p.kind {
-        OutputKind::Hidden => n,
-        OutputKind::MeanPooled { .. } | OutputKind::Cls { .. } => n / batch.max(1) * batch * seq,
     }
 }
 

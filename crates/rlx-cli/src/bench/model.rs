@@ -10,8 +10,6 @@ use rlx::{Activation, DType, Graph, Tensor, WeightStore};
 use rlx_models::{build_bert_graph, random_weights, BertConfig, BertGraphOptions, ATTENTION_MASK, INPUT_IDS};
 use serde_json::json;
 
-use super::peer::OutputKind;
-
 /// A named model shape.
 #[derive(Debug, Clone)]
 pub struct ModelSpec {
@@ -48,15 +46,17 @@ pub fn weights(spec: &ModelSpec, seed: u64, dtype: DType) -> Result<Arc<WeightSt
     random_weights(&spec.cfg, seed, dtype).map_err(|e| format!("{}: random weights: {e}", spec.name))
 }
 
-/// The encoder for one bucket, with the output the bench compares.
-pub fn graph(spec: &ModelSpec, batch: usize, seq: usize) -> Result<(Graph, OutputKind), String> {
+/// The encoder for one bucket. Its output 0 is the mean of the last hidden
+/// state over the mask, not normalised (see [`POOLED_NORMALIZED`]).
+pub fn graph(spec: &ModelSpec, batch: usize, seq: usize) -> Result<Graph, String> {
     if seq > spec.cfg.max_position_embeddings {
         return Err(format!("{}: seq {seq} exceeds max_position_embeddings {}", spec.name, spec.cfg.max_position_embeddings));
     }
-    let g = build_bert_graph(&spec.cfg, batch, seq, &BertGraphOptions::default()).map_err(|e| format!("{}: building the graph: {e}", spec.name))?;
-    // Output 0 of the default graph is the mean over the mask, not normalised.
-    Ok((g, OutputKind::MeanPooled { normalized: false }))
+    build_bert_graph(&spec.cfg, batch, seq, &BertGraphOptions::default()).map_err(|e| format!("{}: building the graph: {e}", spec.name))
 }
+
+/// Whether [`graph`]'s pooled output is L2-normalised.
+pub const POOLED_NORMALIZED: bool = false;
 
 /// Token ids and mask for one bucket: row 0 full length, later rows padded
 /// by varying amounts so the key-padding path is exercised and visible in

@@ -172,71 +172,36 @@ pub fn read_f32(path: &Path, count: usize) -> Result<Vec<f32>, String> {
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-/// How RLX's output relates to PyTorch's last hidden state.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum OutputKind {
-    /// [batch, seq, hidden]: compared at positions the mask keeps.
-    Hidden,
-    /// [batch, hidden]: PyTorch's hidden state mean-pooled over the mask
-    /// (and L2-normalised when `normalized`) first.
-    MeanPooled { normalized: bool },
-    /// [batch, hidden]: the first position of each row.
-    Cls { normalized: bool },
-}
-
-/// Max abs difference between RLX's output and the same quantity computed
-/// from PyTorch's hidden state, with the largest magnitude of the latter.
-pub fn compare(kind: OutputKind, rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usize, mask: &[i64]) -> Result<(f64, f64), String> {
+/// Max abs difference between RLX's pooled output `[batch, hidden]` and
+/// PyTorch's last hidden state mean-pooled over the mask (L2-normalised too
+/// when `normalized`), with the largest magnitude of the latter.
+pub fn compare_pooled(rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usize, mask: &[i64], normalized: bool) -> Result<(f64, f64), String> {
     let bs = batch * seq;
     if bs == 0 || torch_hidden.len() % bs != 0 || mask.len() != bs {
         return Err(format!("PyTorch hidden state of {} values does not fit batch {batch} × seq {seq} (mask {})", torch_hidden.len(), mask.len()));
     }
     let h = torch_hidden.len() / bs;
-    let mut max_diff = 0f64;
-    let mut scale = 0f64;
-    let mut note = |a: f64, b: f64| {
-        max_diff = max_diff.max((a - b).abs());
-        scale = scale.max(b.abs());
-    };
-    match kind {
-        OutputKind::Hidden => {
-            if rlx.len() != torch_hidden.len() {
-                return Err(format!("RLX output has {} values, PyTorch's hidden state {}", rlx.len(), torch_hidden.len()));
-            }
-            for p in (0..bs).filter(|&p| mask[p] != 0) {
-                for i in 0..h {
-                    note(f64::from(rlx[p * h + i]), f64::from(torch_hidden[p * h + i]));
-                }
+    if rlx.len() != batch * h {
+        return Err(format!("RLX output has {} values, expected batch {batch} × hidden {h}", rlx.len()));
+    }
+    let (mut max_diff, mut scale) = (0f64, 0f64);
+    for b in 0..batch {
+        let mut v = vec![0f64; h];
+        let kept: Vec<usize> = (0..seq).filter(|&s| mask[b * seq + s] != 0).collect();
+        for &s in &kept {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x += f64::from(torch_hidden[(b * seq + s) * h + i]);
             }
         }
-        OutputKind::MeanPooled { normalized } | OutputKind::Cls { normalized } => {
-            if rlx.len() != batch * h {
-                return Err(format!("RLX output has {} values, expected batch {batch} × hidden {h}", rlx.len()));
-            }
-            for b in 0..batch {
-                let mut v = vec![0f64; h];
-                if matches!(kind, OutputKind::Cls { .. }) {
-                    for (i, x) in v.iter_mut().enumerate() {
-                        *x = f64::from(torch_hidden[b * seq * h + i]);
-                    }
-                } else {
-                    let kept: Vec<usize> = (0..seq).filter(|&s| mask[b * seq + s] != 0).collect();
-                    for &s in &kept {
-                        for (i, x) in v.iter_mut().enumerate() {
-                            *x += f64::from(torch_hidden[(b * seq + s) * h + i]);
-                        }
-                    }
-                    let n = kept.len().max(1) as f64;
-                    v.iter_mut().for_each(|x| *x /= n);
-                }
-                if normalized {
-                    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-                    v.iter_mut().for_each(|x| *x /= norm);
-                }
-                for (i, x) in v.iter().enumerate() {
-                    note(f64::from(rlx[b * h + i]), *x);
-                }
-            }
+        let n = kept.len().max(1) as f64;
+        v.iter_mut().for_each(|x| *x /= n);
+        if normalized {
+            let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+            v.iter_mut().for_each(|x| *x /= norm);
+        }
+        for (i, x) in v.iter().enumerate() {
+            max_diff = max_diff.max((f64::from(rlx[b * h + i]) - x).abs());
+            scale = scale.max(x.abs());
         }
     }
     Ok((max_diff, scale))
@@ -247,57 +212,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hidden_comparison_skips_masked_positions() {
-        // batch 1, seq 2, hidden 2; position 1 is padding and differs wildly.
-        let torch = [1.0, -2.0, 5.0, 5.0];
-        let rlx = [1.5, -2.0, 100.0, 100.0];
-        let (d, s) = compare(OutputKind::Hidden, &rlx, &torch, 1, 2, &[1, 0]).unwrap_or((f64::NAN, 0.0));
-        assert_eq!((d, s), (0.5, 2.0));
-    }
-
-    #[test]
-    fn pooled_comparison_means_then_normalises() {
-        // batch 2, seq 2, hidden 2.
-        let torch = [3.0, 0.0, 1.0, 4.0, /* row 1 */ 0.0, 2.0, 9.0, 9.0];
+    fn pooled_comparison_means_over_the_mask_then_normalises() {
+        // batch 2, seq 2, hidden 2; row 1's position 1 is padding with wild values.
+        let torch = [3.0, 0.0, 1.0, 4.0, /* row 1 */ 0.0, 2.0, 90.0, 90.0];
         let mask = [1, 1, 1, 0];
-        // Row 0 mean (2, 2); row 1 mean (0, 2) (position 1 masked).
+        // Row 0 mean (2, 2); row 1 mean (0, 2).
         let rlx = [2.0, 2.0, 0.0, 2.25];
-        let (d, s) = compare(OutputKind::MeanPooled { normalized: false }, &rlx, &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
+        let (d, s) = compare_pooled(&rlx, &torch, 2, 2, &mask, false).unwrap_or((f64::NAN, 0.0));
         assert!((d - 0.25).abs() < 1e-12 && (s - 2.0).abs() < 1e-12, "{d} {s}");
         let r = 0.5f32.sqrt();
-        let rlx = [r, r, 0.0, 1.0];
-        let (d, _) = compare(OutputKind::MeanPooled { normalized: true }, &rlx, &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
+        let (d, _) = compare_pooled(&[r, r, 0.0, 1.0], &torch, 2, 2, &mask, true).unwrap_or((f64::NAN, 0.0));
         assert!(d < 1e-7, "{d}");
-        let (d, _) = compare(OutputKind::Cls { normalized: false }, &[3.0, 0.0, 0.0, 2.0], &torch, 2, 2, &mask).unwrap_or((f64::NAN, 0.0));
-        assert_eq!(d, 0.0);
     }
 
     #[test]
     fn mismatched_sizes_are_errors() {
-        assert!(compare(OutputKind::Hidden, &[0.0; 3], &[0.0; 4], 1, 2, &[1, 1]).is_err());
-        assert!(compare(OutputKind::MeanPooled { normalized: false }, &[0.0; 4], &[0.0; 4], 1, 2, &[1, 1]).is_err());
-        assert!(compare(OutputKind::Hidden, &[0.0; 4], &[0.0; 4], 1, 2, &[1]).is_err());
-    }
-
-    #[test]
-    fn peer_lines_parse_into_results_and_fatal_errors() {
-        match parse_line(r#"{"error": "python peer unavailable: no torch"}"#) {
-            Line::Fatal(m) => assert!(m.contains("no torch")),
-            _ => panic!("a line without id is fatal"),
-        }
-        let l = r#"{"id": "a", "eager_us": 2912.5, "graph_us": null, "graph_error": "capture failed", "hidden_out": "/t/h.bin", "torch": "2.11", "transformers": "5.0", "device": "H200"}"#;
-        match parse_line(l) {
-            Line::Job { id, result, version } => {
-                assert_eq!(id, "a");
-                assert_eq!(result.eager_us, Some(2912.5));
-                assert_eq!(result.graph_us, None);
-                assert_eq!(result.hidden, Some(PathBuf::from("/t/h.bin")));
-                assert!(result.notes[0].contains("capture failed"));
-                assert_eq!(version, "torch 2.11, transformers 5.0 on H200");
-            }
-            _ => panic!("a job line"),
-        }
-        assert!(matches!(parse_line("Some warning"), Line::Other(_)));
+        assert!(compare_pooled(&[0.0; 3], &[0.0; 4], 1, 2, &[1, 1], false).is_err());
+        assert!(compare_pooled(&[0.0; 2], &[0.0; 5], 1, 2, &[1, 1], false).is_err());
+        assert!(compare_pooled(&[0.0; 2], &[0.0; 4], 1, 2, &[1], false).is_err());
     }
 
     /// Runs `run` with `sh` standing in for python and a script body.
