@@ -145,6 +145,37 @@ impl Planner<'_> {
         }) as u32
     }
 
+    /// A param read only through a derived slot (a concat or cast of
+    /// params) needs no slot of its own: backends would upload it for
+    /// nothing. Removes such slots and renumbers the rest.
+    fn drop_absorbed_weights(&mut self) {
+        let g = self.g;
+        let locs = &self.plan.locs;
+        let mut needed = vec![false; self.plan.weights.len()];
+        for (i, loc) in locs.iter().enumerate() {
+            if let Root::Weight(w) = loc.root {
+                let absorbed = |u: &usize| matches!(locs[*u].root, Root::Weight(_)) && matches!(g.nodes[*u].op, Op::Cast | Op::Concat { .. });
+                if self.is_output[i] || !self.users[i].iter().all(absorbed) {
+                    needed[w as usize] = true;
+                }
+            }
+        }
+        let mut renumber = vec![0u32; needed.len()];
+        let mut kept = vec![];
+        for (w, slot) in std::mem::take(&mut self.plan.weights).into_iter().enumerate() {
+            if needed[w] {
+                renumber[w] = kept.len() as u32;
+                kept.push(slot);
+            }
+        }
+        self.plan.weights = kept;
+        for loc in &mut self.plan.locs {
+            if let Root::Weight(w) = &mut loc.root {
+                *w = renumber[*w as usize];
+            }
+        }
+    }
+
     fn can_run_in_place(&self, i: usize) -> bool {
         let node = &self.g.nodes[i];
         let elementwise = match node.op {
@@ -276,6 +307,7 @@ pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
             }
         }
     }
+    p.drop_absorbed_weights();
     for (k, o) in g.outputs.iter().enumerate() {
         let loc = &p.plan.locs[o.0];
         let owned = matches!(loc.root, Root::Arena(b) if p.plan.buffers[b].kind == BufferKind::Value);

@@ -29,6 +29,9 @@ fn bert_layer_lowers_to_fused_thunks_with_strided_qkv() {
         assert_eq!(view.buf.space, Space::Arena);
     }
     assert!(a.mask.is_some() && a.mask_dtype == DType::F32);
+    // q.w, k.w, v.w are read only through the merged slot: no slots of their own.
+    assert_eq!(s.weights.len(), 2 + 2 + 2 + 2 + 2 + 2, "{s}");
+    assert!(s.weights.iter().all(|w| w.parts.len() == 3 || !w.name.starts_with(['q', 'k', 'v'])), "{s}");
     let Thunk::Norm { residual, rms: false, .. } = &s.thunks[3] else { unreachable!() };
     assert!(residual.is_some());
     let Thunk::MatMul(ff1) = &s.thunks[4] else { unreachable!() };
