@@ -1,0 +1,183 @@
+//! Elementwise kernels against f64 references: broadcasting binary ops
+//! (size-1 dims, rank differences, in place), activations (and erf itself),
+//! SwiGLU on strided halves, casts, strided copies. f32 tolerance 1e-5,
+//! f16/bf16 1e-2.
+
+mod reference;
+
+use rand::Rng;
+use reference::*;
+use rlx_compile::{RowsView, Thunk};
+use rlx_ir::{Activation, BinaryOp, DType};
+
+const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+const OPS: [BinaryOp; 4] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div];
+const ACTS: [Activation; 5] = [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu, Activation::Tanh];
+
+/// A random operand shape that broadcasts to `out`: a suffix of it (rank
+/// difference) with some dims set to 1. Returns its shape and broadcast
+/// strides over `out`.
+fn broadcast_operand(r: &mut rand::rngs::StdRng, out: &[usize]) -> (Vec<usize>, Vec<u64>) {
+    let drop = r.random_range(0..=out.len());
+    let mut shape: Vec<usize> = out[drop..].to_vec();
+    for d in shape.iter_mut() {
+        if r.random_bool(0.3) {
+            *d = 1;
+        }
+    }
+    let own = strides(&shape);
+    let mut st = vec![0u64; out.len()];
+    for (i, s) in shape.iter().enumerate() {
+        st[drop + i] = if *s == 1 { 0 } else { own[i] };
+    }
+    (shape, st)
+}
+
+#[test]
+fn binary_broadcasting_random() {
+    for seed in 0..120 {
+        let mut r = rng(seed);
+        let dtype = FLOATS[seed as usize % 3];
+        let op = OPS[r.random_range(0..4)];
+        let rank = r.random_range(0..5);
+        let out_shape: Vec<usize> = (0..rank).map(|_| if r.random_bool(0.2) { 1 } else { r.random_range(1..7) }).collect();
+        let (a_shape, a_st) = broadcast_operand(&mut r, &out_shape);
+        let (b_shape, b_st) = broadcast_operand(&mut r, &out_shape);
+        let a_vals = values(&mut r, a_shape.iter().product(), dtype);
+        // Keep divisors away from zero.
+        let b_vals: Vec<f64> = values(&mut r, b_shape.iter().product(), dtype).iter().map(|v| round_to(if op == BinaryOp::Div { v.signum() * (0.5 + v.abs()) } else { *v }, dtype)).collect();
+        let n: usize = out_shape.iter().product();
+        // In place when a already has the output's shape.
+        let in_place = a_shape == out_shape && r.random_bool(0.5);
+        let mut p = Plan::new();
+        let a = p.input("a", &a_shape, dtype);
+        let b = p.input("b", &b_shape, dtype);
+        let out = if in_place {
+            p.output_at("out", &out_shape, dtype, a);
+            a
+        } else {
+            p.output("out", &out_shape, dtype)
+        };
+        p.push(Thunk::Binary { op, dtype, out_shape: out_shape.clone(), a, a_strides: a_st.clone(), b, b_strides: b_st.clone(), out });
+        let want: Vec<f64> = (0..n)
+            .map(|i| {
+                let idx = unflatten(i, &out_shape);
+                let (x, y) = (at(&a_vals, &idx, &a_st), at(&b_vals, &idx, &b_st));
+                match op {
+                    BinaryOp::Add => x + y,
+                    BinaryOp::Sub => x - y,
+                    BinaryOp::Mul => x * y,
+                    BinaryOp::Div => x / y,
+                }
+            })
+            .collect();
+        let (at_, bt_) = (tensor(&a_shape, dtype, &a_vals), tensor(&b_shape, dtype, &b_vals));
+        let got = p.run(&[("a", &at_), ("b", &bt_)]).expect("binary runs");
+        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("seed {seed} {op:?} {dtype} {out_shape:?} <- {a_shape:?}, {b_shape:?} in_place {in_place}"));
+    }
+}
+
+#[test]
+fn erf_is_accurate() {
+    let mut worst: f64 = 0.0;
+    for i in -60000..=60000 {
+        let x = i as f64 * 1e-4;
+        worst = worst.max((rlx_cpu::erf(x) - erf_ref(x)).abs());
+    }
+    assert!(worst < 1e-7, "erf max error {worst:e}");
+    assert!(rlx_cpu::erf(0.0).abs() < 1e-8);
+    assert_eq!(rlx_cpu::erf(10.0), 1.0);
+}
+
+#[test]
+fn activations_random() {
+    for (s, act) in ACTS.iter().enumerate() {
+        for dtype in FLOATS {
+            let mut r = rng(s as u64);
+            let n = r.random_range(1..5000);
+            let vals: Vec<f64> = values(&mut r, n, DType::F32).iter().map(|v| round_to(v * 6.0, dtype)).collect();
+            let mut p = Plan::new();
+            let x = p.input("x", &[n], dtype);
+            // In place, as the planner lowers an activation whose input dies.
+            p.output_at("y", &[n], dtype, x);
+            p.push(Thunk::Activation { act: *act, dtype, n, x, out: x });
+            let want: Vec<f64> = vals.iter().map(|v| act_ref(*act, *v)).collect();
+            let got = p.run(&[("x", &tensor(&[n], dtype, &vals))]).expect("activation runs");
+            assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("{act:?} {dtype}"));
+        }
+    }
+}
+
+#[test]
+fn swiglu_strided_halves() {
+    for dtype in FLOATS {
+        let mut r = rng(3);
+        let (rows, cols) = (r.random_range(1..20), r.random_range(1..300));
+        // gate and up are the two halves of one [rows, 2*cols] projection.
+        let vals = values(&mut r, rows * 2 * cols, dtype);
+        let mut p = Plan::new();
+        let x = p.input("x", &[rows, 2 * cols], dtype);
+        let up_buf = rlx_compile::BufRef { offset: x.offset + (cols * dtype.size()) as u64, bytes: x.bytes - (cols * dtype.size()) as u64, ..x };
+        let out = p.output("y", &[rows, cols], dtype);
+        p.push(Thunk::SwiGlu {
+            dtype,
+            rows,
+            cols,
+            gate: RowsView { buf: x, row_stride: 2 * cols as u64 },
+            up: RowsView { buf: up_buf, row_stride: 2 * cols as u64 },
+            out,
+        });
+        let want: Vec<f64> = (0..rows * cols).map(|i| {
+            let (rr, c) = (i / cols, i % cols);
+            act_ref(Activation::Silu, vals[rr * 2 * cols + c]) * vals[rr * 2 * cols + cols + c]
+        }).collect();
+        let got = p.run(&[("x", &tensor(&[rows, 2 * cols], dtype, &vals))]).expect("swiglu runs");
+        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("swiglu {dtype}"));
+    }
+}
+
+#[test]
+fn cast_all_pairs() {
+    let all = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
+    for from in all {
+        for to in all {
+            let mut r = rng(11);
+            let n = 257;
+            let vals: Vec<f64> = (0..n).map(|_| round_to(r.random_range(-300.0..300.0), from)).collect();
+            let t = if from.is_float() { tensor(&[n], from, &vals) } else { ints(&[n], from, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>()) };
+            let mut p = Plan::new();
+            let src = p.input("x", &[n], from);
+            let dst = p.output("y", &[n], to);
+            p.push(Thunk::Cast { from, to, n, src, dst });
+            let got = p.run(&[("x", &t)]).expect("cast runs");
+            assert_eq!(got[0].dtype(), to);
+            // Same rule as the host tensor's conversion.
+            assert_eq!(got[0], t.to_dtype(to), "cast {from} -> {to}");
+        }
+    }
+}
+
+#[test]
+fn copy_strided_transpose_and_narrow() {
+    for (seed, dtype) in [DType::F32, DType::F16, DType::I32, DType::I64].into_iter().enumerate() {
+        let mut r = rng(seed as u64);
+        let (a, b, c) = (r.random_range(1..6), r.random_range(1..9), r.random_range(2..9));
+        // Source [a, b, c]; copy its transpose [c, a, b'] where b' narrows b.
+        let nb = r.random_range(1..=b);
+        let off = r.random_range(0..=b - nb);
+        let vals: Vec<f64> = (0..a * b * c).map(|i| i as f64 - 7.0).collect();
+        let t = if dtype.is_float() { tensor(&[a, b, c], dtype, &vals) } else { ints(&[a, b, c], dtype, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>()) };
+        let mut p = Plan::new();
+        let src = p.input("x", &[a, b, c], dtype);
+        let dst = p.output("y", &[c, a, nb], dtype);
+        let es = dtype.size() as u64;
+        let src_view = rlx_compile::BufRef { offset: src.offset + off as u64 * c as u64 * es, bytes: src.bytes - off as u64 * c as u64 * es, ..src };
+        p.push(Thunk::Copy { dtype, shape: vec![c, a, nb], src: src_view, src_strides: vec![1, (b * c) as u64, c as u64], dst, dst_strides: strides(&[c, a, nb]) });
+        let want: Vec<f64> = (0..c * a * nb).map(|i| {
+            let idx = unflatten(i, &[c, a, nb]);
+            vals[idx[1] * b * c + (idx[2] + off) * c + idx[0]]
+        }).collect();
+        let got = p.run(&[("x", &t)]).expect("copy runs");
+        assert_close(&got[0], &want, 0.0, &format!("copy {dtype}"));
+    }
+}
