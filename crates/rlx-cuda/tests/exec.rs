@@ -1,0 +1,290 @@
+//! The executable: pipelining, replay vs eager on a layer-shaped schedule,
+//! weight updates after recording, and every error path.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use rlx_compile::{AttentionThunk, MatMulThunk, SeqView, Thunk};
+use rlx_cuda::CudaBackend;
+use rlx_ir::{Activation, BinaryOp, DType};
+use rlx_runtime::{Backend, PrepareOptions, RuntimeError, Tensor};
+
+/// x [rows, h] -> QKV matmul (+bias) -> attention -> out-proj (+residual) ->
+/// LayerNorm -> FFN (erf-GELU) -> residual add: one encoder layer.
+fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64) -> Sb {
+    let mut r = rng(seed);
+    let rows = batch * seq;
+    let hd = h / heads;
+    let mut sb = Sb::new();
+    let x = sb.input("x", &[batch, seq, h], dt);
+    let mask = sb.input("mask", &[batch, seq], DType::I32);
+    let wqkv = sb.weight("wqkv", &[h, 3 * h], dt, &mut r);
+    let bqkv = sb.weight("bqkv", &[3 * h], dt, &mut r);
+    let qkv = sb.scratch((rows * 3 * h * dt.size()) as u64);
+    let mm = |a, b, bias, act, residual, out, n, k| {
+        Thunk::MatMul(MatMulThunk { dtype: dt, batch: 1, m: rows, n, k, a, lda: k as u64, a_batch_stride: (rows * k) as u64, b, b_trans: false, ldb: n as u64, b_batch_stride: 0, bias, act, residual, out })
+    };
+    sb.thunk(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
+    let att = sb.scratch((rows * h * dt.size()) as u64);
+    let view = |off: usize| SeqView {
+        buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, ..qkv },
+        batch_stride: (seq * 3 * h) as u64,
+        row_stride: (3 * h) as u64,
+    };
+    sb.thunk(Thunk::Attention(AttentionThunk {
+        dtype: dt,
+        batch,
+        heads,
+        kv_heads: heads,
+        head_dim: hd,
+        q_len: seq,
+        kv_len: seq,
+        scale: 1.0 / (hd as f32).sqrt(),
+        causal: false,
+        q: view(0),
+        k: view(h),
+        v: view(2 * h),
+        mask: Some(mask),
+        mask_dtype: DType::I32,
+        valid_len: None,
+        out: att,
+    }));
+    let wo = sb.weight("wo", &[h, h], dt, &mut r);
+    let proj = sb.scratch((rows * h * dt.size()) as u64);
+    sb.thunk(mm(att, wo, None, None, Some(x), proj, h, h));
+    let g1 = sb.weight("ln_g", &[h], dt, &mut r);
+    let b1 = sb.weight("ln_b", &[h], dt, &mut r);
+    let n1 = sb.scratch((rows * h * dt.size()) as u64);
+    sb.thunk(Thunk::Norm { rms: false, dtype: dt, rows, cols: h, eps: 1e-12, x: proj, residual: None, gamma: g1, beta: Some(b1), out: n1 });
+    let w1 = sb.weight("w1", &[h, 4 * h], dt, &mut r);
+    let bias1 = sb.weight("b1", &[4 * h], dt, &mut r);
+    let f1 = sb.scratch((rows * 4 * h * dt.size()) as u64);
+    sb.thunk(mm(n1, w1, Some(bias1), Some(Activation::Gelu), None, f1, 4 * h, h));
+    let w2 = sb.weight("w2", &[4 * h, h], dt, &mut r);
+    let f2 = sb.scratch((rows * h * dt.size()) as u64);
+    sb.thunk(mm(f1, w2, None, None, None, f2, h, 4 * h));
+    let out = sb.output("out", &[batch, seq, h], dt);
+    let st = vec![(seq * h) as u64, h as u64, 1];
+    sb.thunk(Thunk::Binary { op: BinaryOp::Add, dtype: dt, out_shape: vec![batch, seq, h], a: f2, a_strides: st.clone(), b: n1, b_strides: st, out });
+    sb
+}
+
+fn layer_inputs(dt: DType, batch: usize, seq: usize, h: usize, seed: u64) -> Vec<(String, Tensor)> {
+    let mut r = rng(seed);
+    let mut mask = vec![1i32; batch * seq];
+    for b in 1..batch {
+        for j in seq - b.min(seq - 1)..seq {
+            mask[b * seq + j] = 0;
+        }
+    }
+    named(vec![("x", rand_tensor(&mut r, &[batch, seq, h], dt)), ("mask", Tensor::from_i32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}")))])
+}
+
+#[test]
+fn encoder_layer_matches_cpu_and_replay_equals_eager() {
+    let Some(g) = gpu_or_dry() else { return };
+    for dt in FLOATS {
+        let (batch, seq, h, heads) = (2, 23, 96, 3);
+        let (s, w) = layer(dt, batch, seq, h, heads, 11).finish();
+        check(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), 3.0);
+    }
+}
+
+#[test]
+fn weights_update_after_recording() {
+    let Some(g) = gpu() else { return };
+    let dt = DType::F32;
+    let (s, w) = layer(dt, 1, 16, 64, 2, 21).finish();
+    let inputs = layer_inputs(dt, 1, 16, 64, 22);
+    let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut e = g.prepare(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let before = e.run(&refs).unwrap_or_else(|e| panic!("{e}"));
+    let mut r = rng(23);
+    w.set("w1", rand_tensor(&mut r, &[64, 256], DType::F32)).unwrap_or_else(|e| panic!("{e}"));
+    let after = e.run(&refs).unwrap_or_else(|e| panic!("{e}"));
+    assert_ne!(before[0].bytes(), after[0].bytes(), "output did not change after a weight update");
+    let cpu = rlx_cpu::CpuBackend::new();
+    let want = run(&cpu, &s, &w, &inputs, true).unwrap_or_else(|e| panic!("{e}"));
+    assert_close("after weight update", &after[0], &want[0], 3.0);
+}
+
+#[test]
+fn pipelining_stress_10000_calls() {
+    let Some(g) = gpu() else { return };
+    let dt = DType::F32;
+    let (m, n, k) = (4, 32, 16);
+    let mut r = rng(31);
+    let mut sb = Sb::new();
+    let x = sb.input("x", &[m, k], dt);
+    let wb = sb.weight("w", &[k, n], dt, &mut r);
+    let out = sb.output("out", &[m, n], dt);
+    sb.thunk(Thunk::MatMul(MatMulThunk { dtype: dt, batch: 1, m, n, k, a: x, lda: k as u64, a_batch_stride: (m * k) as u64, b: wb, b_trans: false, ldb: n as u64, b_batch_stride: 0, bias: None, act: Some(Activation::Relu), residual: None, out }));
+    let (s, w) = sb.finish();
+    let wt = w.get("w").unwrap_or_else(|| panic!("weight"));
+    let wv = wt.to_f32();
+    let expect = |xv: &[f32]| -> Vec<f32> {
+        let mut o = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let acc: f64 = (0..k).map(|p| xv[i * k + p] as f64 * wv[p * n + j] as f64).sum();
+                o[i * n + j] = acc.max(0.0) as f32;
+            }
+        }
+        o
+    };
+    let mut e = g.prepare(s, w, &PrepareOptions { slots: 3, replay: true, allow_tf32: false }).unwrap_or_else(|e| panic!("{e}"));
+    // Warm up, then measure device memory around the stress run.
+    let x0 = rand_tensor(&mut r, &[m, k], dt);
+    e.run(&[("x", &x0)]).unwrap_or_else(|e| panic!("{e}"));
+    let (free0, _) = g.memory_info().unwrap_or_else(|e| panic!("{e}"));
+    let mut inflight = std::collections::VecDeque::new();
+    let total = 10_000;
+    let mut checked = 0;
+    for i in 0..total {
+        let xv: Vec<f32> = (0..m * k).map(|j| ((i * 31 + j * 7) % 97) as f32 / 50.0 - 0.9).collect();
+        let t = Tensor::from_f32(vec![m, k], &xv).unwrap_or_else(|e| panic!("{e}"));
+        let ticket = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("submit {i}: {e}"));
+        inflight.push_back((ticket, xv));
+        if inflight.len() == 3 {
+            let (ticket, xv) = inflight.pop_front().unwrap_or_else(|| panic!("queue"));
+            let got = e.wait(ticket).unwrap_or_else(|e| panic!("wait: {e}"));
+            let want = expect(&xv);
+            for (a, b) in got[0].to_f32().iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-4 + 1e-4 * b.abs(), "call {checked}: {a} vs {b}");
+            }
+            checked += 1;
+        }
+    }
+    while let Some((ticket, xv)) = inflight.pop_front() {
+        let got = e.wait(ticket).unwrap_or_else(|e| panic!("wait: {e}"));
+        let want = expect(&xv);
+        for (a, b) in got[0].to_f32().iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 + 1e-4 * b.abs(), "call {checked}: {a} vs {b}");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, total);
+    let (free1, _) = g.memory_info().unwrap_or_else(|e| panic!("{e}"));
+    let drift = free0 as i64 - free1 as i64;
+    eprintln!("pipelining: {total} calls checked; device free memory drift {drift} bytes; host time of last submit {:?}", e.stats().last_host_time);
+    assert!(drift.abs() < 8 << 20, "device memory not flat: {drift} bytes");
+}
+
+#[test]
+fn busy_bad_ticket_and_dropped_ticket() {
+    let Some(g) = gpu() else { return };
+    let dt = DType::F32;
+    let mut sb = Sb::new();
+    let x = sb.input("x", &[64], dt);
+    let out = sb.output("y", &[64], dt);
+    sb.thunk(Thunk::Activation { act: Activation::Tanh, dtype: dt, n: 64, x, out });
+    let (s, w) = sb.finish();
+    let mut e = g.prepare(s, w, &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| panic!("{e}"));
+    let t = Tensor::from_f32(vec![64], &vec![0.5; 64]).unwrap_or_else(|e| panic!("{e}"));
+    let a = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("{e}"));
+    let b = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("{e}"));
+    match e.submit(&[("x", &t)]) {
+        Err(RuntimeError::Busy { slots: 2 }) => {}
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    drop(a);
+    // The dropped ticket's slot is free again.
+    let c = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("after drop: {e}"));
+    let bogus = rlx_runtime::Ticket::new(999, 0, Arc::new(Default::default()));
+    assert!(matches!(e.wait(bogus), Err(RuntimeError::BadTicket(999))));
+    for tk in [b, c] {
+        let y = e.wait(tk).unwrap_or_else(|e| panic!("{e}"));
+        assert!((y[0].to_f32()[0] - 0.5f32.tanh()).abs() < 1e-6);
+    }
+}
+
+#[test]
+fn input_errors_leave_the_executable_usable() {
+    let Some(g) = gpu() else { return };
+    let dt = DType::F32;
+    let (vocab, dim) = (10, 8);
+    let mut r = rng(41);
+    let mut sb = Sb::new();
+    let table = sb.weight("emb", &[vocab, dim], dt, &mut r);
+    let ids = sb.input("ids", &[3], DType::I32);
+    let out = sb.output("out", &[3, dim], dt);
+    sb.thunk(Thunk::Gather { dtype: dt, id_dtype: DType::I32, n: 3, dim, vocab, table, ids, out });
+    let (s, w) = sb.finish();
+    let mut e = g.prepare(s, w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let good = Tensor::from_i32(vec![3], &[1, 2, 9]).unwrap_or_else(|e| panic!("{e}"));
+    let wrong_shape = Tensor::from_i32(vec![4], &[1, 2, 3, 4]).unwrap_or_else(|e| panic!("{e}"));
+    let wrong_dtype = Tensor::from_f32(vec![3], &[1.0, 2.0, 3.0]).unwrap_or_else(|e| panic!("{e}"));
+    let bad_id = Tensor::from_i32(vec![3], &[1, 10, -1]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(e.run(&[("ids", &wrong_shape)]), Err(RuntimeError::Input { .. })));
+    assert!(matches!(e.run(&[("ids", &wrong_dtype)]), Err(RuntimeError::Input { .. })));
+    assert!(matches!(e.run(&[("nope", &good)]), Err(RuntimeError::Input { .. })));
+    assert!(matches!(e.run(&[]), Err(RuntimeError::Input { .. })));
+    let msg = match e.run(&[("ids", &bad_id)]) {
+        Err(err) => err.to_string(),
+        Ok(_) => panic!("an out-of-range id must be an error"),
+    };
+    assert!(msg.contains("gather id"), "{msg}");
+    let y = e.run(&[("ids", &good)]).unwrap_or_else(|e| panic!("still usable: {e}"));
+    let emb = w.get("emb").unwrap_or_else(|| panic!("emb")).to_f32();
+    assert_eq!(&y[0].to_f32()[..dim], &emb[dim..2 * dim]);
+    assert_eq!(&y[0].to_f32()[2 * dim..], &emb[9 * dim..10 * dim]);
+}
+
+#[test]
+fn state_overflow_is_an_error_and_state_persists() {
+    let Some(g) = gpu() else { return };
+    let dt = DType::F32;
+    let (max_rows, width) = (4, 3);
+    let mut sb = Sb::new();
+    let value = sb.input("value", &[1, 2, width], dt);
+    let pos = sb.input("pos", &[1], DType::I32);
+    let state = sb.state("cache", &[1, max_rows, width], dt);
+    sb.thunk(Thunk::WriteState { dtype: dt, batch: 1, max_rows, new_rows: 2, width, state, value, position: pos });
+    let (s, w) = sb.finish();
+    let mut e = g.prepare(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let v = Tensor::from_f32(vec![1, 2, width], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap_or_else(|e| panic!("{e}"));
+    let p = |x: i32| Tensor::from_i32(vec![1], &[x]).unwrap_or_else(|e| panic!("{e}"));
+    e.run(&[("value", &v), ("pos", &p(0))]).unwrap_or_else(|e| panic!("{e}"));
+    e.run(&[("value", &v), ("pos", &p(2))]).unwrap_or_else(|e| panic!("{e}"));
+    let err = e.run(&[("value", &v), ("pos", &p(3))]).err().unwrap_or_else(|| panic!("overflow must be an error"));
+    assert!(err.to_string().contains("state"), "{err}");
+    let c = e.read_state("cache").unwrap_or_else(|e| panic!("{e}")).to_f32();
+    assert_eq!(c, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    e.reset_state().unwrap_or_else(|e| panic!("{e}"));
+    assert!(e.read_state("cache").unwrap_or_else(|e| panic!("{e}")).to_f32().iter().all(|x| *x == 0.0));
+    assert!(e.read_state("missing").is_err());
+}
+
+#[test]
+fn out_of_memory_is_an_error() {
+    let Some(g) = gpu() else { return };
+    let mut sb = Sb::new();
+    let x = sb.input("x", &[4], DType::F32);
+    let out = sb.output("y", &[4], DType::F32);
+    // 2^46 bytes: far beyond any GPU.
+    let _huge = sb.state("huge", &[1 << 44], DType::F32);
+    sb.thunk(Thunk::Activation { act: Activation::Relu, dtype: DType::F32, n: 4, x, out });
+    let (s, w) = sb.finish();
+    match g.prepare(s, w, &PrepareOptions::default()) {
+        Err(RuntimeError::OutOfMemory { requested, free }) => {
+            assert_eq!(requested, 1 << 46);
+            assert!(free < requested);
+        }
+        Err(e) => panic!("expected OutOfMemory, got {e}"),
+        Ok(_) => panic!("expected OutOfMemory, got an executable"),
+    }
+}
+
+#[test]
+fn missing_device_is_an_error() {
+    // Runs with or without a GPU: either no driver or no device 4096.
+    match CudaBackend::new(4096) {
+        Err(e) => assert!(!e.to_string().is_empty()),
+        Ok(_) => panic!("device 4096 cannot exist"),
+    }
+    let d = rlx_cuda::doctor();
+    assert!(d.contains("CUDA driver") && d.contains("NVRTC"), "{d}");
+    eprintln!("{d}");
+}

@@ -1,0 +1,387 @@
+//! Every thunk kind, every float dtype, random (odd) shapes: the GPU against
+//! the CPU backend, and replay against eager bit for bit.
+
+mod common;
+
+use common::*;
+use rand::Rng;
+use rlx_compile::{AttentionThunk, MatMulThunk, RowsView, SeqView, Thunk};
+use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode};
+use rlx_runtime::Tensor;
+
+fn bytes(shape: &[usize], dt: DType) -> u64 {
+    (shape.iter().product::<usize>() * dt.size()) as u64
+}
+
+#[test]
+fn matmul_epilogues_and_layouts() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(1);
+    let acts = [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu), Some(Activation::Tanh)];
+    let mut case = 0;
+    for dt in FLOATS {
+        for (batch, m, n, k, b_trans, shared_b) in [(1, 7, 33, 19, false, true), (3, 13, 65, 70, true, true), (2, 5, 17, 40, false, false), (2, 9, 24, 31, true, false)] {
+            for (ai, act) in acts.iter().enumerate() {
+                case += 1;
+                let bias = (case % 2) == 0 || ai > 0;
+                let residual = case % 3 == 0;
+                let mut sb = Sb::new();
+                let a = sb.input("a", &[batch, m, k], dt);
+                let bshape: Vec<usize> = match (shared_b, b_trans) {
+                    (true, false) => vec![k, n],
+                    (true, true) => vec![n, k],
+                    (false, false) => vec![batch, k, n],
+                    (false, true) => vec![batch, n, k],
+                };
+                let bb = if shared_b { sb.weight("w", &bshape, dt, &mut r) } else { sb.input("b", &bshape, dt) };
+                let bias_buf = if bias { Some(sb.weight("bias", &[n], dt, &mut r)) } else { None };
+                let res_buf = if residual { Some(sb.input("res", &[batch, m, n], dt)) } else { None };
+                let out = sb.output("out", &[batch, m, n], dt);
+                sb.thunk(Thunk::MatMul(MatMulThunk {
+                    dtype: dt,
+                    batch,
+                    m,
+                    n,
+                    k,
+                    a,
+                    lda: k as u64,
+                    a_batch_stride: (m * k) as u64,
+                    b: bb,
+                    b_trans,
+                    ldb: if b_trans { k } else { n } as u64,
+                    b_batch_stride: if shared_b { 0 } else { (k * n) as u64 },
+                    bias: bias_buf,
+                    act: *act,
+                    residual: res_buf,
+                    out,
+                }));
+                let mut inputs = vec![("a", rand_tensor(&mut r, &[batch, m, k], dt))];
+                if !shared_b {
+                    inputs.push(("b", rand_tensor(&mut r, &bshape, dt)));
+                }
+                if residual {
+                    inputs.push(("res", rand_tensor(&mut r, &[batch, m, n], dt)));
+                }
+                let (s, w) = sb.finish();
+                let what = format!("matmul {dt} b{batch} {m}x{n}x{k} trans={b_trans} shared={shared_b} act={act:?} bias={bias} res={residual}");
+                check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn binary_broadcast() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(2);
+    for dt in FLOATS {
+        for (op, shape) in [(BinaryOp::Add, [3usize, 5, 7]), (BinaryOp::Sub, [2, 1, 33]), (BinaryOp::Mul, [4, 9, 1]), (BinaryOp::Div, [1, 3, 129])] {
+            let mut sb = Sb::new();
+            let n: usize = shape.iter().product();
+            let a = sb.input("a", &shape, dt);
+            // b broadcasts along the middle axis: shape [d0, 1, d2].
+            let bshape = [shape[0], 1, shape[2]];
+            let bb = sb.input("b", &bshape, dt);
+            let out = sb.output("out", &shape, dt);
+            let a_strides = vec![(shape[1] * shape[2]) as u64, shape[2] as u64, 1];
+            let b_strides = vec![shape[2] as u64, 0, 1];
+            sb.thunk(Thunk::Binary { op, dtype: dt, out_shape: shape.to_vec(), a, a_strides, b: bb, b_strides, out });
+            let mut bt = rand_tensor(&mut r, &bshape, dt);
+            if op == BinaryOp::Div {
+                // Keep divisors away from zero.
+                let v: Vec<f32> = bt.to_f32().iter().map(|x| if x.abs() < 0.25 { 0.5 } else { *x }).collect();
+                bt = Tensor::from_f32(bshape.to_vec(), &v).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+            }
+            let (s, w) = sb.finish();
+            check(&format!("binary {op:?} {dt} {shape:?} ({n})"), &g, &s, &w, &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]), 1.0);
+        }
+    }
+}
+
+#[test]
+fn activations_and_swiglu() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(3);
+    for dt in FLOATS {
+        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu, Activation::Tanh] {
+            let n = 1031;
+            let mut sb = Sb::new();
+            let x = sb.input("x", &[n], dt);
+            let out = sb.output("out", &[n], dt);
+            sb.thunk(Thunk::Activation { act, dtype: dt, n, x, out });
+            let (s, w) = sb.finish();
+            check(&format!("activation {act:?} {dt}"), &g, &s, &w, &named(vec![("x", rand_tensor(&mut r, &[n], dt))]), 1.0);
+        }
+        // SwiGLU over the two halves of one fused [rows, 2*cols] projection.
+        let (rows, cols) = (7, 45);
+        let mut sb = Sb::new();
+        let gu = sb.input("gu", &[rows, 2 * cols], dt);
+        let mut up = gu;
+        up.offset += (cols * dt.size()) as u64;
+        let out = sb.output("out", &[rows, cols], dt);
+        sb.thunk(Thunk::SwiGlu {
+            dtype: dt,
+            rows,
+            cols,
+            gate: RowsView { buf: gu, row_stride: 2 * cols as u64 },
+            up: RowsView { buf: up, row_stride: 2 * cols as u64 },
+            out,
+        });
+        let (s, w) = sb.finish();
+        check(&format!("swiglu {dt}"), &g, &s, &w, &named(vec![("gu", rand_tensor(&mut r, &[rows, 2 * cols], dt))]), 1.0);
+    }
+}
+
+#[test]
+fn norms_softmax_reduce_argmax() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(4);
+    for dt in FLOATS {
+        for (rms, with_res, rows, cols) in [(false, false, 5, 384), (false, true, 9, 771), (true, false, 3, 129), (true, true, 4, 64)] {
+            let mut sb = Sb::new();
+            let x = sb.input("x", &[rows, cols], dt);
+            let residual = if with_res { Some(sb.input("res", &[rows, cols], dt)) } else { None };
+            let gamma = sb.weight("gamma", &[cols], dt, &mut r);
+            let beta = if rms { None } else { Some(sb.weight("beta", &[cols], dt, &mut r)) };
+            let out = sb.output("out", &[rows, cols], dt);
+            sb.thunk(Thunk::Norm { rms, dtype: dt, rows, cols, eps: 1e-5, x, residual, gamma, beta, out });
+            let mut inputs = vec![("x", rand_tensor(&mut r, &[rows, cols], dt))];
+            if with_res {
+                inputs.push(("res", rand_tensor(&mut r, &[rows, cols], dt)));
+            }
+            let (s, w) = sb.finish();
+            check(&format!("norm rms={rms} res={with_res} {dt} {rows}x{cols}"), &g, &s, &w, &named(inputs), 2.0);
+        }
+        for (outer, len, inner) in [(3, 37, 1), (2, 300, 5), (1, 1000, 2)] {
+            let shape = [outer, len, inner];
+            let mut sb = Sb::new();
+            let x = sb.input("x", &shape, dt);
+            let sm = sb.output("softmax", &shape, dt);
+            let sum = sb.output("sum", &[outer, inner], dt);
+            let mean = sb.output("mean", &[outer, inner], dt);
+            let max = sb.output("max", &[outer, inner], dt);
+            let am = sb.output("argmax", &[outer, inner], DType::I32);
+            sb.thunk(Thunk::Softmax { dtype: dt, outer, len, inner, x, out: sm });
+            sb.thunk(Thunk::Reduce { op: ReduceOp::Sum, dtype: dt, outer, len, inner, x, out: sum });
+            sb.thunk(Thunk::Reduce { op: ReduceOp::Mean, dtype: dt, outer, len, inner, x, out: mean });
+            sb.thunk(Thunk::Reduce { op: ReduceOp::Max, dtype: dt, outer, len, inner, x, out: max });
+            sb.thunk(Thunk::ArgMax { dtype: dt, outer, len, inner, x, out: am });
+            let (s, w) = sb.finish();
+            check(&format!("softmax/reduce/argmax {dt} {shape:?}"), &g, &s, &w, &named(vec![("x", rand_tensor(&mut r, &shape, dt))]), (len as f64).sqrt());
+        }
+    }
+}
+
+#[test]
+fn topk_runs_on_the_host_between_segments() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(5);
+    for dt in FLOATS {
+        let (rows, len, k) = (3, 257, 7);
+        let mut sb = Sb::new();
+        let x0 = sb.input("x", &[rows, len], dt);
+        let x = sb.scratch(bytes(&[rows, len], dt));
+        // A kernel before and after the host step: two replay segments.
+        sb.thunk(Thunk::Activation { act: Activation::Tanh, dtype: dt, n: rows * len, x: x0, out: x });
+        let values = sb.scratch(bytes(&[rows, k], dt));
+        let indices = sb.output("indices", &[rows, k], DType::I32);
+        sb.thunk(Thunk::TopK { dtype: dt, rows, len, k, x, values: Some(values), indices: Some(indices) });
+        let out = sb.output("values2", &[rows, k], dt);
+        sb.thunk(Thunk::Activation { act: Activation::Relu, dtype: dt, n: rows * k, x: values, out });
+        let (s, w) = sb.finish();
+        check(&format!("topk {dt}"), &g, &s, &w, &named(vec![("x", rand_tensor(&mut r, &[rows, len], dt))]), 1.0);
+        if let Some(g) = &g {
+            let e = g.prepare_cuda(s.clone(), w.clone(), &Default::default()).unwrap_or_else(|e| panic!("{e}"));
+            let map = e.segment_map();
+            assert!(map.contains("host") && map.matches("replay").count() >= 2, "expected replay/host/replay segments:\n{map}");
+        }
+    }
+}
+
+#[test]
+fn gather_copy_cast() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(6);
+    for dt in FLOATS {
+        for id_dt in [DType::I32, DType::I64] {
+            let (vocab, dim, n) = (50, 37, 11);
+            let mut sb = Sb::new();
+            let table = sb.weight("emb", &[vocab, dim], dt, &mut r);
+            let ids = sb.input("ids", &[n], id_dt);
+            let out = sb.output("out", &[n, dim], dt);
+            sb.thunk(Thunk::Gather { dtype: dt, id_dtype: id_dt, n, dim, vocab, table, ids, out });
+            let idv: Vec<i32> = (0..n).map(|_| r.random_range(0..vocab as i32)).collect();
+            let ids_t = Tensor::from_i32(vec![n], &idv).unwrap_or_else(|e| panic!("{e}")).to_dtype(id_dt);
+            let (s, w) = sb.finish();
+            check(&format!("gather {dt} ids {id_dt}"), &g, &s, &w, &named(vec![("ids", ids_t)]), 1.0);
+        }
+        // Transpose [4, 6, 5] -> [5, 4, 6] through a strided copy, then casts.
+        let (a0, a1, a2) = (4usize, 6usize, 5usize);
+        let mut sb = Sb::new();
+        let x = sb.input("x", &[a0, a1, a2], dt);
+        let t = sb.output("t", &[a2, a0, a1], dt);
+        sb.thunk(Thunk::Copy {
+            dtype: dt,
+            shape: vec![a2, a0, a1],
+            src: x,
+            src_strides: vec![1, (a1 * a2) as u64, a2 as u64],
+            dst: t,
+            dst_strides: vec![(a0 * a1) as u64, a1 as u64, 1],
+        });
+        let n = a0 * a1 * a2;
+        for (name, to) in [("to_f32", DType::F32), ("to_f16", DType::F16), ("to_bf16", DType::BF16), ("to_i32", DType::I32)] {
+            let out = sb.output(name, &[n], to);
+            sb.thunk(Thunk::Cast { from: dt, to, n, src: x, dst: out });
+        }
+        let ints = sb.input("ints", &[n], DType::I64);
+        let back = sb.output("i64_to_this", &[n], dt);
+        sb.thunk(Thunk::Cast { from: DType::I64, to: dt, n, src: ints, dst: back });
+        let iv: Vec<i64> = (0..n).map(|_| r.random_range(-100..100)).collect();
+        let (s, w) = sb.finish();
+        let xt = Tensor::from_f32(vec![a0, a1, a2], &(0..n).map(|_| r.random_range(-9.0f32..9.0)).collect::<Vec<_>>()).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+        check(&format!("copy/cast {dt}"), &g, &s, &w, &named(vec![("x", xt), ("ints", Tensor::from_i64(vec![n], &iv).unwrap_or_else(|e| panic!("{e}")))]), 1.0);
+    }
+}
+
+#[test]
+fn rope_both_modes() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(7);
+    for dt in FLOATS {
+        for (mode, per_batch) in [(RopeMode::RotateHalf, false), (RopeMode::Interleaved, true)] {
+            let (batch, seq, heads, hd) = (2, 9, 3, 32);
+            let width = heads * hd;
+            let mut sb = Sb::new();
+            // x is the first third of a fused [batch, seq, 3*width] projection.
+            let x = sb.input("qkv", &[batch, seq, 3 * width], dt);
+            let pshape = if per_batch { vec![batch, seq] } else { vec![seq] };
+            let positions = sb.input("pos", &pshape, DType::I32);
+            let out = sb.output("out", &[batch, seq, width], dt);
+            sb.thunk(Thunk::Rope {
+                dtype: dt,
+                mode,
+                theta: 10000.0,
+                batch,
+                seq,
+                heads,
+                head_dim: hd,
+                x: SeqView { buf: x, batch_stride: (seq * 3 * width) as u64, row_stride: (3 * width) as u64 },
+                positions,
+                positions_per_batch: per_batch,
+                out,
+            });
+            let pv: Vec<i32> = (0..pshape.iter().product::<usize>()).map(|_| r.random_range(0..200)).collect();
+            let (s, w) = sb.finish();
+            let inputs = vec![("qkv", rand_tensor(&mut r, &[batch, seq, 3 * width], dt)), ("pos", Tensor::from_i32(pshape.clone(), &pv).unwrap_or_else(|e| panic!("{e}")))];
+            check(&format!("rope {mode:?} {dt}"), &g, &s, &w, &named(inputs), 2.0);
+        }
+    }
+}
+
+/// Attention with Q, K, V read out of one fused QKV tensor through strides.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng, dt: DType, batch: usize, heads: usize, kv_heads: usize, hd: usize, q_len: usize, kv_len: usize, causal: bool, mask: bool, valid: Option<i32>) {
+    let qw = heads * hd;
+    let kw = kv_heads * hd;
+    let row = if q_len == kv_len { qw + 2 * kw } else { 0 };
+    let mut sb = Sb::new();
+    let (q, k, v);
+    let mut inputs = Vec::new();
+    if row > 0 {
+        let qkv = sb.input("qkv", &[batch, q_len, row], dt);
+        inputs.push(("qkv", rand_tensor(r, &[batch, q_len, row], dt)));
+        let view = |off: usize| SeqView {
+            buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, ..qkv },
+            batch_stride: (q_len * row) as u64,
+            row_stride: row as u64,
+        };
+        (q, k, v) = (view(0), view(qw), view(qw + kw));
+    } else {
+        let qb = sb.input("q", &[batch, q_len, qw], dt);
+        let kb = sb.input("k", &[batch, kv_len, kw], dt);
+        let vb = sb.input("v", &[batch, kv_len, kw], dt);
+        inputs.push(("q", rand_tensor(r, &[batch, q_len, qw], dt)));
+        inputs.push(("k", rand_tensor(r, &[batch, kv_len, kw], dt)));
+        inputs.push(("v", rand_tensor(r, &[batch, kv_len, kw], dt)));
+        q = SeqView { buf: qb, batch_stride: (q_len * qw) as u64, row_stride: qw as u64 };
+        k = SeqView { buf: kb, batch_stride: (kv_len * kw) as u64, row_stride: kw as u64 };
+        v = SeqView { buf: vb, batch_stride: (kv_len * kw) as u64, row_stride: kw as u64 };
+    }
+    let mask_buf = if mask {
+        let m = sb.input("mask", &[batch, kv_len], DType::F32);
+        // Each batch row keeps a random-length prefix of keys (at least one).
+        let mut mv = vec![0f32; batch * kv_len];
+        for b in 0..batch {
+            let keep = r.random_range(1..=kv_len);
+            for j in 0..keep {
+                mv[b * kv_len + j] = 1.0;
+            }
+        }
+        inputs.push(("mask", Tensor::from_f32(vec![batch, kv_len], &mv).unwrap_or_else(|e| panic!("{e}"))));
+        Some(m)
+    } else {
+        None
+    };
+    let valid_buf = valid.map(|vl| {
+        let b = sb.input("valid", &[1], DType::I32);
+        inputs.push(("valid", Tensor::from_i32(vec![1], &[vl]).unwrap_or_else(|e| panic!("{e}"))));
+        b
+    });
+    let out = sb.output("out", &[batch, q_len, qw], dt);
+    sb.thunk(Thunk::Attention(AttentionThunk {
+        dtype: dt,
+        batch,
+        heads,
+        kv_heads,
+        head_dim: hd,
+        q_len,
+        kv_len,
+        scale: 1.0 / (hd as f32).sqrt(),
+        causal,
+        q,
+        k,
+        v,
+        mask: mask_buf,
+        mask_dtype: DType::F32,
+        valid_len: valid_buf,
+        out,
+    }));
+    let (s, w) = sb.finish();
+    let what = format!("attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?}");
+    check(&what, g, &s, &w, &named(inputs), 1.0);
+}
+
+#[test]
+fn attention_masks_gqa_strides() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(8);
+    for dt in FLOATS {
+        attention_case(&g, &mut r, dt, 2, 4, 4, 32, 37, 37, false, true, None);
+        attention_case(&g, &mut r, dt, 1, 6, 2, 64, 50, 50, true, false, None);
+        attention_case(&g, &mut r, dt, 2, 2, 1, 80, 19, 19, true, true, None);
+        attention_case(&g, &mut r, dt, 1, 2, 2, 128, 530, 530, false, true, None);
+        // Decode-style: a few new queries against a longer cache with a valid length.
+        attention_case(&g, &mut r, dt, 2, 4, 2, 64, 3, 600, true, false, Some(517));
+        attention_case(&g, &mut r, dt, 1, 3, 3, 96, 1, 64, false, false, Some(40));
+    }
+}
+
+#[test]
+fn write_state_then_read() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(9);
+    for dt in FLOATS {
+        let (batch, max_rows, new_rows, width) = (2, 10, 3, 17);
+        let mut sb = Sb::new();
+        let value = sb.input("value", &[batch, new_rows, width], dt);
+        let pos = sb.input("pos", &[1], DType::I32);
+        let state = sb.state("cache", &[batch, max_rows, width], dt);
+        sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos });
+        let out = sb.output("out", &[batch, max_rows, width], dt);
+        sb.thunk(Thunk::Copy { dtype: dt, shape: vec![batch * max_rows * width], src: state, src_strides: vec![1], dst: out, dst_strides: vec![1] });
+        let (s, w) = sb.finish();
+        let v = rand_tensor(&mut r, &[batch, new_rows, width], dt);
+        let p = Tensor::from_i32(vec![1], &[4]).unwrap_or_else(|e| panic!("{e}"));
+        check(&format!("write_state {dt}"), &g, &s, &w, &named(vec![("value", v), ("pos", p)]), 1.0);
+    }
+}
