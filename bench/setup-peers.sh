@@ -3,3 +3,7 @@
 set -euo pipefail
 # numpy (OpenBLAS) for the CPU matmul comparison; threadpoolctl reports its BLAS and core type.
 python3 -m pip install --quiet numpy threadpoolctl || python3 -m pip install --quiet --break-system-packages numpy threadpoolctl
+# Sentence-embedding peers (bench/embed_peers.py): PyTorch eager, ONNX Runtime (plain and after its
+# transformer optimizer), the ONNX exporter. PyPI has no CPU-only torch wheel, so this is the default
+# (CUDA) build, run on the CPU; several GB.
+python3 -m pip install --quiet torch transformers onnx onnxruntime onnxscript || python3 -m pip install --quiet --break-system-packages torch transformers onnx onnxruntime onnxscript
