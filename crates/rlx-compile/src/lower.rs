@@ -364,8 +364,35 @@ impl Lowerer<'_> {
     }
 }
 
-/// Turns a planned graph into a schedule.
+/// Cheap consistency checks so a plan of another graph is an error, not
+/// an out-of-bounds panic.
+fn check_plan(g: &Graph, plan: &ArenaPlan) -> Result<()> {
+    let bad = |detail: String| CompileError::Lower { node: 0, op: "plan".into(), detail };
+    if plan.locs.len() != g.len() || plan.output_copy.len() != g.outputs.len() || plan.scratch.len() != g.len() || plan.in_place.len() != g.len() {
+        return Err(bad(format!("the plan covers {} nodes and {} outputs, the graph has {} and {}", plan.locs.len(), plan.output_copy.len(), g.len(), g.outputs.len())));
+    }
+    let nb = plan.buffers.len();
+    for (i, (loc, n)) in plan.locs.iter().zip(&g.nodes).enumerate() {
+        let root_ok = match loc.root {
+            Root::Arena(b) => b < nb,
+            Root::Weight(w) => (w as usize) < plan.weights.len(),
+            Root::State(s) => (s as usize) < plan.states.len(),
+            Root::Const(c) => (c as usize) < plan.consts.len(),
+        };
+        if !root_ok || loc.strides.len() != n.shape.rank() {
+            return Err(lower_err(g, i, "the plan does not match this graph (was it planned from another one?)"));
+        }
+    }
+    if plan.scratch.iter().chain(&plan.output_copy).flatten().any(|&b| b >= nb) {
+        return Err(bad("the plan refers to a buffer it does not have".into()));
+    }
+    Ok(())
+}
+
+/// Turns a planned graph into a schedule; `plan` must come from
+/// [`plan`](crate::plan::plan) of this same graph.
 pub fn lower(g: &Graph, plan: &ArenaPlan) -> Result<Schedule> {
+    check_plan(g, plan)?;
     let mut l = Lowerer { g, plan, thunks: vec![] };
     for i in 0..g.len() {
         l.lower_node(i)?;

@@ -272,8 +272,9 @@ pub(crate) fn lower_err(g: &Graph, i: usize, detail: impl Into<String>) -> Compi
     CompileError::Lower { node: i, op: g.nodes[i].op.name().to_string(), detail: detail.into() }
 }
 
-/// Places every value of a verified graph.
+/// Places every value of a graph (verified first).
 pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
+    g.verify()?;
     let n = g.len();
     let users = users(g);
     let mut is_output = vec![false; n];

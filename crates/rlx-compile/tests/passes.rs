@@ -191,3 +191,23 @@ fn invalid_graph_is_an_error_not_a_panic() {
     let e = compile(&g, &CompileOptions::default()).unwrap_err();
     assert!(e.to_string().contains("node 1"), "{e}");
 }
+
+#[test]
+fn fuse_never_claims_a_node_twice() {
+    // a·w1 + b·w2: the first matmul's chain takes the add as its residual;
+    // the second matmul must then stay a plain matmul.
+    let mut g = Graph::new();
+    let a = g.input("a", [3, 8], DType::F32).unwrap();
+    let b = g.input("b", [3, 8], DType::F32).unwrap();
+    let w1 = g.param("w1", [8, 8], DType::F32).unwrap();
+    let w2 = g.param("w2", [8, 8], DType::F32).unwrap();
+    let y1 = g.matmul(a, w1).unwrap();
+    let y2 = g.matmul(b, w2).unwrap();
+    let s = g.add(y1, y2).unwrap();
+    g.output(s).unwrap();
+    let after = fuse::run(&g).unwrap();
+    after.verify().unwrap();
+    assert_eq!(count(&after, |o| matches!(o, Op::MatMulFused { residual: true, .. })), 1, "{after}");
+    assert_eq!(count(&after, |o| matches!(o, Op::MatMul { .. })), 1, "{after}");
+    same_values(&g, &after, 7);
+}

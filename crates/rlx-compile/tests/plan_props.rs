@@ -52,7 +52,12 @@ fn random_graph(seed: u64, steps: usize) -> Graph {
                 let mut out = vec![];
                 for _ in 0..rng.random_range(1..=2) {
                     let p = if t { param(&mut g, &[n, w]) } else { param(&mut g, &[w, n]) };
-                    out.push(if t { g.matmul_t(a, p) } else { g.matmul(a, p) }.unwrap());
+                    let mut y = if t { g.matmul_t(a, p) } else { g.matmul(a, p) }.unwrap();
+                    if rng.random_bool(0.5) {
+                        let bias = param(&mut g, &[n]);
+                        y = g.add(y, bias).unwrap();
+                    }
+                    out.push(y);
                 }
                 pool.extend(&out[..out.len() - 1]);
                 Ok(out[out.len() - 1])
@@ -207,4 +212,30 @@ fn elementwise_runs_in_place_when_its_input_dies() {
     let s = compile(&g, &opts).unwrap().schedule;
     let Thunk::Activation { x, out, .. } = &s.thunks[0] else { panic!("{s}") };
     assert_ne!(x, out, "{s}");
+}
+
+/// The random graphs really exercise what the property test is about:
+/// strided views, bias epilogues, in-place ops, merged weights, output
+/// copies and reduces through scratch.
+#[test]
+fn random_graphs_cover_the_interesting_cases() {
+    let mut c = [0usize; 6];
+    for seed in 0..600u64 {
+        let g = random_graph(seed, 1 + (seed as usize % 23));
+        let s = compile(&g, &CompileOptions::default()).unwrap().schedule;
+        for t in &s.thunks {
+            match t {
+                Thunk::MatMul(m) if m.lda != m.k as u64 => c[0] += 1,
+                Thunk::SwiGlu { gate, cols, .. } if gate.row_stride != *cols as u64 => c[0] += 1,
+                Thunk::MatMul(m) if m.bias.is_some() => c[1] += 1,
+                Thunk::Activation { x, out, .. } if x == out => c[2] += 1,
+                Thunk::Binary { a, out, .. } if a == out => c[2] += 1,
+                _ => {}
+            }
+        }
+        c[3] += s.weights.iter().filter(|w| w.parts.len() > 1).count();
+        c[4] += s.outputs.iter().filter(|o| s.thunks.iter().any(|t| matches!(t, Thunk::Copy { dst, .. } if dst == &o.buf))).count();
+        c[5] += s.thunks.iter().filter(|t| matches!(t, Thunk::Reduce { inner: 1, .. })).count();
+    }
+    assert!(c.iter().all(|&n| n > 0), "strided, bias, in-place, merged, output copy, scratch reduce: {c:?}");
 }

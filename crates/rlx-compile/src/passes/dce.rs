@@ -7,6 +7,7 @@ use rlx_ir::{Graph, IrError, Op};
 use super::{emit, map_ids, map_outputs};
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
+    g.verify()?;
     let n = g.len();
     let mut live = vec![false; n];
     for o in &g.outputs {

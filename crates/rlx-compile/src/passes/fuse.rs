@@ -70,6 +70,7 @@ impl Ctx<'_> {
 }
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
+    g.verify()?;
     let cx = Ctx { g, users: users(g), uses: g.use_counts() };
     let mut plan = vec![Plan::Keep; g.len()];
     for (i, node) in g.nodes.iter().enumerate() {
@@ -122,8 +123,11 @@ fn matmul_chain(cx: &Ctx, plan: &mut [Plan], mm: usize, transpose_rhs: bool) {
     let n = out_shape.last();
     let mut cur = mm;
     let mut chain = vec![];
+    // A user already claimed by an earlier chain (as its residual add)
+    // must not be claimed twice.
+    let free_user = |cur: usize| cx.sole_user(cur).filter(|&u| matches!(plan[u], Plan::Keep));
     let (mut bias, mut act, mut residual) = (None, None, None);
-    if let Some(u) = cx.sole_user(cur) {
+    if let Some(u) = free_user(cur) {
         let b = cx.other(u, cur).filter(|&b| g.nodes[b].shape.dims() == [n]);
         if cx.is_binary(u, BinaryOp::Add) && b.is_some() && g.nodes[u].shape == *out_shape {
             bias = b;
@@ -131,7 +135,7 @@ fn matmul_chain(cx: &Ctx, plan: &mut [Plan], mm: usize, transpose_rhs: bool) {
             cur = u;
         }
     }
-    if let Some(u) = cx.sole_user(cur) {
+    if let Some(u) = free_user(cur) {
         if let Op::Activation(a) = g.nodes[u].op {
             if !(a == Activation::Silu && cx.feeds_swiglu(u)) {
                 act = Some(a);
@@ -140,7 +144,7 @@ fn matmul_chain(cx: &Ctx, plan: &mut [Plan], mm: usize, transpose_rhs: bool) {
             }
         }
     }
-    if let Some(u) = cx.sole_user(cur) {
+    if let Some(u) = free_user(cur) {
         let r = cx.other(u, cur).filter(|&r| g.nodes[r].shape == *out_shape);
         if cx.is_binary(u, BinaryOp::Add) && r.is_some() && g.nodes[u].shape == *out_shape && !cx.feeds_norm(u) {
             residual = r;

@@ -63,6 +63,7 @@ fn find_groups(g: &Graph) -> Vec<Group> {
 }
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
+    g.verify()?;
     let groups = find_groups(g);
     let n = g.len();
     // Per node: the group it starts, or `true` when a group replaced it.

@@ -1,5 +1,6 @@
-//! Graph → graph rewrites. Each pass reads a graph and builds a new one
-//! without touching its input; `compile` verifies the result of every pass.
+//! Graph → graph rewrites. Each pass verifies the graph it is given, then
+//! builds a new one without touching its input; `compile` verifies the
+//! result of every pass.
 
 pub mod dce;
 pub mod fuse;

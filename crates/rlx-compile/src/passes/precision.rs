@@ -13,6 +13,7 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
     if !dtype.is_float() {
         return Err(IrError::Attribute { op: "precision".into(), detail: format!("storage dtype must be a float type, found {dtype}") });
     }
+    g.verify()?;
     let store = |d: DType| if d.is_float() { dtype } else { d };
     let mut out = Graph::new();
     let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
