@@ -151,9 +151,23 @@ fn llama_block() -> Graph {
     g
 }
 
+/// Two projections of x whose merged halves feed a matmul (as a strided
+/// lhs with lda = 40) and an elementwise op (copied out first).
+fn split_projection() -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", [2, 3, 16], DType::F32).unwrap();
+    let a = linear(&mut g, x, "a", 24, 16, true);
+    let b = linear(&mut g, x, "b", 16, 16, true);
+    let y = linear(&mut g, a, "c", 8, 24, false);
+    let z = g.gelu(b).unwrap();
+    g.output(y).unwrap();
+    g.output(z).unwrap();
+    g
+}
+
 #[test]
 fn merge_matmul_on_and_off_agree() {
-    for (g, merged_n) in [(bert_layer(), 96), (llama_block(), 64)] {
+    for (g, merged_n) in [(bert_layer(), 96), (llama_block(), 64), (split_projection(), 40)] {
         let (off, _) = run(&g, OFF, 1);
         let (on, after) = run(&g, CompileOptions { merge_matmuls: true, ..OFF }, 1);
         let wide = after.nodes.iter().filter(|n| matches!(n.op, Op::MatMul { .. }) && n.shape.last() == merged_n).count();
@@ -162,6 +176,9 @@ fn merge_matmul_on_and_off_agree() {
         let err = max_rel_err(&on, &off);
         assert!(err <= 1e-4, "merge_matmul changed outputs: {err:e}\n{after}");
     }
+    let s = rlx::compile(&split_projection(), &CompileOptions { merge_matmuls: true, ..OFF }).unwrap().schedule;
+    let strided = s.thunks.iter().any(|t| matches!(t, rlx::Thunk::MatMul(m) if m.lda == 40 && m.k == 24));
+    assert!(strided, "the second matmul should read its lhs through lda = 40:\n{s}");
 }
 
 #[test]
