@@ -94,10 +94,14 @@ def graph_masks(torch, mask, dtype):
     """Mask forms to try for CUDA-graph capture, in order. Some transformers
     versions inspect a 2-D mask on the host (`mask.all()`), which is not
     allowed while capturing; a 4-D additive mask (transformers 5) or a 3-D 0/1
-    mask (transformers 4) is used as given."""
+    mask (transformers 4) is used as given. Every form gives the same output
+    as the 2-D mask; the capture checks that against the eager output."""
     b, s = mask.shape
     additive = (1.0 - mask.to(dtype))[:, None, None, :] * torch.finfo(dtype).min
-    return [
+    # With no padding, eager transformers drops the mask; let the graph drop
+    # it too, so PyTorch gets its fastest attention path.
+    none = [("none (no padding)", None)] if bool(mask.all()) else []
+    return none + [
         ("2d", mask),
         ("4d-additive", additive.expand(b, 1, s, s).contiguous()),
         ("3d", mask[:, None, :].expand(b, s, s).contiguous()),
@@ -110,7 +114,7 @@ def capture_graph(torch, model, ids, mask, dtype, eager_out):
     reasons = []
     for name, m in graph_masks(torch, mask, dtype):
         static_ids = ids.clone()
-        static_mask = m.clone()
+        static_mask = None if m is None else m.clone()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -130,7 +134,11 @@ def capture_graph(torch, model, ids, mask, dtype, eager_out):
             return (graph, (static_ids, static_mask, out)), name, diff
         except Exception as e:  # capture failures come as several types
             reasons.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception as e2:
+                reasons.append(f"the device did not recover: {e2}")
+                break
     raise RuntimeError("CUDA-graph capture failed for every mask form: " + "; ".join(reasons))
 
 

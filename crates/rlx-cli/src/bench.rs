@@ -160,6 +160,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         warmup: args.warmup,
         peer: peer_desc,
         notes,
+        gpu,
     };
     let md = report::markdown(&ctx, &rows);
     println!("{md}");

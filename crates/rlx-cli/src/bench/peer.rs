@@ -77,6 +77,9 @@ pub fn run(cmd: &PeerCommand, jobs: &[PeerJob], dir: &Path) -> PeerOutcome {
         .arg(cmd.script)
         .arg(&jobs_path)
         .args(["--runs", &cmd.runs.to_string(), "--warmup", &cmd.warmup.to_string(), "--device", cmd.device])
+        // The GPU machine has no network: never let transformers try the hub.
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn();
@@ -200,7 +203,9 @@ pub fn compare_pooled(rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usiz
             v.iter_mut().for_each(|x| *x /= norm);
         }
         for (i, x) in v.iter().enumerate() {
-            max_diff = max_diff.max((f64::from(rlx[b * h + i]) - x).abs());
+            let d = (f64::from(rlx[b * h + i]) - x).abs();
+            // f64::max drops NaN; a NaN anywhere must show.
+            max_diff = if d.is_nan() || max_diff.is_nan() { f64::NAN } else { max_diff.max(d) };
             scale = scale.max(x.abs());
         }
     }
@@ -223,6 +228,8 @@ mod tests {
         let r = 0.5f32.sqrt();
         let (d, _) = compare_pooled(&[r, r, 0.0, 1.0], &torch, 2, 2, &mask, true).unwrap_or((f64::NAN, 0.0));
         assert!(d < 1e-7, "{d}");
+        let (d, _) = compare_pooled(&[f32::NAN, 2.0, 0.0, 2.0], &torch, 2, 2, &mask, false).unwrap_or((0.0, 0.0));
+        assert!(d.is_nan(), "a NaN output must not hide behind max: {d}");
     }
 
     #[test]

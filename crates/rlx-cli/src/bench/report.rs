@@ -60,6 +60,8 @@ pub struct Context {
     pub peer: String,
     /// Lines printed under the table (peer missing, failures...).
     pub notes: Vec<String>,
+    /// A GPU run (PyTorch timed with CUDA events) rather than a CPU one.
+    pub gpu: bool,
 }
 
 /// The GPU name and driver from nvidia-smi, or the CPU model when there is
@@ -155,12 +157,20 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
             diff
         );
     }
-    s.push_str(
+    let torch_timing = if ctx.gpu { "CUDA-event spans of the forward pass alone (inputs already on the device)" } else { "wall clock of the forward pass" };
+    let _ = writeln!(
+        s,
         "\nRLX times are wall clock around `run` (submit + wait, copy-in and copy-out included); PyTorch times are \
-         CUDA-event spans of the forward pass alone (inputs already on the device). Host µs/call (submit) is the \
-         median time `submit` takes to return for a replayed call; host CPU µs/call is the calling thread's CPU \
-         time per replayed call (submit and wait; a spinning wait counts here).\n",
+         {torch_timing}. Host µs/call (submit) is the median time `submit` takes to return for a replayed call; host \
+         CPU µs/call is the calling thread's CPU time per replayed call (submit and wait; a spinning wait counts here)."
     );
+    let checks = targets(rows);
+    if ctx.gpu && !checks.is_empty() {
+        s.push_str("\nTargets (issues 4 and 5):\n");
+        for c in checks {
+            let _ = writeln!(s, "- {c}");
+        }
+    }
     let notes: Vec<String> = ctx.notes.iter().cloned().chain(rows.iter().flat_map(|r| r.notes.iter().map(move |n| format!("{}: {n}", r.label())))).collect();
     if !notes.is_empty() {
         s.push_str("\nNotes:\n");
@@ -169,6 +179,32 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
         }
     }
     s
+}
+
+/// The issues' targets, each as "PASS"/"FAIL" with the numbers: RLX replay
+/// beats PyTorch's CUDA-graph replay at every shape, submit ≤ 10 µs, and the
+/// absolute fp16 budgets of issue 5.
+pub fn targets(rows: &[Row]) -> Vec<String> {
+    let verdict = |ok: bool| if ok { "PASS" } else { "FAIL" };
+    let mut out = Vec::new();
+    for r in rows {
+        if let (Some(ratio), Some(rlx), Some(pt)) = (r.ratio(), r.rlx_replay_us, r.torch_graph_us) {
+            out.push(format!("{} {}: RLX replay {rlx:.0} µs vs PyTorch graph {pt:.0} µs (ratio {ratio:.2})", verdict(ratio < 1.0), r.label()));
+        }
+        if let Some(h) = r.host_submit_us {
+            out.push(format!("{} {}: host time per replayed call {h:.1} µs (≤ 10)", verdict(h <= 10.0), r.label()));
+        }
+        let budget = match (r.model.as_str(), r.dtype.as_str(), r.batch, r.seq) {
+            ("bert-base", "f16", 1, 128) => Some(200.0),
+            ("MiniLM-L6", "f16", 1, 128) => Some(80.0),
+            ("bert-base", "f16", 32, 128) => Some(1500.0),
+            _ => None,
+        };
+        if let (Some(b), Some(rlx)) = (budget, r.rlx_replay_us) {
+            out.push(format!("{} {}: RLX replay {rlx:.0} µs (≤ {b:.0})", verdict(rlx <= b), r.label()));
+        }
+    }
+    out
 }
 
 const SERIES: [(&str, RGBColor); 4] = [
@@ -270,6 +306,7 @@ mod tests {
             warmup: 1,
             peer: "none".into(),
             notes: vec!["peer missing".into()],
+            gpu: true,
         };
         let a = Row {
             model: "minilm".into(),
@@ -297,7 +334,32 @@ mod tests {
         assert!(md.contains("| minilm | f16 | 1×128 | 70.0 | 900 | 2912 | 325 | 0.22 | 4.2 | 71.0 | 40 | 4.00e-3 (of 4.10) |"), "{md}");
         assert!(md.contains("| bert-base | f16 | 32×128 | 1400 | 900 | — | — | — |"), "{md}");
         assert!(md.contains("- peer missing"));
+        assert!(md.contains("- PASS minilm f16 1x128: RLX replay 70 µs vs PyTorch graph 325 µs (ratio 0.22)"), "{md}");
+        assert!(md.contains("- PASS minilm f16 1x128: host time per replayed call 4.2 µs"), "{md}");
         assert!(md.contains("- minilm f16 1x128: replay and eager outputs bit-identical"));
+    }
+
+    #[test]
+    fn targets_pass_and_fail_on_the_issue_budgets() {
+        let row = |model: &str, batch, rlx, pt, host| Row {
+            model: model.into(),
+            dtype: "f16".into(),
+            batch,
+            seq: 128,
+            rlx_replay_us: Some(rlx),
+            torch_graph_us: Some(pt),
+            host_submit_us: Some(host),
+            ..Row::default()
+        };
+        let t = targets(&[row("bert-base", 1, 250.0, 782.0, 12.0), row("MiniLM-L6", 1, 79.0, 325.0, 3.0), row("bert-base", 32, 2300.0, 2221.0, 5.0)]);
+        let has = |s: &str| t.iter().any(|l| l.starts_with(s));
+        assert!(has("PASS bert-base f16 1x128: RLX replay 250 µs vs"));
+        assert!(has("FAIL bert-base f16 1x128: host time per replayed call 12.0"));
+        assert!(has("FAIL bert-base f16 1x128: RLX replay 250 µs (≤ 200)"));
+        assert!(has("PASS MiniLM-L6 f16 1x128: RLX replay 79 µs (≤ 80)"));
+        assert!(has("FAIL bert-base f16 32x128: RLX replay 2300 µs vs PyTorch graph 2221 µs (ratio 1.04)"));
+        assert!(has("FAIL bert-base f16 32x128: RLX replay 2300 µs (≤ 1500)"));
+        assert_eq!(t.len(), 9);
     }
 
     #[test]
