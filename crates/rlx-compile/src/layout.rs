@@ -40,7 +40,7 @@ pub fn dense_strides(dims: &[usize]) -> Vec<u64> {
 
 /// Bytes from the first to one past the last element reached.
 pub fn span_bytes(dims: &[usize], strides: &[u64], elem: usize) -> u64 {
-    if dims.iter().any(|&d| d == 0) {
+    if dims.contains(&0) {
         return 0;
     }
     let last: u64 = dims.iter().zip(strides).map(|(&d, &s)| (d as u64 - 1) * s).sum();

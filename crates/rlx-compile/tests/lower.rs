@@ -133,3 +133,37 @@ fn show() {
     let c = compile(&bert_layer(true), &CompileOptions::default()).unwrap();
     println!("{}\n{}", c.after, c.schedule);
 }
+
+#[test]
+fn decode_step_writes_state_in_place_and_attends_over_it() {
+    // One decode step: project x to k, v; append them to two caches at the
+    // device-scalar position; attend over the caches up to valid_len.
+    let (b, max, w) = (1, 16, 8);
+    let mut g = Graph::new();
+    let x = g.input("x", [b, 1, w], DType::F32).unwrap();
+    let pos = g.input("pos", [1], DType::I32).unwrap();
+    let len = g.input("len", [1], DType::I32).unwrap();
+    let wk = g.param("wk", [w, w], DType::F32).unwrap();
+    let wv = g.param("wv", [w, w], DType::F32).unwrap();
+    let k = g.matmul(x, wk).unwrap();
+    let v = g.matmul(x, wv).unwrap();
+    let kc = g.state("k_cache", [b, max, w], DType::F32).unwrap();
+    let vc = g.state("v_cache", [b, max, w], DType::F32).unwrap();
+    let kc = g.write_state(kc, k, pos).unwrap();
+    let vc = g.write_state(vc, v, pos).unwrap();
+    let spec = rlx_ir::AttentionSpec { heads: 2, kv_heads: 2, head_dim: 4, scale: 0.5, causal: true, mask: false, valid_len: true };
+    let y = g.attention(spec, x, kc, vc, None, Some(len)).unwrap();
+    g.output(y).unwrap();
+    let s = compile(&g, &CompileOptions::default()).unwrap().schedule;
+    assert_eq!(kinds(&s), ["matmul", "write_state", "write_state", "attention"], "{s}");
+    assert_eq!(s.states.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["k_cache", "v_cache"]);
+    let Thunk::WriteState { state, value, batch, max_rows, new_rows, width, .. } = &s.thunks[1] else { unreachable!() };
+    assert_eq!((*batch, *max_rows, *new_rows, *width), (1, 16, 1, 8));
+    assert_eq!((state.space, state.offset, state.bytes), (Space::State(0), 0, 16 * 8 * 4));
+    // k and v came out of one merged [8, 16] projection: value is a contiguous half.
+    assert_eq!(value.space, Space::Arena);
+    let Thunk::Attention(a) = &s.thunks[3] else { unreachable!() };
+    assert_eq!((a.k.buf.space, a.v.buf.space), (Space::State(0), Space::State(1)));
+    assert_eq!((a.kv_len, a.k.row_stride, a.k.batch_stride), (16, 8, 128));
+    assert!(a.valid_len.is_some() && a.causal);
+}
