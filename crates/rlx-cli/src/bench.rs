@@ -97,24 +97,28 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     let tmp = TempDir::create(args.keep_temp)?;
     let want_peer = !args.no_peer;
 
-    let mut pending = Vec::new();
+    // Weights, inputs and the peer's files first; the peer then runs before
+    // RLX, so its numbers survive even if an RLX configuration fails hard.
+    let mut stores = Vec::new();
+    let mut configs = Vec::new();
     let mut jobs = Vec::new();
-    for spec in &specs {
+    for (si, spec) in specs.iter().enumerate() {
+        eprintln!("{}: seeded random weights ({dtype})...", spec.name);
         let store = model::weights(spec, args.seed, dtype)?;
         let model_dir = tmp.path.join(format!("{}-{}", spec.name, dtype));
         if want_peer {
             model::write_hf_dir(&model_dir, spec, &store, dtype)?;
         }
+        stores.push(store);
         for &(batch, seq) in &shapes {
             let inputs = Inputs::new(spec.cfg.vocab_size, batch, seq, args.seed);
-            let p = bench_rlx(spec, &store, device, dtype, &inputs, &args)?;
+            let id = format!("{}-{}-{}x{}", spec.name, dtype, batch, seq);
             if want_peer {
-                let id = format!("{}-{}-{}x{}", spec.name, dtype, batch, seq);
                 let job = PeerJob {
                     ids: tmp.path.join(format!("{id}.ids")),
                     mask: tmp.path.join(format!("{id}.mask")),
                     hidden_out: tmp.path.join(format!("{id}.hidden")),
-                    id,
+                    id: id.clone(),
                     model_dir: model_dir.clone(),
                     dtype: dtype.name().to_string(),
                     batch,
@@ -124,11 +128,12 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                 peer::write_i64(&job.mask, &inputs.mask)?;
                 jobs.push(job);
             }
-            pending.push(p);
+            configs.push((si, id, inputs));
         }
     }
 
     let mut notes = Vec::new();
+    let mut peer_results = None;
     let peer_desc = if want_peer {
         let script = args.peer_script.clone().unwrap_or_else(default_peer_script);
         let cmd = PeerCommand { python: &args.python, script: &script, runs: args.runs, warmup: args.warmup, device: &peer_device(device) };
@@ -140,9 +145,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
             }
             PeerOutcome::Ran { versions, results, notes: peer_notes } => {
                 notes.extend(peer_notes);
-                for (p, job) in pending.iter_mut().zip(&jobs) {
-                    merge_peer(p, results.get(&job.id));
-                }
+                peer_results = Some(results);
                 versions
             }
         }
@@ -150,6 +153,15 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         notes.push("PyTorch peer skipped (--no-peer).".into());
         "none (--no-peer)".to_string()
     };
+
+    let mut pending = Vec::new();
+    for (si, id, inputs) in configs {
+        let mut p = bench_rlx(&specs[si], &stores[si], device, dtype, inputs, &args);
+        if let Some(results) = &peer_results {
+            merge_peer(&mut p, results.get(&id));
+        }
+        pending.push(p);
+    }
 
     let rows: Vec<Row> = pending.into_iter().map(|p| p.row).collect();
     let ctx = Context {
@@ -176,45 +188,59 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
 }
 
 /// Times one configuration with replay on, then off, and checks that both
-/// modes agree bit for bit.
-fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: &Inputs, args: &BenchArgs) -> Result<Pending, String> {
+/// modes agree bit for bit. Failures (errors or panics in a backend) become
+/// notes on the row, so one bad configuration does not lose the others.
+fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: Inputs, args: &BenchArgs) -> Pending {
     let label = format!("{} {} {}x{}", spec.name, dtype, inputs.batch, inputs.seq);
+    let mut row = Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
+    let mut measure = |replay: bool| -> Option<Timing> {
+        let mode = if replay { "replay" } else { "eager" };
+        eprintln!("{label}: RLX {mode}...");
+        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure_mode(spec, store, device, dtype, &inputs, replay, args)));
+        let result = attempt.unwrap_or_else(|panic| Err(format!("panicked: {}", panic_message(&panic))));
+        result.map_err(|e| row.notes.push(format!("RLX {mode} failed: {e}"))).ok()
+    };
+    let replay = measure(true);
+    let eager = measure(false);
+
+    if let Some(r) = &replay {
+        row.rlx_replay_us = Some(r.wall_us);
+        row.host_submit_us = Some(r.submit_us);
+        row.host_cpu_us = r.cpu_us;
+        row.kernels = Some(r.kernels);
+        eprintln!("{label}: replay {:.1} µs ({}), submit {:.2} µs, {} kernels", r.wall_us, r.mode, r.submit_us, r.kernels);
+        if matches!(device, Device::Cuda(_)) && !r.mode.contains("replay") {
+            row.notes.push(format!("the replay executable ran in mode '{}' (is RLX_REPLAY=0 set?)", r.mode));
+        }
+    }
+    if let Some(e) = &eager {
+        row.rlx_eager_us = Some(e.wall_us);
+        eprintln!("{label}: eager {:.1} µs ({})", e.wall_us, e.mode);
+    }
+    if let (Some(r), Some(e)) = (&replay, &eager) {
+        if r.outputs != e.outputs {
+            let d = max_diff(&r.outputs, &e.outputs);
+            row.notes.push(format!("replay and eager outputs differ (max abs diff {d:.3e}); they should be bit-identical"));
+        }
+    }
+    let rlx_output = replay.as_ref().or(eager.as_ref()).and_then(|t| t.outputs.first()).map(Tensor::to_f32);
+    Pending { row, rlx_output, inputs }
+}
+
+/// Compiles the configuration with replay on or off and times it.
+fn measure_mode(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: &Inputs, replay: bool, args: &BenchArgs) -> Result<Timing, String> {
     let graph = model::graph(spec, inputs.batch, inputs.seq)?;
     let tensors = inputs.tensors()?;
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
-    let mut session = Session::with_weights(device, store.clone()).map_err(|e| format!("{label}: {e}"))?;
+    let mut session = Session::with_weights(device, store.clone()).map_err(|e| e.to_string())?;
     session.set_compile_options(CompileOptions { precision: (dtype != DType::F32).then_some(dtype), ..CompileOptions::default() });
-    let mut row = Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
+    session.set_prepare_options(PrepareOptions { replay, ..PrepareOptions::default() });
+    let mut exe = session.compile(&graph).map_err(|e| format!("compiling for {device}: {e}"))?;
+    time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| e.to_string())
+}
 
-    eprintln!("{label}: RLX replay...");
-    session.set_prepare_options(PrepareOptions { replay: true, ..PrepareOptions::default() });
-    let mut exe = session.compile(&graph).map_err(|e| format!("{label}: compiling for {device} (replay): {e}"))?;
-    let replay = time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| format!("{label}: replay: {e}"))?;
-    drop(exe);
-    eprintln!("{label}: RLX eager...");
-    session.set_prepare_options(PrepareOptions { replay: false, ..PrepareOptions::default() });
-    let mut exe = session.compile(&graph).map_err(|e| format!("{label}: compiling for {device} (eager): {e}"))?;
-    let eager = time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| format!("{label}: eager: {e}"))?;
-    drop(exe);
-
-    row.rlx_replay_us = Some(replay.wall_us);
-    row.rlx_eager_us = Some(eager.wall_us);
-    row.host_submit_us = Some(replay.submit_us);
-    row.host_cpu_us = replay.cpu_us;
-    row.kernels = Some(replay.kernels);
-    eprintln!(
-        "{label}: replay {:.1} µs ({}), eager {:.1} µs ({}), submit {:.2} µs, {} kernels",
-        replay.wall_us, replay.mode, eager.wall_us, eager.mode, replay.submit_us, replay.kernels
-    );
-    if matches!(device, Device::Cuda(_)) && !replay.mode.contains("replay") {
-        row.notes.push(format!("the replay executable ran in mode '{}' (is RLX_REPLAY=0 set?)", replay.mode));
-    }
-    if replay.outputs != eager.outputs {
-        let d = max_diff(&replay.outputs, &eager.outputs);
-        row.notes.push(format!("replay and eager outputs differ (max abs diff {d:.3e}); they should be bit-identical"));
-    }
-    let rlx_output = replay.outputs.first().map(Tensor::to_f32);
-    Ok(Pending { row, rlx_output, inputs: inputs.clone() })
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Warm-up, then `runs` timed calls: wall clock around submit + wait, the
