@@ -169,10 +169,10 @@ mod tests {
         for b in 1..4 {
             let row = &a.mask[b * 16..(b + 1) * 16];
             let len = row.iter().filter(|&&m| m == 1).count();
-            assert!(len >= 8 && len <= 16 && row[..len].iter().all(|&m| m == 1), "row {b}: {row:?}");
+            assert!((8..=16).contains(&len) && row[..len].iter().all(|&m| m == 1), "row {b}: {row:?}");
         }
         assert!(a.ids.iter().zip(&a.mask).all(|(&i, &m)| if m == 1 { (1000..30522).contains(&i) } else { i == 0 }));
-        assert!(a.mask.iter().any(|&m| m == 0), "some padding expected at batch 4");
+        assert!(a.mask.contains(&0), "some padding expected at batch 4");
     }
 
     #[test]

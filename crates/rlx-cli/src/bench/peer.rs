@@ -180,7 +180,7 @@ pub fn read_f32(path: &Path, count: usize) -> Result<Vec<f32>, String> {
 /// when `normalized`), with the largest magnitude of the latter.
 pub fn compare_pooled(rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usize, mask: &[i64], normalized: bool) -> Result<(f64, f64), String> {
     let bs = batch * seq;
-    if bs == 0 || torch_hidden.len() % bs != 0 || mask.len() != bs {
+    if bs == 0 || mask.len() != bs || torch_hidden.len() != bs * (torch_hidden.len() / bs) {
         return Err(format!("PyTorch hidden state of {} values does not fit batch {batch} × seq {seq} (mask {})", torch_hidden.len(), mask.len()));
     }
     let h = torch_hidden.len() / bs;
