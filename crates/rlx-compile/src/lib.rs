@@ -1,7 +1,9 @@
 //! RLX compiler: passes over the IR, the arena planner and lowering to a
 //! backend-neutral [`Schedule`].
 //!
-//! `compile` = verify → passes → verify → plan → lower.
+//! `compile` = verify → passes (dce → merge_matmul → fuse → precision →
+//! dce, each result verified) → plan (`plan.rs`: where every value lives)
+//! → lower (`lower.rs`: thunks) → [`Schedule`] (printable, serialisable).
 
 pub mod layout;
 mod lower;

@@ -124,7 +124,12 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::Norm { x, residual, gamma, beta, out, .. } => ([Some(*x), *residual, Some(*gamma), *beta].into_iter().flatten().collect(), vec![*out]),
         Thunk::SwiGlu { gate, up, out, .. } => (vec![gate.buf, up.buf], vec![*out]),
         Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => (vec![*src], vec![*dst]),
-        other => panic!("unexpected thunk {}", other.kind()),
+        Thunk::ArgMax { x, out, .. } => (vec![*x], vec![*out]),
+        Thunk::TopK { x, values, indices, .. } => (vec![*x], values.iter().chain(indices).copied().collect()),
+        Thunk::Gather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
+        Thunk::Attention(a) => ([Some(a.q.buf), Some(a.k.buf), Some(a.v.buf), a.mask, a.valid_len].into_iter().flatten().collect(), vec![a.out]),
+        Thunk::Rope { x, positions, out, .. } => (vec![x.buf, *positions], vec![*out]),
+        Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
     }
 }
 
@@ -238,4 +243,71 @@ fn random_graphs_cover_the_interesting_cases() {
         c[5] += s.thunks.iter().filter(|t| matches!(t, Thunk::Reduce { inner: 1, .. })).count();
     }
     assert!(c.iter().all(|&n| n > 0), "strided, bias, in-place, merged, output copy, scratch reduce: {c:?}");
+}
+
+/// Graphs with every other op (gather, attention over strided views, rope,
+/// casts, argmax, top-k, state writes, concat of params) under every option
+/// set, f16 and bf16 included: compiling never fails or panics and the
+/// structural properties hold.
+fn wide_graph(seed: u64) -> Graph {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (b, s, h) = (rng.random_range(1..3), rng.random_range(1..5), 4 * rng.random_range(1..4));
+    let mut g = Graph::new();
+    let ids = g.input("ids", [b, s], if rng.random_bool(0.5) { DType::I32 } else { DType::I64 }).unwrap();
+    let table = g.param("emb", [11, h], DType::F32).unwrap();
+    let mut x = g.gather(table, ids).unwrap();
+    if rng.random_bool(0.5) {
+        let w = g.param("w", [3 * h, h], DType::F32).unwrap();
+        let qkv = g.matmul_t(x, w).unwrap();
+        let q = g.narrow(qkv, 2, 0, h).unwrap();
+        let k = g.narrow(qkv, 2, h, h).unwrap();
+        let v = g.narrow(qkv, 2, 2 * h, h).unwrap();
+        let pos = g.constant_i32([s], &(0..s as i32).collect::<Vec<_>>()).unwrap();
+        let q = if rng.random_bool(0.5) { g.rope(q, pos, 4, 10000.0, rlx_ir::RopeMode::Interleaved).unwrap() } else { q };
+        let mask = rng.random_bool(0.5).then(|| g.input("mask", [b, s], DType::F32).unwrap());
+        let spec = rlx_ir::AttentionSpec { heads: h / 4, kv_heads: h / 4, head_dim: 4, scale: 0.5, causal: rng.random_bool(0.5), mask: false, valid_len: false };
+        x = g.attention(spec, q, k, v, mask, None).unwrap();
+    }
+    if rng.random_bool(0.5) {
+        let st = g.state("cache", [b, s + 2, h], DType::F32).unwrap();
+        let p = g.input("pos", [1], DType::I32).unwrap();
+        let st = g.write_state(st, x, p).unwrap();
+        g.output(st).unwrap();
+    }
+    let pa = g.param("pa", [h, 2], DType::F32).unwrap();
+    let pb = g.param("pb", [h, 3], DType::F32).unwrap();
+    let wc = g.concat(&[pa, pb], 1).unwrap();
+    let y = g.matmul(x, wc).unwrap();
+    let y = g.softmax(y, rng.random_range(0..3)).unwrap();
+    let am = g.argmax(y, 2).unwrap();
+    let (tv, ti) = g.top_k(y, rng.random_range(1..=5)).unwrap();
+    let yc = g.cast(y, DType::F16).unwrap();
+    for o in [am, tv, ti, yc, x] {
+        if rng.random_bool(0.7) {
+            g.output(o).unwrap();
+        }
+    }
+    if g.outputs.is_empty() {
+        g.output(y).unwrap();
+    }
+    g
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+    #[test]
+    fn every_op_compiles_under_every_option_set(seed in any::<u64>()) {
+        let g = wide_graph(seed);
+        for precision in [None, Some(DType::F16), Some(DType::BF16)] {
+            for (merge_matmuls, fuse) in [(false, false), (true, true)] {
+                let opts = CompileOptions { precision, merge_matmuls, fuse };
+                let c = compile(&g, &opts).map_err(|e| TestCaseError::fail(format!("{e}\n{g}")))?;
+                check(&c.schedule)?;
+                let json = serde_json::to_string(&c.schedule).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let back: Schedule = serde_json::from_str(&json).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(&back, &c.schedule);
+                prop_assert!(!c.schedule.to_string().is_empty());
+            }
+        }
+    }
 }
