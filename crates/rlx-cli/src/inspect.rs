@@ -17,6 +17,16 @@ pub struct InspectArgs {
     /// Print the schedule as JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Inspect a BERT model directory (config.json) instead of the built-in
+    /// example graph.
+    #[arg(long)]
+    model: Option<std::path::PathBuf>,
+    /// Batch size of the model graph's shape bucket.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Sequence length of the model graph's shape bucket.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
 }
 
 /// The built-in example: one BERT-style encoder layer (batch 2, 16 tokens,
@@ -69,7 +79,19 @@ pub fn run(args: InspectArgs) -> Result<(), String> {
         Some(d) if d.is_float() => Some(d),
         _ => return Err(format!("--precision: expected f32, f16 or bf16, found '{}'", args.precision)),
     };
-    let graph = example_encoder_layer().map_err(|e| e.to_string())?;
+    let graph = match &args.model {
+        None => example_encoder_layer().map_err(|e| e.to_string())?,
+        Some(dir) => {
+            let cfg = rlx_models::BertConfig::from_file(&dir.join("config.json")).map_err(|e| e.to_string())?;
+            if args.seq == 0 || args.seq > cfg.max_position_embeddings || args.batch == 0 {
+                return Err(format!(
+                    "--batch {} --seq {}: need batch >= 1 and 1 <= seq <= {} (max_position_embeddings)",
+                    args.batch, args.seq, cfg.max_position_embeddings
+                ));
+            }
+            rlx_models::build_bert_graph(&cfg, args.batch, args.seq, &rlx_models::BertGraphOptions::default()).map_err(|e| e.to_string())?
+        }
+    };
     let opts = CompileOptions { precision, fuse: !args.no_fuse, merge_matmuls: !args.no_merge };
     let compiled = rlx::compile(&graph, &opts).map_err(|e| e.to_string())?;
     if args.json {

@@ -2,6 +2,7 @@
 
 mod bench;
 mod doctor;
+mod embed;
 mod inspect;
 
 use clap::{Parser, Subcommand};
@@ -15,6 +16,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Turn texts into sentence embeddings (JSON lines or .npy).
+    Embed(embed::EmbedArgs),
+    /// Print the cosine similarity of two texts' embeddings.
+    Similarity(embed::SimilarityArgs),
     /// Print a graph before and after passes, its schedule and arena plan.
     Inspect(inspect::InspectArgs),
     /// Report the CUDA driver, device and libraries RLX can find.
@@ -26,6 +31,8 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result: Result<(), String> = match cli.command {
+        Command::Embed(a) => embed::run(a),
+        Command::Similarity(a) => embed::run_similarity(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Doctor => {
