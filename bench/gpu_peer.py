@@ -113,9 +113,9 @@ def capture_graph(torch, model, ids, mask, dtype, eager_out):
     max abs difference to the eager output) or raises with every reason."""
     reasons = []
     for name, m in graph_masks(torch, mask, dtype):
-        static_ids = ids.clone()
-        static_mask = None if m is None else m.clone()
         try:
+            static_ids = ids.clone()
+            static_mask = None if m is None else m.clone()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
