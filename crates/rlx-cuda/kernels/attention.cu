@@ -1,16 +1,17 @@
 // Fused attention: softmax(q·kᵀ·scale + masks)·v in one pass with an online
 // softmax, so scores never reach device memory.
 //
-// A block (4 warps) owns ROWS query rows of one (batch, head); each warp
-// handles ROWS/4 of them. K and V stream through shared memory in tiles of 32
+// A block (4 warps) owns 4*RPW query rows of one (batch, head); each warp
+// handles RPW of them. K and V stream through shared memory in tiles of 32
 // keys: in the score step lane j scores key j of the tile, in the value step
-// lane l accumulates output dims l, l+32, l+64, l+96 (head_dim <= 128).
+// lane l accumulates output dims l, l+32, .. (HDP/32 of them). HDP is the head
+// dim rounded up to 32/64/96/128 and fixed at compile time so every inner
+// loop unrolls; the padding is zero in shared memory and adds exact zeros.
+// RPW trades K/V reuse (4 rows per warp) against blocks (1 row per warp):
+// the host picks 1 when the grid would not fill the GPU.
 #include "common.cuh"
 
-#define ROWS 16
 #define TILE 32
-#define MAX_HD 128
-#define RPW (ROWS / 4)
 
 struct AttnP {
     const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
@@ -18,33 +19,37 @@ struct AttnP {
     i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale;
 };
 
-template <typename T>
+template <typename T, int HDP, int RPW>
 __device__ void attention_body(const AttnP& p) {
-    __shared__ float sq[ROWS][MAX_HD];
-    __shared__ float sk[TILE][MAX_HD + 1];  // +1: lanes read different rows, same column
-    __shared__ float sv[TILE][MAX_HD];
+    constexpr int ROWS = 4 * RPW;
+    constexpr int NC = HDP / 32;
+    __shared__ float sq[ROWS][HDP];
+    __shared__ float sk[TILE][HDP + 1];  // +1: lanes read different rows, same column
+    __shared__ float sv[TILE][HDP];
     const T* q = (const T*)p.q; const T* k = (const T*)p.k; const T* v = (const T*)p.v;
     T* out = (T*)p.out;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * ROWS;
     const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int hd = (int)p.hd;
     const float scale = (float)p.scale;
 
     i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
     i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
     if (kv_end < 0) kv_end = 0;
 
-    for (i64 e = threadIdx.x; e < ROWS * p.hd; e += blockDim.x) {
-        i64 r = e / p.hd, d = e % p.hd;
-        sq[r][d] = r0 + r < p.q_len ? ld(q, b * p.qbs + (r0 + r) * p.qrs + h * p.hd + d) : 0.0f;
+    const T* qb = q + b * p.qbs + h * p.hd;
+    for (int e = threadIdx.x; e < ROWS * HDP; e += blockDim.x) {
+        int r = e / HDP, d = e % HDP;
+        sq[r][d] = (r0 + r < p.q_len && d < hd) ? ld(qb, (r0 + r) * p.qrs + d) : 0.0f;
     }
 
-    float m[RPW], l[RPW], acc[RPW][4];
+    float m[RPW], l[RPW], acc[RPW][NC];
 #pragma unroll
     for (int i = 0; i < RPW; ++i) {
         m[i] = -INFINITY; l[i] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.0f;
     }
 
     // Causal: the last key any row of this block may see.
@@ -54,14 +59,17 @@ __device__ void attention_body(const AttnP& p) {
         i64 lim = valid - p.q_len + last_row + 1;
         if (lim < tile_end) tile_end = lim;
     }
+    const T* kb = k + b * p.kbs + kvh * p.hd;
+    const T* vb = v + b * p.vbs + kvh * p.hd;
 
     for (i64 t0 = 0; t0 < tile_end; t0 += TILE) {
         __syncthreads();
-        for (i64 e = threadIdx.x; e < TILE * p.hd; e += blockDim.x) {
-            i64 j = e / p.hd, d = e % p.hd, key = t0 + j;
-            bool in = key < p.kv_len;
-            sk[j][d] = in ? ld(k, b * p.kbs + key * p.krs + kvh * p.hd + d) : 0.0f;
-            sv[j][d] = in ? ld(v, b * p.vbs + key * p.vrs + kvh * p.hd + d) : 0.0f;
+        for (int e = threadIdx.x; e < TILE * HDP; e += blockDim.x) {
+            int j = e / HDP, d = e % HDP;
+            i64 key = t0 + j;
+            bool in = key < p.kv_len && d < hd;
+            sk[j][d] = in ? ld(kb, key * p.krs + d) : 0.0f;
+            sv[j][d] = in ? ld(vb, key * p.vrs + d) : 0.0f;
         }
         __syncthreads();
         const i64 key = t0 + lane;
@@ -76,9 +84,15 @@ __device__ void attention_body(const AttnP& p) {
             if (p.causal && key > valid - p.q_len + row) ok = false;
             float s = -INFINITY;
             if (ok) {
-                float dot = 0.0f;
-                for (i64 d = 0; d < p.hd; ++d) dot += sq[rl][d] * sk[lane][d];
-                s = dot * scale;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma unroll
+                for (int d = 0; d < HDP; d += 4) {
+                    d0 += sq[rl][d] * sk[lane][d];
+                    d1 += sq[rl][d + 1] * sk[lane][d + 1];
+                    d2 += sq[rl][d + 2] * sk[lane][d + 2];
+                    d3 += sq[rl][d + 3] * sk[lane][d + 3];
+                }
+                s = ((d0 + d1) + (d2 + d3)) * scale;
             }
             float mt = warp_max(s);
             float mn = fmaxf(m[i], mt);
@@ -88,14 +102,12 @@ __device__ void attention_body(const AttnP& p) {
             l[i] = l[i] * corr + warp_sum(pr);
             m[i] = mn;
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[i][c] *= corr;
+            for (int c = 0; c < NC; ++c) acc[i][c] *= corr;
+#pragma unroll
             for (int j = 0; j < TILE; ++j) {
                 float pj = __shfl_sync(0xffffffffu, pr, j);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    int d = lane + 32 * c;
-                    if (d < p.hd) acc[i][c] += pj * sv[j][d];
-                }
+                for (int c = 0; c < NC; ++c) acc[i][c] += pj * sv[j][lane + 32 * c];
             }
         }
     }
@@ -105,11 +117,25 @@ __device__ void attention_body(const AttnP& p) {
         if (row >= p.q_len) continue;
         // A row that sees no key at all (fully masked) yields zeros.
         float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        T* o = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < NC; ++c) {
             int d = lane + 32 * c;
-            if (d < p.hd) st(out, (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd + d, acc[i][c] * inv);
+            if (d < hd) st(o, d, acc[i][c] * inv);
         }
     }
 }
-RLX_FLOAT_KERNELS(attention, AttnP)
+
+// attention_<HDP>_<RPW>_<dtype>
+#define RLX_ATTN(HDP, RPW)                                                                                              \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f32(const AttnP p) { attention_body<float, HDP, RPW>(p); }    \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f16(const AttnP p) { attention_body<__half, HDP, RPW>(p); }   \
+    extern "C" __global__ void attention_##HDP##_##RPW##_bf16(const AttnP p) { attention_body<__nv_bfloat16, HDP, RPW>(p); }
+RLX_ATTN(32, 1)
+RLX_ATTN(32, 4)
+RLX_ATTN(64, 1)
+RLX_ATTN(64, 4)
+RLX_ATTN(96, 1)
+RLX_ATTN(96, 4)
+RLX_ATTN(128, 1)
+RLX_ATTN(128, 4)

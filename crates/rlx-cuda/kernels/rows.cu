@@ -8,6 +8,11 @@ struct NormP {
     i64 rows; i64 cols; i64 rms; double eps;
 };
 
+// Rows up to NORM_CACHE * blockDim.x elements are read once into registers
+// (the common case: hidden sizes up to 2048 with 256 threads); longer rows
+// are re-read from memory on each pass.
+#define NORM_CACHE 8
+
 template <typename T>
 __device__ void norm_body(const NormP& p) {
     __shared__ float scratch[32];
@@ -17,21 +22,52 @@ __device__ void norm_body(const NormP& p) {
     const T* res = p.res ? (const T*)p.res + row * p.cols : nullptr;
     T* out = (T*)p.out + row * p.cols;
     const T* gamma = (const T*)p.gamma; const T* beta = (const T*)p.beta;
+    const int cols = (int)p.cols, nt = blockDim.x, t = threadIdx.x;
+    const float inv_n = 1.0f / (float)cols;
+    if (p.cols <= (i64)NORM_CACHE * nt) {
+        float v[NORM_CACHE];
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_CACHE; ++k) {
+            int c = t + k * nt;
+            v[k] = c < cols ? ld(x, c) + (res ? ld(res, c) : 0.0f) : 0.0f;
+            s += v[k];
+        }
+        float mean = p.rms ? 0.0f : block_sum(s, scratch) * inv_n;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_CACHE; ++k) {
+            int c = t + k * nt;
+            float d = c < cols ? v[k] - mean : 0.0f;
+            s2 += d * d;
+        }
+        float rstd = rsqrtf(block_sum(s2, scratch) * inv_n + (float)p.eps);
+#pragma unroll
+        for (int k = 0; k < NORM_CACHE; ++k) {
+            int c = t + k * nt;
+            if (c < cols) {
+                float o = (v[k] - mean) * rstd * ld(gamma, c);
+                if (beta) o += ld(beta, c);
+                st(out, c, o);
+            }
+        }
+        return;
+    }
     float mean = 0.0f;
     if (!p.rms) {
         float s = 0.0f;
-        for (i64 c = threadIdx.x; c < p.cols; c += blockDim.x) s += ld(x, c) + (res ? ld(res, c) : 0.0f);
-        mean = block_sum(s, scratch) / (float)p.cols;
+        for (int c = t; c < cols; c += nt) s += ld(x, c) + (res ? ld(res, c) : 0.0f);
+        mean = block_sum(s, scratch) * inv_n;
     }
     float s2 = 0.0f;
-    for (i64 c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    for (int c = t; c < cols; c += nt) {
         float v = ld(x, c) + (res ? ld(res, c) : 0.0f) - mean;
         s2 += v * v;
     }
-    float rstd = rsqrtf(block_sum(s2, scratch) / (float)p.cols + (float)p.eps);
+    float rstd = rsqrtf(block_sum(s2, scratch) * inv_n + (float)p.eps);
     // out may alias x or res: every read of this row happened above, and the
     // loop below reads element c before writing it.
-    for (i64 c = threadIdx.x; c < p.cols; c += blockDim.x) {
+    for (int c = t; c < cols; c += nt) {
         float v = (ld(x, c) + (res ? ld(res, c) : 0.0f) - mean) * rstd * ld(gamma, c);
         if (beta) v += ld(beta, c);
         st(out, c, v);

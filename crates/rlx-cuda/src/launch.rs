@@ -300,7 +300,11 @@ pub(crate) fn lower(
             steps.push(k.flat(k.get("cast_any")?, *n as u64, args, kind));
         }
         Thunk::Attention(a) => {
-            let rows_per_block = 16u64;
+            // Head dim padded to a compiled variant; 4 rows per warp unless
+            // that leaves the GPU under-filled (see kernels/attention.cu).
+            let hdp = a.head_dim.div_ceil(32) * 32;
+            let blocks16 = (a.q_len as u64).div_ceil(16) * (a.heads * a.batch) as u64;
+            let rpw: u64 = if blocks16 >= 2 * k.sm_count as u64 { 4 } else { 1 };
             let args = Args::default()
                 .p(b.ptr(&a.q.buf)?)
                 .p(b.ptr(&a.k.buf)?)
@@ -323,8 +327,9 @@ pub(crate) fn lower(
                 .p(a.v.batch_stride)
                 .p(a.v.row_stride)
                 .f(a.scale as f64);
-            let grid = [(a.q_len as u64).div_ceil(rows_per_block).max(1) as u32, a.heads as u32, a.batch as u32];
-            steps.push(Step::new(Op::Kernel { func: k.typed("attention", a.dtype)?, grid, block: 128, args: args.0 }, kind));
+            let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
+            let func = k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?;
+            steps.push(Step::new(Op::Kernel { func, grid, block: 128, args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
