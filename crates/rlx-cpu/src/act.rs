@@ -49,16 +49,18 @@ pub fn gelu_tanh(x: f32) -> f32 {
 
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + crate::kernels::lanes::exp(-x))
 }
 
-/// Applies `act` to every element in place.
-pub fn apply(act: Activation, v: &mut [f32]) {
-    match act {
-        Activation::Gelu => v.iter_mut().for_each(|x| *x = gelu(*x)),
-        Activation::GeluTanh => v.iter_mut().for_each(|x| *x = gelu_tanh(*x)),
-        Activation::Silu => v.iter_mut().for_each(|x| *x = silu(*x)),
-        Activation::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
-        Activation::Tanh => v.iter_mut().for_each(|x| *x = x.tanh()),
+crate::simd::multiversion! {
+    /// Applies `act` to every element in place.
+    pub fn apply(act: Activation, v: &mut [f32]) {
+        match act {
+            Activation::Gelu => v.iter_mut().for_each(|x| *x = gelu(*x)),
+            Activation::GeluTanh => v.iter_mut().for_each(|x| *x = gelu_tanh(*x)),
+            Activation::Silu => v.iter_mut().for_each(|x| *x = silu(*x)),
+            Activation::Relu => v.iter_mut().for_each(|x| *x = x.max(0.0)),
+            Activation::Tanh => v.iter_mut().for_each(|x| *x = x.tanh()),
+        }
     }
 }

@@ -13,6 +13,7 @@ mod elem;
 mod exec;
 mod kernels;
 mod memory;
+mod simd;
 mod validate;
 
 use std::sync::Arc;

@@ -335,3 +335,21 @@ pub fn gemm_f32(
         )
     }
 }
+
+impl<T: 'static> Src<T> {
+    /// The same view as f32 when T is f32 (for f32-only fast paths).
+    pub fn as_f32(&self) -> Option<Src<f32>> {
+        (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()).then_some(Src { ptr: self.ptr as *const f32, len: self.len })
+    }
+}
+
+impl<T: 'static> Dst<T> {
+    /// The same view as f32 when T is f32.
+    pub fn as_f32(&self) -> Option<Dst<f32>> {
+        (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()).then_some(Dst { ptr: self.ptr as *mut f32, len: self.len })
+    }
+    /// Whether a source view starts at the same address (an in-place op).
+    pub fn same_start<U>(&self, src: &Src<U>) -> bool {
+        self.ptr as usize == src.ptr as usize
+    }
+}

@@ -92,28 +92,39 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
                     valid
                 };
                 q.load(b * t.q.batch_stride as usize + i * t.q.row_stride as usize + h * hd, &mut buf.q);
-                buf.q.iter_mut().for_each(|x| *x *= t.scale);
-                let mut m = f32::NEG_INFINITY;
-                for j in 0..limit {
-                    let s = if buf.keep[j] { lanes::dot(&buf.q, &buf.k[j * hd..(j + 1) * hd]) } else { f32::NEG_INFINITY };
-                    buf.scores[j] = s;
-                    m = m.max(s);
-                }
-                buf.acc.fill(0.0);
-                if m != f32::NEG_INFINITY {
-                    let mut sum = 0.0f32;
-                    for j in 0..limit {
-                        if buf.keep[j] {
-                            let p = lanes::exp(buf.scores[j] - m);
-                            sum += p;
-                            lanes::axpy(&mut buf.acc, p, &buf.v[j * hd..(j + 1) * hd]);
-                        }
-                    }
-                    let inv = 1.0 / sum;
-                    buf.acc.iter_mut().for_each(|x| *x *= inv);
-                }
+                let n = limit * hd;
+                attend_row(&mut buf.q, t.scale, &buf.k[..n], &buf.v[..n], &buf.keep[..limit], &mut buf.scores[..limit], &mut buf.acc);
                 out.store((b * t.q_len + i) * out_w + h * hd, &buf.acc);
             }
         },
     );
+}
+
+crate::simd::multiversion! {
+    /// One query row: scores against `k` rows (head_dim = q.len()) that
+    /// `keep` allows, softmax, weighted sum of `v` rows into `acc`; zeros
+    /// when no key is allowed.
+    fn attend_row(q: &mut [f32], scale: f32, k: &[f32], v: &[f32], keep: &[bool], scores: &mut [f32], acc: &mut [f32]) {
+        let hd = q.len();
+        q.iter_mut().for_each(|x| *x *= scale);
+        let mut m = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = if keep[j] { lanes::dot(q, &k[j * hd..(j + 1) * hd]) } else { f32::NEG_INFINITY };
+            m = m.max(*s);
+        }
+        acc.fill(0.0);
+        if m == f32::NEG_INFINITY {
+            return;
+        }
+        let mut sum = 0.0f32;
+        for (j, s) in scores.iter().enumerate() {
+            if keep[j] {
+                let p = lanes::exp(s - m);
+                sum += p;
+                lanes::axpy(acc, p, &v[j * hd..(j + 1) * hd]);
+            }
+        }
+        let inv = 1.0 / sum;
+        acc.iter_mut().for_each(|x| *x *= inv);
+    }
 }

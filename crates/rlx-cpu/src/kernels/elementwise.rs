@@ -52,13 +52,20 @@ fn coalesce(shape: &[usize], strides: &[&[u64]]) -> (Vec<usize>, Vec<Vec<u64>>) 
     (dims, st)
 }
 
-#[inline(always)]
-fn combine(op: BinaryOp, x: &mut [f32], y: &[f32]) {
-    match op {
-        BinaryOp::Add => x.iter_mut().zip(y).for_each(|(a, b)| *a += b),
-        BinaryOp::Sub => x.iter_mut().zip(y).for_each(|(a, b)| *a -= b),
-        BinaryOp::Mul => x.iter_mut().zip(y).for_each(|(a, b)| *a *= b),
-        BinaryOp::Div => x.iter_mut().zip(y).for_each(|(a, b)| *a /= b),
+crate::simd::multiversion! {
+    fn combine(op: BinaryOp, x: &mut [f32], y: &[f32]) {
+        match op {
+            BinaryOp::Add => x.iter_mut().zip(y).for_each(|(a, b)| *a += b),
+            BinaryOp::Sub => x.iter_mut().zip(y).for_each(|(a, b)| *a -= b),
+            BinaryOp::Mul => x.iter_mut().zip(y).for_each(|(a, b)| *a *= b),
+            BinaryOp::Div => x.iter_mut().zip(y).for_each(|(a, b)| *a /= b),
+        }
+    }
+}
+
+crate::simd::multiversion! {
+    fn silu_mul(x: &mut [f32], y: &[f32]) {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a = act::silu(*a) * b);
     }
 }
 
@@ -149,7 +156,7 @@ pub fn swiglu(dtype: DType, rows: usize, cols: usize, gate: &RowsView, up: &Rows
             |(x, y), r| {
                 g.load(r * gs, x);
                 u.load(r * us, y);
-                x.iter_mut().zip(y.iter()).for_each(|(a, b)| *a = act::silu(*a) * b);
+                silu_mul(x, y);
                 o.store(r * cols, x);
             },
         );

@@ -77,9 +77,14 @@ pub fn exp(x: f32) -> f32 {
     // Adding and subtracting 1.5·2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // t's low mantissa bits hold n as an integer (t = 1.5·2^23 + n), so 2^n
+    // comes from integer ops on its bits; a float→int cast would not
+    // vectorise (Rust's cast saturates, which compiles to scalar code).
+    let e = t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127) << 23;
+    p * f32::from_bits(e)
 }

@@ -64,9 +64,10 @@ fn gemm_batches(mm: &MatMulThunk, a: &Operand<'_>, b: &Operand<'_>, c: &Dst<f32>
     let par = gemm::Parallelism::Rayon(threads);
     let fold = mm.batch == 1 || (b.batch_stride == 0 && a.batch_stride == m * a.rs);
     if fold {
+        let rows = mm.batch * m;
         let am = MatRef { src: a.src, offset: a.offset, rs: a.rs, cs: a.cs };
         let bm = MatRef { src: b.src, offset: b.offset, rs: b.rs, cs: b.cs };
-        gemm_f32(c, 0, n, accumulate, am, bm, (mm.batch * m, n, k), par);
+        gemm_f32(c, 0, n, accumulate, am, bm, (rows, n, k), par);
         return;
     }
     let one = |i: usize, par: gemm::Parallelism| {

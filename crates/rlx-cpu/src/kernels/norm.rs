@@ -50,25 +50,46 @@ fn rows<T: Elem>(a: &NormArgs<'_>, x: Src<T>, res: Option<Src<T>>, gamma: &[f32]
     (0..a.rows).into_par_iter().with_min_len((1 << 13) / cols.max(1) + 1).for_each_init(
         || (vec![0f32; cols], vec![0f32; cols]),
         |(v, t), r| {
-            x.load(r * cols, v);
-            if let Some(res) = &res {
-                res.load(r * cols, t);
-                v.iter_mut().zip(t.iter()).for_each(|(a, b)| *a += b);
-            }
-            if a.rms {
-                let ms = lanes::sum_sq_dev(v, 0.0) * inv_n;
-                let s = 1.0 / (ms + a.eps).sqrt();
-                v.iter_mut().zip(gamma).for_each(|(x, g)| *x = *x * s * g);
-            } else {
-                let mean = lanes::sum(v) * inv_n;
-                let var = lanes::sum_sq_dev(v, mean) * inv_n;
-                let s = 1.0 / (var + a.eps).sqrt();
-                match beta {
-                    Some(beta) => v.iter_mut().zip(gamma).zip(beta).for_each(|((x, g), b)| *x = (*x - mean) * s * g + b),
-                    None => v.iter_mut().zip(gamma).for_each(|(x, g)| *x = (*x - mean) * s * g),
+            let residual = match &res {
+                Some(res) => {
+                    res.load(r * cols, t);
+                    Some(&t[..])
                 }
+                None => None,
+            };
+            // f32: normalise in the output row itself (one copy, none in place).
+            if let (Some(xf), Some(of)) = (x.as_f32(), out.as_f32()) {
+                if !of.same_start(&x) {
+                    of.copy_from(r * cols, &xf, r * cols, cols);
+                }
+                norm_row(of.row_mut(r * cols, cols), residual, gamma, beta, a.eps, a.rms, inv_n);
+                return;
             }
+            x.load(r * cols, v);
+            norm_row(v, residual, gamma, beta, a.eps, a.rms, inv_n);
             out.store(r * cols, v);
         },
     );
+}
+
+crate::simd::multiversion! {
+    /// One row in place: (+ residual), then LayerNorm or RmsNorm.
+    fn norm_row(v: &mut [f32], residual: Option<&[f32]>, gamma: &[f32], beta: Option<&[f32]>, eps: f32, rms: bool, inv_n: f32) {
+        if let Some(t) = residual {
+            v.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+        }
+        if rms {
+            let ms = lanes::sum_sq_dev(v, 0.0) * inv_n;
+            let s = 1.0 / (ms + eps).sqrt();
+            v.iter_mut().zip(gamma).for_each(|(x, g)| *x = *x * s * g);
+        } else {
+            let mean = lanes::sum(v) * inv_n;
+            let var = lanes::sum_sq_dev(v, mean) * inv_n;
+            let s = 1.0 / (var + eps).sqrt();
+            match beta {
+                Some(beta) => v.iter_mut().zip(gamma).zip(beta).for_each(|((x, g), b)| *x = (*x - mean) * s * g + b),
+                None => v.iter_mut().zip(gamma).for_each(|(x, g)| *x = (*x - mean) * s * g),
+            }
+        }
+    }
 }

@@ -22,12 +22,7 @@ fn reduce_t<T: Elem>(op: ReduceOp, outer: usize, len: usize, inner: usize, x: Sr
         |v, line| {
             let (o, i) = (line / inner, line % inner);
             x.load_strided(o * len * inner + i, inner, v);
-            let r = match op {
-                ReduceOp::Sum => lanes::sum(v),
-                ReduceOp::Mean => lanes::sum(v) / len.max(1) as f32,
-                // Max of an empty axis is -inf (the identity).
-                ReduceOp::Max => lanes::max(v),
-            };
+            let r = reduce_line(op, v);
             out.set(line, T::from_f32(r));
         },
     );
@@ -57,4 +52,15 @@ fn argmax_t<T: Elem>(outer: usize, len: usize, inner: usize, x: Src<T>, out: Dst
             out.set(line, best as i32);
         },
     );
+}
+
+crate::simd::multiversion! {
+    fn reduce_line(op: ReduceOp, v: &[f32]) -> f32 {
+        match op {
+            ReduceOp::Sum => lanes::sum(v),
+            ReduceOp::Mean => lanes::sum(v) / v.len().max(1) as f32,
+            // Max of an empty axis is -inf (the identity).
+            ReduceOp::Max => lanes::max(v),
+        }
+    }
 }

@@ -9,13 +9,14 @@ use crate::elem::{with_float, Elem};
 use crate::memory::{Dst, Mem, Src};
 use crate::{exec_err, Result};
 
-/// In place over one row: exp(x - max) / Σ.
-#[inline]
-pub fn softmax_row(v: &mut [f32]) {
-    let m = lanes::max(v);
-    v.iter_mut().for_each(|x| *x = lanes::exp(*x - m));
-    let s = 1.0 / lanes::sum(v);
-    v.iter_mut().for_each(|x| *x *= s);
+crate::simd::multiversion! {
+    /// In place over one row: exp(x - max) / Σ.
+    pub fn softmax_row(v: &mut [f32]) {
+        let m = lanes::max(v);
+        v.iter_mut().for_each(|x| *x = lanes::exp(*x - m));
+        let s = 1.0 / lanes::sum(v);
+        v.iter_mut().for_each(|x| *x *= s);
+    }
 }
 
 pub fn run(dtype: DType, outer: usize, len: usize, inner: usize, x: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
@@ -32,6 +33,13 @@ fn rows<T: Elem>(outer: usize, len: usize, inner: usize, x: Src<T>, out: Dst<T>)
         |v, line| {
             let (o, i) = (line / inner, line % inner);
             let start = o * len * inner + i;
+            if let (true, Some(xf), Some(of)) = (inner == 1, x.as_f32(), out.as_f32()) {
+                if !of.same_start(&x) {
+                    of.copy_from(start, &xf, start, len);
+                }
+                softmax_row(of.row_mut(start, len));
+                return;
+            }
             x.load_strided(start, inner, v);
             softmax_row(v);
             if inner == 1 {
