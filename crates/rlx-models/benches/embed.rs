@@ -1,1 +1,251 @@
-fn main() {}
+//! CPU sentence-embedding benchmark: RLX vs ONNX Runtime (plain and
+//! transformer-optimised) vs PyTorch eager, all-MiniLM-L6-v2, alternating
+//! run by run in one process tree on the same thread count.
+//!
+//!   bash bench/setup-peers.sh    # once: torch, transformers, onnx, onnxruntime
+//!   RAYON_NUM_THREADS=2 cargo bench -p rlx-models --bench embed
+//!
+//! Env: RLX_BENCH_ROUNDS (forward rounds, default 40), RLX_BENCH_E2E_ROUNDS
+//! (end-to-end rounds, default 5), RLX_BENCH_THREADS (default: cores).
+//! Without the peers it prints RLX's numbers alone.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use rlx::{DType, Device};
+use rlx_models::{cosine, EmbedderOptions, SentenceEmbedder};
+use serde_json::{json, Value};
+
+const SHAPES: &[(usize, usize)] = &[(1, 16), (1, 128), (8, 128)];
+const PEERS: &[&str] = &["ort", "ort_opt", "torch"];
+
+/// The ids embed_peers.py's ids_for() makes: [CLS] … [SEP], the middle
+/// spread over the vocabulary.
+fn ids_for(batch: usize, seq: usize) -> Vec<Vec<u32>> {
+    (0..batch)
+        .map(|b| {
+            (0..seq)
+                .map(|s| match s {
+                    0 => 101,
+                    _ if s == seq - 1 => 102,
+                    _ => 1000 + ((b * 7919 + s * 104729) % 28000) as u32,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn start(root: &PathBuf, model: &PathBuf, threads: usize) -> Result<(Peer, Value), String> {
+        let mut child = Command::new("python3")
+            .arg(root.join("bench/embed_peers.py"))
+            .args(["--model", &model.display().to_string(), "--threads", &threads.to_string()])
+            .args(["--corpus", &root.join("bench/embed-corpus.txt").display().to_string()])
+            .env("OMP_NUM_THREADS", threads.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("python3: {e}"))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let stdout = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        let mut peer = Peer { child, stdin, stdout };
+        let hello = peer.read()?;
+        if hello.get("ready").is_none() {
+            return Err(format!("peer did not start: {hello}"));
+        }
+        Ok((peer, hello))
+    }
+
+    fn read(&mut self) -> Result<Value, String> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).map_err(|e| e.to_string())?;
+        if line.is_empty() {
+            return Err("the peer exited (see its stderr above)".into());
+        }
+        serde_json::from_str(&line).map_err(|e| format!("{e}: {line}"))
+    }
+
+    fn ask(&mut self, req: Value) -> Result<Value, String> {
+        writeln!(self.stdin, "{req}").map_err(|e| e.to_string())?;
+        self.stdin.flush().map_err(|e| e.to_string())?;
+        let v = self.read()?;
+        if let Some(e) = v.get("error") {
+            return Err(e.to_string());
+        }
+        Ok(v)
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"cmd": "quit"}));
+        let _ = self.child.wait();
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn env_usize(k: &str, d: usize) -> usize {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn main() -> Result<(), String> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = root.join("models/all-MiniLM-L6-v2");
+    if !model.join("model.safetensors").is_file() {
+        println!("embed bench: {} is missing; run scripts/fetch-models", model.display());
+        return Ok(());
+    }
+    let rounds = env_usize("RLX_BENCH_ROUNDS", 40);
+    let e2e_rounds = env_usize("RLX_BENCH_E2E_ROUNDS", 5);
+    let threads = env_usize("RLX_BENCH_THREADS", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+
+    let load = |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
+    let engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?), ("rlx_bf16", load(DType::BF16)?)];
+
+    let mut peer = match Peer::start(&root, &model, threads) {
+        Ok((p, hello)) => {
+            println!("peers: {}", hello["versions"]);
+            Some(p)
+        }
+        Err(e) => {
+            println!("peers unavailable ({e}); run bash bench/setup-peers.sh. RLX alone:");
+            None
+        }
+    };
+    let names: Vec<&str> = engines.iter().map(|(n, _)| *n).chain(if peer.is_some() { PEERS.to_vec() } else { vec![] }).collect();
+    println!("threads {threads}, rlx-cpu on {} rayon threads; forward: median of {rounds} alternating runs after 3 warm-ups", rayon_threads());
+
+    let mut table: Vec<(String, Vec<f64>)> = vec![];
+    for &(b, s) in SHAPES {
+        let ids = ids_for(b, s);
+        let mut times: Vec<Vec<f64>> = vec![vec![]; names.len()];
+        let mut row0: Vec<Option<Vec<f32>>> = vec![None; names.len()];
+        for round in 0..rounds + 3 {
+            // Rotate the order so no engine always runs right after another.
+            for k in 0..names.len() {
+                let i = (k + round) % names.len();
+                let (ms, v) = if i < engines.len() {
+                    let t = Instant::now();
+                    let out = engines[i].1.embed_ids(&ids).map_err(|e| e.to_string())?;
+                    (t.elapsed().as_secs_f64() * 1e3, out.into_iter().next().unwrap_or_default())
+                } else {
+                    let p = peer.as_mut().ok_or("no peer")?;
+                    let r = p.ask(json!({"cmd": "fwd", "engine": names[i], "batch": b, "seq": s}))?;
+                    let v = r["row0"].as_array().map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect()).unwrap_or_default();
+                    (r["ms"].as_f64().unwrap_or(f64::NAN), v)
+                };
+                if round >= 3 {
+                    times[i].push(ms);
+                }
+                row0[i].get_or_insert(v);
+            }
+        }
+        for (i, n) in names.iter().enumerate().skip(1) {
+            if let (Some(a), Some(x)) = (&row0[0], &row0[i]) {
+                let d = a.iter().zip(x).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+                println!("  {b}x{s}: {n} vs rlx f32: cosine {:.7}, max abs diff {d:.2e}", cosine(a, x));
+                if std::env::var_os("RLX_BENCH_DEBUG").is_some() {
+                    println!("    rlx {:?}\n    {n} {:?}", &a[..4.min(a.len())], &x[..4.min(x.len())]);
+                }
+            }
+        }
+        table.push((format!("{b}×{s}"), times.iter_mut().map(|t| median(t)).collect()));
+    }
+
+    // End to end: 1,000 texts, tokenisation included.
+    let corpus_text = std::fs::read_to_string(root.join("bench/embed-corpus.txt")).map_err(|e| e.to_string())?;
+    let corpus: Vec<&str> = corpus_text.lines().collect();
+    let mut tps: Vec<Vec<f64>> = vec![vec![]; names.len()];
+    for round in 0..e2e_rounds + 1 {
+        for k in 0..names.len() {
+            let i = (k + round) % names.len();
+            let secs = if i < engines.len() {
+                let t = Instant::now();
+                let out = engines[i].1.embed(&corpus).map_err(|e| e.to_string())?;
+                assert_eq!(out.len(), corpus.len());
+                t.elapsed().as_secs_f64()
+            } else {
+                let p = peer.as_mut().ok_or("no peer")?;
+                p.ask(json!({"cmd": "e2e", "engine": names[i]}))?["seconds"].as_f64().unwrap_or(f64::NAN)
+            };
+            if round >= 1 {
+                tps[i].push(corpus.len() as f64 / secs);
+            }
+        }
+    }
+    let e2e: Vec<f64> = tps.iter_mut().map(|t| median(t)).collect();
+
+    println!();
+    let label = |n: &str| match n {
+        "rlx" => "RLX f32",
+        "rlx_bf16" => "RLX bf16 weights",
+        "ort" => "ORT (ENABLE_ALL)",
+        "ort_opt" => "ORT optimised",
+        "torch" => "PyTorch eager",
+        _ => "?",
+    };
+    print!("| forward, ms (median) |");
+    for n in &names {
+        print!(" {} |", label(n));
+    }
+    let ratio_cols: Vec<usize> = (2..names.len()).collect();
+    for &j in &ratio_cols {
+        print!(" RLX / {} |", label(names[j]));
+    }
+    if names.len() > 2 {
+        print!(" bf16 / ORT |");
+    }
+    println!();
+    println!("|---|{}", "---|".repeat(names.len() + ratio_cols.len() + (names.len() > 2) as usize));
+    for (shape, t) in &table {
+        print!("| {shape} |");
+        for x in t {
+            print!(" {x:.2} |");
+        }
+        for &j in &ratio_cols {
+            print!(" {:.2}× |", t[0] / t[j]);
+        }
+        if names.len() > 2 {
+            print!(" {:.2}× |", t[1] / t[2]);
+        }
+        println!();
+    }
+    print!("| end to end, texts/s (median of {e2e_rounds}) |");
+    for x in &e2e {
+        print!(" {x:.0} |");
+    }
+    for &j in &ratio_cols {
+        // Throughput: a ratio below 1 means RLX takes less time per text.
+        print!(" {:.2}× |", e2e[j] / e2e[0]);
+    }
+    if names.len() > 2 {
+        print!(" {:.2}× |", e2e[2] / e2e[1]);
+    }
+    println!();
+    println!("\nRatios are RLX time / peer time (end to end: peer texts/s over RLX texts/s); below 1 is RLX faster.");
+    Ok(())
+}
+
+fn rayon_threads() -> String {
+    std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into())
+}
