@@ -108,18 +108,27 @@ fn rlx_matmul(backend: &CpuBackend, (m, k, n): (usize, usize, usize)) -> f64 {
     reps as f64 * 2.0 * (m * n * k) as f64 / time_exe(&mut exe) / 1e9
 }
 
-/// GB/s (bytes read + written) of LayerNorm or Softmax over [rows, cols].
-fn rlx_rows(backend: &CpuBackend, softmax: bool, rows: usize, cols: usize) -> f64 {
+#[derive(Clone, Copy)]
+enum RowKernel {
+    LayerNorm,
+    Softmax,
+    Gelu,
+}
+
+/// GB/s (bytes read + written) of a row kernel over [rows, cols].
+fn rlx_rows(backend: &CpuBackend, kind: RowKernel, rows: usize, cols: usize) -> f64 {
     let store = WeightStore::new();
     let mut slots = Vec::new();
     let x = weight(&store, &mut slots, "x", &[rows, cols], 3);
     let out = BufRef { space: Space::Arena, offset: 0, bytes: (rows * cols * 4) as u64 };
-    let t = if softmax {
-        Thunk::Softmax { dtype: DType::F32, outer: rows, len: cols, inner: 1, x, out }
-    } else {
-        let gamma = weight(&store, &mut slots, "g", &[cols], 4);
-        let beta = weight(&store, &mut slots, "b", &[cols], 5);
-        Thunk::Norm { rms: false, dtype: DType::F32, rows, cols, eps: 1e-5, x, residual: None, gamma, beta: Some(beta), out }
+    let t = match kind {
+        RowKernel::Softmax => Thunk::Softmax { dtype: DType::F32, outer: rows, len: cols, inner: 1, x, out },
+        RowKernel::Gelu => Thunk::Activation { act: rlx_ir::Activation::Gelu, dtype: DType::F32, n: rows * cols, x, out },
+        RowKernel::LayerNorm => {
+            let gamma = weight(&store, &mut slots, "g", &[cols], 4);
+            let beta = weight(&store, &mut slots, "b", &[cols], 5);
+            Thunk::Norm { rms: false, dtype: DType::F32, rows, cols, eps: 1e-5, x, residual: None, gamma, beta: Some(beta), out }
+        }
     };
     let reps = (1 << 24) / out.bytes as usize + 1;
     let mut exe = executable(backend, t, reps, slots, store, out.bytes);
@@ -299,6 +308,7 @@ fn main() {
     // from other processes on a shared machine hurts neither side more.
     let rounds: usize = std::env::var("RLX_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3).max(1);
     let row_cases: [(usize, usize); 2] = [(128, 384), (4096, 1024)];
+    let only_rows = std::env::var("RLX_BENCH_ONLY_ROWS").is_ok();
     println!("# rlx-cpu kernels on {} ({cores} cores), best of {rounds} rounds\n", cpu_name());
     for &t in &threads {
         let backend = CpuBackend::with_threads(t);
@@ -306,8 +316,15 @@ fn main() {
         let mut peak: Option<(&str, f64)> = None;
         let mut np = Numpy { header: String::new(), gflops: vec![None; SHAPES.len()] };
         let mut rlx = vec![0f64; SHAPES.len()];
-        let mut rows = vec![(0f64, 0f64, 0f64); row_cases.len()];
+        let mut rows = vec![(0f64, 0f64, 0f64, 0f64); row_cases.len()];
         for _ in 0..rounds {
+            if only_rows {
+                for (i, &(r, c)) in row_cases.iter().enumerate() {
+                    let g = |k| rlx_rows(&backend, k, r, c);
+                    rows[i] = (rows[i].0.max(memcpy(&pool, r * c * 4)), rows[i].1.max(g(RowKernel::LayerNorm)), rows[i].2.max(g(RowKernel::Softmax)), rows[i].3.max(g(RowKernel::Gelu)));
+                }
+                continue;
+            }
             if let Some((label, g)) = fma_peak(t) {
                 peak = Some((label, peak.map_or(g, |p| p.1.max(g))));
             }
@@ -321,7 +338,8 @@ fn main() {
             }
             for (i, &(r, c)) in row_cases.iter().enumerate() {
                 let mc = memcpy(&pool, r * c * 4);
-                rows[i] = (rows[i].0.max(mc), rows[i].1.max(rlx_rows(&backend, false, r, c)), rows[i].2.max(rlx_rows(&backend, true, r, c)));
+                let g = |k| rlx_rows(&backend, k, r, c);
+                rows[i] = (rows[i].0.max(mc), rows[i].1.max(g(RowKernel::LayerNorm)), rows[i].2.max(g(RowKernel::Softmax)), rows[i].3.max(g(RowKernel::Gelu)));
             }
         }
         println!("## {t} thread{}", if t == 1 { "" } else { "s" });
@@ -351,9 +369,10 @@ fn main() {
         println!("| row kernel (f32) | RLX GB/s | memcpy GB/s | RLX / memcpy |");
         println!("|---|---:|---:|---:|");
         for (i, &(r, c)) in row_cases.iter().enumerate() {
-            let (mc, ln, sm) = rows[i];
+            let (mc, ln, sm, ge) = rows[i];
             println!("| LayerNorm {r}×{c} | {ln:.1} | {mc:.1} | {:.2} |", ln / mc);
             println!("| Softmax {r}×{c} | {sm:.1} | {mc:.1} | {:.2} |", sm / mc);
+            println!("| GELU (erf) {r}×{c} | {ge:.1} | {mc:.1} | {:.2} |", ge / mc);
         }
         println!();
     }

@@ -2,7 +2,7 @@
 //! fast kernels (the `gemm` crate for matmuls, rayon over rows for the
 //! rest). It is the reference every other backend is checked against.
 //!
-//! ```ignore
+//! ```text
 //! let backend = rlx_cpu::CpuBackend::new();
 //! let mut exe = backend.prepare(schedule, weights, &PrepareOptions::default())?;
 //! let outputs = exe.run(&[("x", &x)])?;

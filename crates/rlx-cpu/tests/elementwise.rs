@@ -86,7 +86,7 @@ fn erf_is_accurate() {
     }
     assert!(worst < 1e-7, "erf max error {worst:e}");
     assert!(rlx_cpu::erf(0.0).abs() < 1e-8);
-    assert_eq!(rlx_cpu::erf(10.0), 1.0);
+    assert!((rlx_cpu::erf(10.0) - 1.0).abs() < 1e-7);
 }
 
 #[test]

@@ -79,9 +79,14 @@ pub fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     let t = x * LOG2E + ROUND;
     let n = t - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    // Taylor coefficients 1/k!, Horner with FMAs (inside the multiversioned
+    // callers these are single instructions).
+    const C: [f32; 8] = [1.0, 1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0, 1.0 / 120.0, 1.0 / 720.0, 1.0 / 5040.0];
+    let r2 = r * r;
+    let even = C[6].mul_add(r2, C[4]).mul_add(r2, C[2]).mul_add(r2, C[0]);
+    let odd = C[7].mul_add(r2, C[5]).mul_add(r2, C[3]).mul_add(r2, C[1]);
+    let p = odd.mul_add(r, even);
     // t's low mantissa bits hold n as an integer (t = 1.5·2^23 + n), so 2^n
     // comes from integer ops on its bits; a float→int cast would not
     // vectorise (Rust's cast saturates, which compiles to scalar code).
