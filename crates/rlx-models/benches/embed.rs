@@ -163,7 +163,9 @@ fn main() -> Result<(), String> {
         for (i, n) in names.iter().enumerate().skip(1) {
             if let (Some(a), Some(x)) = (&row0[0], &row0[i]) {
                 let d = a.iter().zip(x).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
-                println!("  {b}x{s}: {n} vs rlx f32: cosine {:.7}, max abs diff {d:.2e}", cosine(a, x));
+                let c = cosine(a, x);
+                let flag = if c < 0.9999 { "  <-- WRONG: outputs differ" } else { "" };
+                println!("  {b}x{s}: {n} vs rlx f32: cosine {c:.7}, max abs diff {d:.2e}{flag}");
                 if std::env::var_os("RLX_BENCH_DEBUG").is_some() {
                     println!("    rlx {:?}\n    {n} {:?}", &a[..4.min(a.len())], &x[..4.min(x.len())]);
                 }

@@ -155,7 +155,7 @@ fn embedder_matches_an_f64_bert_for_mean_and_cls_pooling() {
     for (act, pooling, normalize) in [(Activation::Gelu, Pooling::Mean, true), (Activation::GeluTanh, Pooling::Cls, false)] {
         let cfg = small(act);
         let store = random_weights(&cfg, 5, DType::F32).expect("weights");
-        // Lengths straddle buckets: 16 and 32 (max 40 -> buckets 16, 32, 40).
+        // Lengths straddle buckets (max 40 -> buckets 16, 24, 32, 40).
         let ids = random_ids(&mut rng, &cfg, &[3, 17, 1, 40, 16, 9, 33]);
         let sentence = SentenceConfig { max_seq_length: 40, pooling, normalize };
         let opts = EmbedderOptions { dtype: DType::F32, batch_size: 4 };

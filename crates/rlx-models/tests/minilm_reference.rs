@@ -48,6 +48,7 @@ fn the_long_text_is_truncated_exactly_as_the_reference() {
 #[test]
 fn embeddings_match_sentence_transformers_one_by_one() {
     let Some(e) = embedder("embeddings_match_sentence_transformers_one_by_one") else { return };
+    let (mut worst_cos, mut worst_diff) = (1f32, 0f32);
     for (i, item) in items().iter().enumerate() {
         let text = item["text"].as_str().expect("text");
         let got = e.embed(&[text]).expect("embed").remove(0);
@@ -57,7 +58,10 @@ fn embeddings_match_sentence_transformers_one_by_one() {
         assert!(diff <= 1e-5, "item {i} {text:?}: max abs diff {diff}");
         let norm: f32 = got.iter().map(|x| x * x).sum::<f32>().sqrt();
         assert!((norm - 1.0).abs() < 1e-5, "item {i}: norm {norm}");
+        worst_cos = worst_cos.min(cos);
+        worst_diff = worst_diff.max(diff);
     }
+    eprintln!("17 texts vs sentence-transformers: worst cosine {worst_cos}, worst max abs diff {worst_diff:.2e}");
 }
 
 #[test]
@@ -82,6 +86,7 @@ fn hidden_states_of_the_first_two_texts_match_every_layer() {
             let w: Vec<f32> = w.as_array().expect("rows").iter().flat_map(f32s).collect();
             let diff = max_abs_diff(g, &w);
             assert!(diff <= 1e-4, "item {i} hidden state {layer}: max abs diff {diff}");
+            eprintln!("item {i} hidden state {layer}: max abs diff {diff:.2e}");
         }
     }
 }
@@ -104,6 +109,7 @@ fn a_padded_mixed_length_batch_equals_one_by_one() {
         let one = single.embed(&[text]).expect("embed one").remove(0);
         let diff = max_abs_diff(&batched[k], &one);
         assert!(diff <= 1e-6, "text {} {text:?}: batched vs alone max abs diff {diff}", idx[k]);
+        eprintln!("text {}: batched vs alone {diff:.2e}", idx[k]);
         let diff = max_abs_diff(&batched[k], &want_batch[k]);
         assert!(diff <= 1e-5, "text {} {text:?}: batched vs reference batch max abs diff {diff}", idx[k]);
     }
@@ -121,5 +127,7 @@ fn f16_and_bf16_storage_keep_cosine_above_0_999() {
             let cos = cosine(&got[i], &f32s(&item["embedding"]));
             assert!(cos >= 0.999, "{dtype} item {i}: cosine {cos}");
         }
+        let worst = items.iter().enumerate().map(|(i, it)| cosine(&got[i], &f32s(&it["embedding"]))).fold(1f32, f32::min);
+        eprintln!("{dtype}: worst cosine {worst}");
     }
 }
