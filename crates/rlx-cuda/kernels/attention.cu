@@ -64,7 +64,10 @@ __device__ void attention_body(const AttnP& p) {
 
     for (i64 t0 = 0; t0 < tile_end; t0 += TILE) {
         __syncthreads();
-        for (int e = threadIdx.x; e < TILE * HDP; e += blockDim.x) {
+        // Fixed trip count, unrolled: many loads in flight per thread.
+#pragma unroll 16
+        for (int it = 0; it < TILE * HDP / 128; ++it) {
+            int e = threadIdx.x + it * 128;
             int j = e / HDP, d = e % HDP;
             i64 key = t0 + j;
             bool in = key < p.kv_len && d < hd;

@@ -338,12 +338,25 @@ impl Module {
         check(unsafe { sys::cuModuleLoadData(&mut m, cubin.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
         Ok(Module(m))
     }
-    pub fn function(&self, name: &str) -> Result<Func> {
-        let c = std::ffi::CString::new(name).map_err(|_| err(format!("bad kernel name {name:?}")))?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: live module, NUL-terminated name.
-        check(unsafe { sys::cuModuleGetFunction(&mut f, self.0, c.as_ptr()) }, &format!("cuModuleGetFunction({name})"))?;
-        Ok(Func(f))
+    /// Every kernel in the module with its name (names pasted together by
+    /// macros in the .cu files included).
+    pub fn functions(&self) -> Result<Vec<(String, Func)>> {
+        let mut n = 0u32;
+        // SAFETY: live module; out-pointers sized from the count.
+        unsafe {
+            check(sys::cuModuleGetFunctionCount(&mut n, self.0), "cuModuleGetFunctionCount")?;
+            let mut fs: Vec<sys::CUfunction> = vec![std::ptr::null_mut(); n as usize];
+            check(sys::cuModuleEnumerateFunctions(fs.as_mut_ptr(), n, self.0), "cuModuleEnumerateFunctions")?;
+            let mut out = Vec::with_capacity(fs.len());
+            for f in fs {
+                let mut name: *const std::ffi::c_char = std::ptr::null();
+                check(sys::cuFuncGetName(&mut name, f), "cuFuncGetName")?;
+                if !name.is_null() {
+                    out.push((CStr::from_ptr(name).to_string_lossy().into_owned(), Func(f)));
+                }
+            }
+            Ok(out)
+        }
     }
 }
 

@@ -358,8 +358,12 @@ impl Executable for CudaExecutable {
             }
         }
         let t_launch = Instant::now();
-        self.launch(&self.slots[si])?;
-        self.slots[si].done.record(&self.stream)?;
+        let launched = self.launch(&self.slots[si]).and_then(|_| self.slots[si].done.record(&self.stream));
+        if let Err(e) = launched {
+            // Part of the call may be queued: let it drain before the slot is reused.
+            let _ = self.stream.synchronize();
+            return Err(e);
+        }
         let id = self.next_id;
         self.next_id += 1;
         let flag = Arc::new(AtomicBool::new(false));

@@ -327,8 +327,19 @@ pub(crate) fn lower(
                 .p(a.v.batch_stride)
                 .p(a.v.row_stride)
                 .f(a.scale as f64);
-            let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
-            let func = k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?;
+            // Tensor cores for f16/bf16 with head_dim a multiple of 16 and at
+            // least one full 16-row fragment of queries; the scalar kernel otherwise.
+            // ... and only when its 64-row blocks fill the GPU: at batch 1 the
+            // scalar kernel's smaller blocks spread better.
+            let mma_blocks = (a.q_len as u64).div_ceil(64) * (a.heads * a.batch) as u64;
+            let mma = a.dtype != DType::F32 && a.head_dim % 16 == 0 && a.q_len >= 16 && mma_blocks >= k.sm_count as u64;
+            let (grid, func) = if mma {
+                let grid = [(a.q_len as u64).div_ceil(64).max(1) as u32, a.heads as u32, a.batch as u32];
+                (grid, k.get(&format!("attention_mma_{hdp}_{}", suffix(a.dtype)))?)
+            } else {
+                let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
+                (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?)
+            };
             steps.push(Step::new(Op::Kernel { func, grid, block: 128, args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {

@@ -20,6 +20,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
 ];
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).

@@ -88,7 +88,10 @@ fn encoder_layer_matches_cpu_and_replay_equals_eager() {
     for dt in FLOATS {
         let (batch, seq, h, heads) = (2, 23, 96, 3);
         let (s, w) = layer(dt, batch, seq, h, heads, 11).finish();
-        check(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), 3.0);
+        // Half-precision storage between seven thunks (then a LayerNorm that
+        // rescales) drifts further than one thunk: a wider band.
+        let scale = if dt == DType::F32 { 3.0 } else { 5.0 };
+        check(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), scale);
     }
 }
 

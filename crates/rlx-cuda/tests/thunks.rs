@@ -137,7 +137,7 @@ fn norms_softmax_reduce_argmax() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(4);
     for dt in FLOATS {
-        for (rms, with_res, rows, cols) in [(false, false, 5, 384), (false, true, 9, 771), (true, false, 3, 129), (true, true, 4, 64)] {
+        for (rms, with_res, rows, cols) in [(false, false, 5, 384), (false, true, 9, 771), (true, false, 3, 129), (true, true, 4, 64), (false, true, 3, 2050), (true, false, 2, 1500)] {
             let mut sb = Sb::new();
             let x = sb.input("x", &[rows, cols], dt);
             let residual = if with_res { Some(sb.input("res", &[rows, cols], dt)) } else { None };
@@ -363,6 +363,9 @@ fn attention_masks_gqa_strides() {
         // Decode-style: a few new queries against a longer cache with a valid length.
         attention_case(&g, &mut r, dt, 2, 4, 2, 64, 3, 600, true, false, Some(517));
         attention_case(&g, &mut r, dt, 1, 3, 3, 96, 1, 64, false, false, Some(40));
+        // Grids of at least one 64-row block per SM: the tensor-core kernel (f16/bf16).
+        attention_case(&g, &mut r, dt, 4, 8, 8, 64, 300, 300, false, true, None);
+        attention_case(&g, &mut r, dt, 3, 12, 4, 80, 256, 256, true, true, None);
     }
 }
 

@@ -1,0 +1,215 @@
+// Fused attention on tensor cores (f16 / bf16, head_dim a multiple of 16):
+// flash-attention style, with mma.sync m16n8k16 and f32 accumulation.
+//
+// A block of 4 warps owns 64 query rows of one (batch, head), 16 per warp.
+// K and V stream through shared memory in tiles of 64 keys (V stored
+// transposed so its fragments are contiguous pairs). Each warp computes its
+// 16x64 score tile S = Q·Kᵀ in registers, applies scale and masks, updates
+// the online softmax, and accumulates O += P·V with P rounded to the storage
+// type. HDP is the head dim rounded up to 32/64/96/128; the padding is zero.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16): lane = 4*g + t.
+//   A (16x16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16x8):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g)
+//   C (16x8):  c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
+#include "common.cuh"
+
+#define TK 64
+
+struct AttnP {
+    const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
+    i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
+    i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale;
+};
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <typename T, int HDP>
+__device__ void attention_mma_body(const AttnP& p) {
+    constexpr int KP = HDP + 8;  // pitches padded so fragment loads hit 32 distinct banks
+    constexpr int VP = TK + 8;
+    __shared__ __align__(16) unsigned short sk[TK * KP];
+    __shared__ __align__(16) unsigned short svt[HDP * VP];
+    typedef unsigned short u16;
+    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
+    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * 64;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int hd = (int)p.hd;
+    const float scale = (float)p.scale;
+
+    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
+    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
+    if (kv_end < 0) kv_end = 0;
+
+    // This warp's rows: wr and wr + 8 for the two halves of each fragment.
+    const i64 wr = r0 + warp * 16 + g;
+    const u16* qb = q + b * p.qbs + h * p.hd;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len) return 0u;
+        unsigned lo = d < hd ? qb[row * p.qrs + d] : 0u;
+        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
+        return lo | (hi << 16);
+    };
+    unsigned qa[HDP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+
+    float o[HDP / 8][4];
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    i64 last_row = r0 + 63 < p.q_len - 1 ? r0 + 63 : p.q_len - 1;
+    i64 tile_end = kv_end;
+    if (p.causal) {
+        i64 lim = valid - p.q_len + last_row + 1;
+        if (lim < tile_end) tile_end = lim;
+    }
+    const u16* kb = k + b * p.kbs + kvh * p.hd;
+    const u16* vb = v + b * p.vbs + kvh * p.hd;
+
+    for (i64 t0 = 0; t0 < tile_end; t0 += TK) {
+        __syncthreads();
+        // Fixed trip count, unrolled: many loads in flight per thread
+        // instead of one load-to-store round trip per element.
+#pragma unroll 16
+        for (int it = 0; it < TK * HDP / 128; ++it) {
+            int e = threadIdx.x + it * 128;
+            int j = e / HDP, d = e % HDP;
+            i64 key = t0 + j;
+            bool in = key < p.kv_len && d < hd;
+            sk[j * KP + d] = in ? kb[key * p.krs + d] : (u16)0;
+            svt[d * VP + j] = in ? vb[key * p.vrs + d] : (u16)0;
+        }
+        __syncthreads();
+
+        float s[TK / 8][4];
+#pragma unroll
+        for (int n = 0; n < TK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < HDP / 16; ++ks) {
+#pragma unroll
+            for (int n = 0; n < TK / 8; ++n) {
+                const u16* kr = sk + (n * 8 + g) * KP + ks * 16 + 2 * t;
+                Mma<T>::run(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+
+        // Scale and mask; then the online-softmax update for rows wr, wr+8.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < TK / 8; ++n) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const i64 key = t0 + n * 8 + 2 * t + c;
+                bool ok = key < kv_end;
+                if (ok && p.mask) ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    bool okr = ok && !(p.causal && key > valid - p.q_len + wr + 8 * half);
+                    float x = okr ? s[n][2 * half + c] * scale : -INFINITY;
+                    s[n][2 * half + c] = x;
+                    mx[half] = fmaxf(mx[half], x);
+                }
+            }
+        }
+        float corr[2], mu[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+            float mn = fmaxf(m[half], mx[half]);
+            mu[half] = mn == -INFINITY ? 0.0f : mn;  // all masked so far: keep zeros, no NaN
+            corr[half] = expf(m[half] - mu[half]);
+            m[half] = mn;
+        }
+        float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < TK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = expf(s[n][e] - mu[e >> 1]);
+                s[n][e] = pv;
+                rs[e >> 1] += pv;
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 1);
+            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 2);
+            l[half] = l[half] * corr[half] + rs[half];
+        }
+#pragma unroll
+        for (int n = 0; n < HDP / 8; ++n) {
+            o[n][0] *= corr[0]; o[n][1] *= corr[0];
+            o[n][2] *= corr[1]; o[n][3] *= corr[1];
+        }
+        // O += P·V: the score accumulators are already the A fragments of P.
+#pragma unroll
+        for (int ks = 0; ks < TK / 16; ++ks) {
+            unsigned pa[4];
+            pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+            pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+            pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int n = 0; n < HDP / 8; ++n) {
+                const u16* vr = svt + (n * 8 + g) * VP + ks * 16 + 2 * t;
+                Mma<T>::run(o[n], pa, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+            }
+        }
+    }
+
+    T* out = (T*)p.out;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = wr + 8 * half;
+        if (row >= p.q_len) continue;
+        // A row that sees no key at all (fully masked) yields zeros.
+        float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+        T* orow = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; ++n) {
+            int d = n * 8 + 2 * t;
+            if (d < hd) st(orow, d, o[n][2 * half] * inv);
+            if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
+        }
+    }
+}
+
+// attention_mma_<HDP>_<dtype>
+#define RLX_ATTN_MMA(HDP)                                                                                             \
+    extern "C" __global__ void attention_mma_##HDP##_f16(const AttnP p) { attention_mma_body<__half, HDP>(p); }       \
+    extern "C" __global__ void attention_mma_##HDP##_bf16(const AttnP p) { attention_mma_body<__nv_bfloat16, HDP>(p); }
+RLX_ATTN_MMA(32)
+RLX_ATTN_MMA(64)
+RLX_ATTN_MMA(96)
+RLX_ATTN_MMA(128)
