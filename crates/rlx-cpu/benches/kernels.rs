@@ -290,6 +290,22 @@ fn cpu_name() -> String {
         .unwrap_or_else(|| "unknown CPU".into())
 }
 
+/// Microseconds of one `run()` (submit + wait, no pipelining) of a
+/// schedule with one tiny thunk: the fixed cost of a call.
+fn call_overhead_us(backend: &CpuBackend) -> f64 {
+    let store = WeightStore::new();
+    let mut slots = Vec::new();
+    let x = weight(&store, &mut slots, "x", &[16], 6);
+    let out = BufRef { space: Space::Arena, offset: 0, bytes: 64 };
+    let t = Thunk::Activation { act: rlx_ir::Activation::Relu, dtype: DType::F32, n: 16, x, out };
+    let mut exe = executable(backend, t, 1, slots, store, 64);
+    1e6 * best_seconds(|iters| {
+        for _ in 0..iters {
+            exe.run(&[]).expect("run");
+        }
+    })
+}
+
 fn max_opt(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(x), Some(y)) => Some(x.max(y)),
@@ -375,5 +391,6 @@ fn main() {
             println!("| GELU (erf) {r}×{c} | {ge:.1} | {mc:.1} | {:.2} |", ge / mc);
         }
         println!();
+        println!("Fixed cost of one run() call (1 tiny thunk, submit + wait): {:.1} µs\n", call_overhead_us(&backend));
     }
 }

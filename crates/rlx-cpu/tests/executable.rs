@@ -159,3 +159,17 @@ fn own_thread_pool() {
     let mut exe = backend.prepare(schedule, Arc::new(p.store), &Default::default()).expect("prepare");
     assert_close(&exe.run(&[("x", &x(1.0))]).expect("run")[0], &want(1.0, 2.0), 0.0, "one thread");
 }
+
+#[test]
+fn consts_are_uploaded_once_and_read() {
+    let mut p = Plan::new();
+    let xb = p.input("x", &[4], DType::F32);
+    let c = p.konst(&tensor(&[4], DType::F32, &[0.5, -1.0, 2.0, 4.0]));
+    let out = p.output("y", &[4], DType::F32);
+    p.push(Thunk::Binary { op: BinaryOp::Add, dtype: DType::F32, out_shape: vec![4], a: xb, a_strides: vec![1], b: c, b_strides: vec![1], out });
+    let mut exe = p.prepare(1).expect("prepare");
+    for _ in 0..2 {
+        let got = exe.run(&[("x", &x(1.0))]).expect("run");
+        assert_close(&got[0], &[1.5, 1.0, 5.0, 8.0], 0.0, "x + const");
+    }
+}

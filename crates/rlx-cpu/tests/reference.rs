@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rlx_compile::{ArenaSummary, BufRef, Schedule, Space, TensorSlot, Thunk, WeightSlot};
+use rlx_compile::{ArenaSummary, BufRef, ConstBlob, Schedule, Space, TensorSlot, Thunk, WeightSlot};
 use rlx_cpu::CpuBackend;
 use rlx_ir::{Activation, DType, Shape};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Tensor, WeightStore};
@@ -79,6 +79,7 @@ pub struct Plan {
     pub outputs: Vec<TensorSlot>,
     pub weights: Vec<WeightSlot>,
     pub states: Vec<TensorSlot>,
+    pub consts: Vec<ConstBlob>,
     pub thunks: Vec<Thunk>,
     pub store: WeightStore,
 }
@@ -127,6 +128,11 @@ impl Plan {
         self.states.push(TensorSlot { name: name.into(), shape: Shape::new(shape.to_vec()), dtype, buf: b });
         b
     }
+    pub fn konst(&mut self, t: &Tensor) -> BufRef {
+        let i = self.consts.len() as u32;
+        self.consts.push(ConstBlob { shape: t.shape().clone(), dtype: t.dtype(), data: t.bytes().to_vec() });
+        BufRef { space: Space::Const(i), offset: 0, bytes: t.bytes().len() as u64 }
+    }
     pub fn push(&mut self, t: Thunk) {
         self.thunks.push(t);
     }
@@ -138,7 +144,7 @@ impl Plan {
             outputs: self.outputs.clone(),
             weights: self.weights.clone(),
             states: self.states.clone(),
-            consts: vec![],
+            consts: self.consts.clone(),
             arena: ArenaSummary::default(),
         }
     }
