@@ -60,6 +60,8 @@ pub struct CudaExecutable {
     /// (offset, bytes) of each input in pin_in and each output in pin_out.
     in_layout: Vec<(usize, usize)>,
     out_layout: Vec<(usize, usize)>,
+    /// Where the copied-back error flag sits in pin_out.
+    flag_off: usize,
     replay: bool,
     trace: bool,
     profile: bool,
@@ -199,6 +201,7 @@ impl CudaExecutable {
             stream,
             in_layout,
             out_layout,
+            flag_off: out_bytes,
             replay,
             trace,
             profile,
@@ -358,7 +361,11 @@ impl Executable for CudaExecutable {
             }
         }
         let t_launch = Instant::now();
-        let launched = self.launch(&self.slots[si]).and_then(|_| self.slots[si].done.record(&self.stream));
+        let mut t_record = t_launch;
+        let launched = self.launch(&self.slots[si]).and_then(|_| {
+            t_record = Instant::now();
+            self.slots[si].done.record(&self.stream)
+        });
         if let Err(e) = launched {
             // Part of the call may be queued: let it drain before the slot is reused.
             let _ = self.stream.synchronize();
@@ -374,11 +381,12 @@ impl Executable for CudaExecutable {
         self.stats.last_host_time = end - t0;
         if self.trace {
             eprintln!(
-                "rlx-cuda call {id} slot {si} {}: check {:?}, stage {:?}, launch {:?}",
+                "rlx-cuda call {id} slot {si} {}: check {:?}, stage {:?}, launch {:?}, record {:?}",
                 self.stats.mode,
                 t_stage - t0,
                 t_launch - t_stage,
-                end - t_launch
+                t_record - t_launch,
+                end - t_record
             );
         }
         Ok(Ticket::new(id, si, flag))
@@ -401,9 +409,10 @@ impl Executable for CudaExecutable {
         for (s, (off, bytes)) in self.schedule.outputs.iter().zip(&self.out_layout) {
             outs.push(Tensor::from_bytes(s.shape.clone(), s.dtype, slot.pin_out.slice(*off, *bytes).to_vec())?);
         }
-        let out_bytes = self.out_layout.last().map(|(o, b)| o + b.div_ceil(16) * 16).unwrap_or(0);
-        let flag = slot.pin_out.slice(out_bytes, 4);
-        let flag = u32::from_le_bytes([flag[0], flag[1], flag[2], flag[3]]);
+        let flag = match slot.pin_out.slice(self.flag_off, 4) {
+            [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]),
+            _ => return Err(err("error flag missing from the staging buffer")),
+        };
         if self.trace {
             eprintln!("rlx-cuda call {id}: wait {:?}, copy-out {:?}", t1 - t0, t1.elapsed());
         }

@@ -67,8 +67,10 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 /// Devices and their loaded kernels, opened once per process.
-fn open(ordinal: usize) -> Result<(Arc<Device>, Arc<Kernels>)> {
-    static OPEN: OnceLock<Mutex<HashMap<usize, (Arc<Device>, Arc<Kernels>)>>> = OnceLock::new();
+type Opened = (Arc<Device>, Arc<Kernels>);
+
+fn open(ordinal: usize) -> Result<Opened> {
+    static OPEN: OnceLock<Mutex<HashMap<usize, Opened>>> = OnceLock::new();
     let mut g = OPEN.get_or_init(Default::default).lock().map_err(|_| err("device table lock poisoned"))?;
     if let Some(v) = g.get(&ordinal) {
         return Ok(v.clone());

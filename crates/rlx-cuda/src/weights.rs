@@ -24,8 +24,11 @@ struct Inner {
     version: u64,
 }
 
-fn cache() -> &'static Mutex<HashMap<(usize, u64), Weak<DeviceWeights>>> {
-    static C: OnceLock<Mutex<HashMap<(usize, u64), Weak<DeviceWeights>>>> = OnceLock::new();
+/// (device ordinal, store id) -> the shared copy, while any executable holds it.
+type Cache = Mutex<HashMap<(usize, u64), Weak<DeviceWeights>>>;
+
+fn cache() -> &'static Cache {
+    static C: OnceLock<Cache> = OnceLock::new();
     C.get_or_init(Default::default)
 }
 
