@@ -185,7 +185,12 @@ impl CudaExecutable {
             slots.push(Slot { _arena: arena, _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
         }
         let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel()).count()).unwrap_or(0);
-        let mode = if replay { "replay" } else { "eager" };
+        // RLX_PROFILE times every step with events, which needs eager launches.
+        let mode = match (replay, profile) {
+            (true, false) => "replay",
+            (true, true) => "replay recorded, eager launches (RLX_PROFILE)",
+            (false, _) => "eager",
+        };
         let stats = ExecStats { calls: 0, kernels_per_call, arena_bytes, slots: nslots, last_host_time: Duration::ZERO, mode: mode.into() };
         let exec = CudaExecutable {
             dev,
