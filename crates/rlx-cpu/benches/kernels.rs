@@ -210,8 +210,8 @@ fn fma_peak(threads: usize) -> Option<(&'static str, f64)> {
     #[cfg(target_arch = "x86_64")]
     {
         let (label, flops, f) = peak::kernel()?;
-        let iters = 20_000_000u64;
-        let best = (0..7)
+        let iters = 4_000_000u64;
+        let best = (0..25)
             .map(|_| {
                 let t = Instant::now();
                 std::thread::scope(|s| {
@@ -288,6 +288,42 @@ fn cpu_name() -> String {
         .ok()
         .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
         .unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// GFLOP/s (4·B·H·S²·hd, the two products) of fused self-attention reading
+/// Q, K, V out of one fused [B, S, 3·H·hd] projection.
+fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, hd: usize) -> f64 {
+    let store = WeightStore::new();
+    let mut slots = Vec::new();
+    let w = 3 * heads * hd;
+    let qkv = weight(&store, &mut slots, "qkv", &[batch, seq, w], 7);
+    let view = |off: usize| rlx_compile::SeqView {
+        buf: BufRef { offset: (off * 4) as u64, bytes: qkv.bytes - (off * 4) as u64, ..qkv },
+        batch_stride: (seq * w) as u64,
+        row_stride: w as u64,
+    };
+    let out = BufRef { space: Space::Arena, offset: 0, bytes: (batch * seq * heads * hd * 4) as u64 };
+    let t = Thunk::Attention(rlx_compile::AttentionThunk {
+        dtype: DType::F32,
+        batch,
+        heads,
+        kv_heads: heads,
+        head_dim: hd,
+        q_len: seq,
+        kv_len: seq,
+        scale: 1.0 / (hd as f32).sqrt(),
+        causal: false,
+        q: view(0),
+        k: view(heads * hd),
+        v: view(2 * heads * hd),
+        mask: None,
+        mask_dtype: DType::I32,
+        valid_len: None,
+        out,
+    });
+    let reps = 4;
+    let mut exe = executable(backend, t, reps, slots, store, out.bytes);
+    reps as f64 * 4.0 * (batch * heads * seq * seq * hd) as f64 / time_exe(&mut exe) / 1e9
 }
 
 /// Microseconds of one `run()` (submit + wait, no pipelining) of a
@@ -391,6 +427,7 @@ fn main() {
             println!("| GELU (erf) {r}×{c} | {ge:.1} | {mc:.1} | {:.2} |", ge / mc);
         }
         println!();
+        println!("Fused attention, MiniLM shape (batch 1, seq 128, 12 heads of 32): {:.1} GFLOP/s  ", rlx_attention(&backend, 1, 128, 12, 32));
         println!("Fixed cost of one run() call (1 tiny thunk, submit + wait): {:.1} µs\n", call_overhead_us(&backend));
     }
 }

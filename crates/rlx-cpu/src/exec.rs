@@ -166,9 +166,11 @@ impl Worker {
             }
             Ok(())
         };
+        // Run the whole call on a pool thread, so every parallel loop in it
+        // forks locally instead of waking the pool once per thunk.
         match &self.pool {
             Some(p) => p.install(body)?,
-            None => body()?,
+            None => rayon::scope(|_| body())?,
         }
         self.schedule
             .outputs

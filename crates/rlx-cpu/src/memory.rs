@@ -291,7 +291,23 @@ pub fn gemm_f32(
     accumulate: bool,
     a: MatRef<'_>,
     b: MatRef<'_>,
+    mnk: (usize, usize, usize),
+    par: gemm::Parallelism,
+) {
+    gemm_f32_scaled(dst, dst_offset, ldd, accumulate, a, b, mnk, 1.0, par)
+}
+
+/// As [`gemm_f32`] with the product scaled: `dst (=|+=) scale · a · b`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_f32_scaled(
+    dst: &Dst<f32>,
+    dst_offset: usize,
+    ldd: usize,
+    accumulate: bool,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
     (m, n, k): (usize, usize, usize),
+    scale: f32,
     par: gemm::Parallelism,
 ) {
     if m == 0 || n == 0 {
@@ -327,7 +343,7 @@ pub fn gemm_f32(
             b.cs as isize,
             b.rs as isize,
             1.0f32,
-            1.0f32,
+            scale,
             false,
             false,
             false,

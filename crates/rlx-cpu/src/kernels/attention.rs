@@ -14,7 +14,7 @@ use rlx_ir::DType;
 
 use super::lanes;
 use crate::elem::{with_float, Elem};
-use crate::memory::{Dst, Mem, Src};
+use crate::memory::{gemm_f32, gemm_f32_scaled, Dst, MatRef, Mem, Src};
 use crate::{exec_err, Result};
 
 /// Queries per task: enough work to amortise loading the head's K and V.
@@ -60,7 +60,7 @@ struct TaskBuf {
     keep: Vec<bool>,
     q: Vec<f32>,
     scores: Vec<f32>,
-    acc: Vec<f32>,
+    out: Vec<f32>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -69,7 +69,14 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
     let blocks = t.q_len.div_ceil(Q_BLOCK);
     let out_w = t.heads * hd;
     (0..t.batch * t.heads * blocks).into_par_iter().for_each_init(
-        || TaskBuf { k: vec![0.0; valid * hd], v: vec![0.0; valid * hd], keep: vec![true; valid], q: vec![0.0; hd], scores: vec![0.0; valid], acc: vec![0.0; hd] },
+        || TaskBuf {
+            k: vec![0.0; valid * hd],
+            v: vec![0.0; valid * hd],
+            keep: vec![true; valid],
+            q: vec![0.0; Q_BLOCK * hd],
+            scores: vec![0.0; Q_BLOCK * valid],
+            out: vec![0.0; Q_BLOCK * hd],
+        },
         |buf, task| {
             let (b, rest) = (task / (t.heads * blocks), task % (t.heads * blocks));
             let (h, blk) = (rest / blocks, rest % blocks);
@@ -82,49 +89,52 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
                 v.load(vr, &mut buf.v[j * hd..(j + 1) * hd]);
                 buf.keep[j] = mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j));
             }
-            let q_end = ((blk + 1) * Q_BLOCK).min(t.q_len);
-            for i in blk * Q_BLOCK..q_end {
+            let q0 = blk * Q_BLOCK;
+            let qn = Q_BLOCK.min(t.q_len - q0);
+            for i in 0..qn {
+                q.load(b * t.q.batch_stride as usize + (q0 + i) * t.q.row_stride as usize + h * hd, &mut buf.q[i * hd..(i + 1) * hd]);
+            }
+            // scores[qn, valid] = scale · Q Kᵀ
+            let (qs, ks, vs) = (Src::from_slice(&buf.q), Src::from_slice(&buf.k), Src::from_slice(&buf.v));
+            let sd = Dst::from_slice(&mut buf.scores);
+            let none = gemm::Parallelism::None;
+            gemm_f32_scaled(&sd, 0, valid, false, MatRef { src: &qs, offset: 0, rs: hd, cs: 1 }, MatRef { src: &ks, offset: 0, rs: 1, cs: hd }, (qn, valid, hd), t.scale, none);
+            for i in 0..qn {
                 let limit = if t.causal {
                     // Query i sits at absolute position valid - q_len + i.
-                    let p = valid as isize - t.q_len as isize + i as isize;
+                    let p = valid as isize - t.q_len as isize + (q0 + i) as isize;
                     (p + 1).clamp(0, valid as isize) as usize
                 } else {
                     valid
                 };
-                q.load(b * t.q.batch_stride as usize + i * t.q.row_stride as usize + h * hd, &mut buf.q);
-                let n = limit * hd;
-                attend_row(&mut buf.q, t.scale, &buf.k[..n], &buf.v[..n], &buf.keep[..limit], &mut buf.scores[..limit], &mut buf.acc);
-                out.store((b * t.q_len + i) * out_w + h * hd, &buf.acc);
+                masked_softmax(&mut buf.scores[i * valid..(i + 1) * valid], &buf.keep, limit);
+            }
+            // out[qn, hd] = P V
+            let ss = Src::from_slice(&buf.scores);
+            let od = Dst::from_slice(&mut buf.out);
+            gemm_f32(&od, 0, hd, false, MatRef { src: &ss, offset: 0, rs: valid, cs: 1 }, MatRef { src: &vs, offset: 0, rs: hd, cs: 1 }, (qn, hd, valid), none);
+            for i in 0..qn {
+                out.store((b * t.q_len + q0 + i) * out_w + h * hd, &buf.out[i * hd..(i + 1) * hd]);
             }
         },
     );
 }
 
 crate::simd::multiversion! {
-    /// One query row: scores against `k` rows (head_dim = q.len()) that
-    /// `keep` allows, softmax, weighted sum of `v` rows into `acc`; zeros
-    /// when no key is allowed.
-    fn attend_row(q: &mut [f32], scale: f32, k: &[f32], v: &[f32], keep: &[bool], scores: &mut [f32], acc: &mut [f32]) {
-        let hd = q.len();
-        q.iter_mut().for_each(|x| *x *= scale);
-        let mut m = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            *s = if keep[j] { lanes::dot(q, &k[j * hd..(j + 1) * hd]) } else { f32::NEG_INFINITY };
-            m = m.max(*s);
-        }
-        acc.fill(0.0);
+    /// Softmax over the keys of one score row that are before `limit` and
+    /// kept by the mask; every other weight is exactly 0, and a row with no
+    /// key left is all zeros.
+    fn masked_softmax(row: &mut [f32], keep: &[bool], limit: usize) {
+        let (head, tail) = row.split_at_mut(limit.min(row.len()));
+        tail.fill(0.0);
+        head.iter_mut().zip(keep).for_each(|(x, &k)| if !k { *x = f32::NEG_INFINITY });
+        let m = lanes::max(head);
         if m == f32::NEG_INFINITY {
+            head.fill(0.0);
             return;
         }
-        let mut sum = 0.0f32;
-        for (j, s) in scores.iter().enumerate() {
-            if keep[j] {
-                let p = lanes::exp(s - m);
-                sum += p;
-                lanes::axpy(acc, p, &v[j * hd..(j + 1) * hd]);
-            }
-        }
-        let inv = 1.0 / sum;
-        acc.iter_mut().for_each(|x| *x *= inv);
+        head.iter_mut().zip(keep).for_each(|(x, &k)| *x = if k { lanes::exp(*x - m) } else { 0.0 });
+        let inv = 1.0 / lanes::sum(head);
+        head.iter_mut().for_each(|x| *x *= inv);
     }
 }

@@ -40,31 +40,6 @@ pub fn max(v: &[f32]) -> f32 {
     fold(v, f32::NEG_INFINITY, f32::max, |x| x)
 }
 
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; L];
-    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..L {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut r: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    for v in acc {
-        r += v;
-    }
-    r
-}
-
-/// y += a * x.
-#[inline(always)]
-pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
-}
-
 /// e^x in f32 without a libm call, so loops over it vectorise: x = n·ln2 + r
 /// with |r| ≤ ln2/2, e^r by its Taylor series to r⁷ (relative error ~2e-7),
 /// times 2^n built in the exponent bits. Inputs are clamped to the normal
