@@ -1,12 +1,13 @@
-//! Fused attention: one rayon task per (batch, head, block of queries)
-//! computes that block's scores against one head's keys, masks, softmaxes
-//! and takes the weighted sum of values. Only one row of scores exists per
-//! task at a time; the full [B, H, Sq, Skv] matrix is never built.
+//! Fused attention: one rayon task per (batch, head, block of 32 queries)
+//! computes that block's scores against one head's keys (a small gemm),
+//! masks and softmaxes them, and multiplies by that head's values (a second
+//! small gemm). A task holds at most a [32, kv_len] block of one head's
+//! scores; the full [B, H, Sq, Skv] matrix is never built.
 //!
 //! Masking: keys at or past `valid_len` (default kv_len), keys whose
 //! key-padding mask is zero, and with `causal` keys after the query's
-//! position (`valid_len - q_len + i` for query i) are excluded. A query row
-//! with no key left (fully masked) outputs zeros rather than NaN.
+//! position (`valid_len - q_len + i` for query i) get weight exactly 0. A
+//! query row with no key left (fully masked) outputs zeros rather than NaN.
 
 use rayon::prelude::*;
 use rlx_compile::AttentionThunk;
