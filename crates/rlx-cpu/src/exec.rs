@@ -70,7 +70,7 @@ struct Worker {
 }
 
 fn alloc(bytes: u64, what: &str) -> Result<AlignedBuf> {
-    AlignedBuf::zeroed(bytes as usize).ok_or_else(|| RuntimeError::OutOfMemory { requested: bytes, free: 0 }).map_err(|e| exec_err(format!("{what}: {e}")))
+    AlignedBuf::zeroed(bytes as usize).ok_or(RuntimeError::OutOfMemory { requested: bytes, free: 0 }).map_err(|e| exec_err(format!("{what}: {e}")))
 }
 
 fn resolve_all(schedule: &Schedule, store: &WeightStore) -> Result<Vec<Arc<Tensor>>> {

@@ -366,6 +366,6 @@ impl<T: 'static> Dst<T> {
     }
     /// Whether a source view starts at the same address (an in-place op).
     pub fn same_start<U>(&self, src: &Src<U>) -> bool {
-        self.ptr as usize == src.ptr as usize
+        std::ptr::eq(self.ptr as *const u8, src.ptr as *const u8)
     }
 }

@@ -23,7 +23,7 @@ pub struct Operand {
 /// an empty view. Saturates rather than overflowing, so a huge stride fails
 /// the bounds check instead of wrapping.
 pub fn extent(dims: &[usize], strides: &[u64]) -> u64 {
-    if dims.iter().any(|&d| d == 0) {
+    if dims.contains(&0) {
         return 0;
     }
     dims.iter().zip(strides).fold(1u64, |acc, (&d, &s)| acc.saturating_add((d as u64 - 1).saturating_mul(s)))

@@ -181,3 +181,22 @@ fn copy_strided_transpose_and_narrow() {
         assert_close(&got[0], &want, 0.0, &format!("copy {dtype}"));
     }
 }
+
+/// Sizes that split across rayon tasks: a bias add over many rows, and a
+/// long activation.
+#[test]
+fn large_elementwise_splits_across_tasks() {
+    let (rows, cols) = (300, 200);
+    let mut r = rng(5);
+    let x = values(&mut r, rows * cols, DType::F32);
+    let bias = values(&mut r, cols, DType::F32);
+    let mut p = Plan::new();
+    let xb = p.input("x", &[rows, cols], DType::F32);
+    let bb = p.weight("b", tensor(&[cols], DType::F32, &bias));
+    let out = p.output("y", &[rows, cols], DType::F32);
+    p.push(Thunk::Binary { op: BinaryOp::Add, dtype: DType::F32, out_shape: vec![rows, cols], a: xb, a_strides: vec![cols as u64, 1], b: bb, b_strides: vec![0, 1], out });
+    p.push(Thunk::Activation { act: Activation::Gelu, dtype: DType::F32, n: rows * cols, x: out, out });
+    let want: Vec<f64> = (0..rows * cols).map(|i| act_ref(Activation::Gelu, x[i] + bias[i % cols])).collect();
+    let got = p.run(&[("x", &tensor(&[rows, cols], DType::F32, &x))]).expect("runs");
+    assert_close(&got[0], &want, TOL_ELEMENTWISE, "bias add + gelu in place");
+}

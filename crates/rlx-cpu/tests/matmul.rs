@@ -158,3 +158,51 @@ fn matmul_f32_large() {
     let got = p.run(&[("a", &at)]).expect("runs");
     assert_close(&got[0], &want, TOL_MATMUL, "large gelu matmul");
 }
+
+/// Half-precision storage at a size where the work is split across
+/// threads, with every epilogue part, b a transposed weight (f32 cache).
+#[test]
+fn matmul_half_large_with_epilogue() {
+    for dtype in [DType::F16, DType::BF16] {
+        let (m, n, k) = (70, 200, 96);
+        let mut r = rng(21);
+        let a_vals = values(&mut r, m * k, dtype);
+        let b_vals = values(&mut r, n * k, dtype);
+        let bias_vals = values(&mut r, n, dtype);
+        let res_vals = values(&mut r, m * n, dtype);
+        let mut p = Plan::new();
+        let a = p.input("a", &[m, k], dtype);
+        let b = p.weight("w", tensor(&[n, k], dtype, &b_vals));
+        let bias = p.weight("bias", tensor(&[n], dtype, &bias_vals));
+        let res = p.input("res", &[m, n], dtype);
+        let out = p.output("out", &[m, n], dtype);
+        p.push(Thunk::MatMul(MatMulThunk {
+            dtype,
+            batch: 1,
+            m,
+            n,
+            k,
+            a,
+            lda: k as u64,
+            a_batch_stride: (m * k) as u64,
+            b,
+            b_trans: true,
+            ldb: k as u64,
+            b_batch_stride: 0,
+            bias: Some(bias),
+            act: Some(Activation::Gelu),
+            residual: Some(res),
+            out,
+        }));
+        let want: Vec<f64> = (0..m * n)
+            .map(|x| {
+                let (i, j) = (x / n, x % n);
+                let s: f64 = (0..k).map(|kk| a_vals[i * k + kk] * b_vals[j * k + kk]).sum();
+                act_ref(Activation::Gelu, s + bias_vals[j]) + res_vals[x]
+            })
+            .collect();
+        let (at, rt) = (tensor(&[m, k], dtype, &a_vals), tensor(&[m, n], dtype, &res_vals));
+        let got = p.run(&[("a", &at), ("res", &rt)]).expect("runs");
+        assert_close(&got[0], &want, TOL_HALF, &format!("large {dtype} matmul"));
+    }
+}

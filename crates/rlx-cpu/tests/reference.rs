@@ -63,7 +63,7 @@ pub fn assert_close(got: &Tensor, want: &[f64], tol: f64, what: &str) {
     let mut worst = (0.0f64, 0usize);
     for (i, (a, b)) in g.iter().zip(want).enumerate() {
         let e = (*a as f64 - b).abs() / b.abs().max(1.0);
-        if !(e <= worst.0) {
+        if e.is_nan() || e > worst.0 {
             worst = (if e.is_nan() { f64::INFINITY } else { e }, i);
         }
     }
