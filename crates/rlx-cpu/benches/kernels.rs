@@ -46,11 +46,15 @@ fn best_seconds(mut f: impl FnMut(usize)) -> f64 {
 }
 
 fn weight(store: &WeightStore, slots: &mut Vec<WeightSlot>, name: &str, shape: &[usize], seed: u32) -> BufRef {
+    weight_of(store, slots, name, shape, seed, DType::F32)
+}
+
+fn weight_of(store: &WeightStore, slots: &mut Vec<WeightSlot>, name: &str, shape: &[usize], seed: u32, dtype: DType) -> BufRef {
     let n: usize = shape.iter().product();
     let vals: Vec<f32> = (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5).collect();
-    let t = Tensor::from_f32(shape.to_vec(), &vals).expect("bench tensor");
-    let b = BufRef { space: Space::Weight(slots.len() as u32), offset: 0, bytes: (n * 4) as u64 };
-    slots.push(WeightSlot { name: name.into(), parts: vec![name.into()], concat_axis: 0, shape: Shape::new(shape.to_vec()), dtype: DType::F32 });
+    let t = Tensor::from_f32(shape.to_vec(), &vals).expect("bench tensor").to_dtype(dtype);
+    let b = BufRef { space: Space::Weight(slots.len() as u32), offset: 0, bytes: (n * dtype.size()) as u64 };
+    slots.push(WeightSlot { name: name.into(), parts: vec![name.into()], concat_axis: 0, shape: Shape::new(shape.to_vec()), dtype });
     store.set(name, t).expect("bench weight");
     b
 }
@@ -79,14 +83,20 @@ fn time_exe(exe: &mut Box<dyn Executable>) -> f64 {
     })
 }
 
-fn rlx_matmul(backend: &CpuBackend, (m, k, n): (usize, usize, usize)) -> f64 {
+fn rlx_matmul(backend: &CpuBackend, mkn: (usize, usize, usize)) -> f64 {
+    rlx_matmul_of(backend, mkn, DType::F32)
+}
+
+/// GFLOP/s of a matmul with `dtype` storage (half types: a widened per
+/// call, b widened once at prepare, f32 accumulation).
+fn rlx_matmul_of(backend: &CpuBackend, (m, k, n): (usize, usize, usize), dtype: DType) -> f64 {
     let store = WeightStore::new();
     let mut slots = Vec::new();
-    let a = weight(&store, &mut slots, "a", &[m, k], 1);
-    let b = weight(&store, &mut slots, "b", &[k, n], 2);
-    let out = BufRef { space: Space::Arena, offset: 0, bytes: (m * n * 4) as u64 };
+    let a = weight_of(&store, &mut slots, "a", &[m, k], 1, dtype);
+    let b = weight_of(&store, &mut slots, "b", &[k, n], 2, dtype);
+    let out = BufRef { space: Space::Arena, offset: 0, bytes: (m * n * dtype.size()) as u64 };
     let t = Thunk::MatMul(MatMulThunk {
-        dtype: DType::F32,
+        dtype,
         batch: 1,
         m,
         n,
@@ -427,6 +437,10 @@ fn main() {
             println!("| GELU (erf) {r}×{c} | {ge:.1} | {mc:.1} | {:.2} |", ge / mc);
         }
         println!();
+        for dt in [DType::F16, DType::BF16] {
+            let (m, k, n) = SHAPES[0];
+            println!("{dt} storage matmul {m}×{k}×{n}: {:.1} GFLOP/s  ", rlx_matmul_of(&backend, SHAPES[0], dt));
+        }
         println!("Fused attention, MiniLM shape (batch 1, seq 128, 12 heads of 32): {:.1} GFLOP/s  ", rlx_attention(&backend, 1, 128, 12, 32));
         println!("Fixed cost of one run() call (1 tiny thunk, submit + wait): {:.1} µs\n", call_overhead_us(&backend));
     }

@@ -245,6 +245,13 @@ pub fn validate_thunk(t: &Thunk, mem: &Mem) -> Result<(), String> {
             return Err(format!("operand {} writes to read-only {:?}", op.what, op.buf.space));
         }
     }
+    // Attention tasks read every key and value row while others write
+    // their output rows, so the output must not share bytes with q, k or v.
+    if let Thunk::Attention(a) = t {
+        if [a.q.buf, a.k.buf, a.v.buf].iter().any(|b| overlaps(&a.out, b)) {
+            return Err("attention output overlaps q, k or v".into());
+        }
+    }
     // gemm reads its operands while it writes the output, so they must not
     // share bytes (elementwise kernels may run in place; a matmul cannot).
     if let Thunk::MatMul(mm) = t {
