@@ -371,6 +371,14 @@ fn main() {
     let rounds: usize = std::env::var("RLX_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3).max(1);
     let row_cases: [(usize, usize); 2] = [(128, 384), (4096, 1024)];
     let only_rows = std::env::var("RLX_BENCH_ONLY_ROWS").is_ok();
+    if std::env::var("RLX_BENCH_ONLY_ATTENTION").is_ok() {
+        // For profiling the attention kernel alone (e.g. under `perf stat`).
+        for &t in &threads {
+            let backend = CpuBackend::with_threads(t);
+            println!("{t} threads: fused attention {:.1} GFLOP/s", rlx_attention(&backend, 1, 128, 12, 32));
+        }
+        return;
+    }
     println!("# rlx-cpu kernels on {} ({cores} cores), best of {rounds} rounds\n", cpu_name());
     for &t in &threads {
         let backend = CpuBackend::with_threads(t);

@@ -1,7 +1,7 @@
-//! Fused attention: one rayon task per (batch, head, block of 32 queries)
+//! Fused attention: one rayon task per (batch, head, block of 64 queries)
 //! computes that block's scores against one head's keys (a small gemm),
 //! masks and softmaxes them, and multiplies by that head's values (a second
-//! small gemm). A task holds at most a [32, kv_len] block of one head's
+//! small gemm). A task holds at most a [64, kv_len] block of one head's
 //! scores; the full [B, H, Sq, Skv] matrix is never built.
 //!
 //! Masking: keys at or past `valid_len` (default kv_len), keys whose
@@ -19,7 +19,7 @@ use crate::memory::{gemm_f32, gemm_f32_scaled, Dst, MatRef, Mem, Src};
 use crate::{exec_err, Result};
 
 /// Queries per task: enough work to amortise loading the head's K and V.
-const Q_BLOCK: usize = 32;
+const Q_BLOCK: usize = 64;
 
 /// Whether element i of a mask of any dtype is nonzero.
 fn keep(mask: &Src<u8>, dtype: DType, i: usize) -> bool {
@@ -82,34 +82,41 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             let (b, rest) = (task / (t.heads * blocks), task % (t.heads * blocks));
             let (h, blk) = (rest / blocks, rest % blocks);
             let g = h / group;
-            // This head's keys and values, contiguous in f32.
+            let q0 = blk * Q_BLOCK;
+            let qn = Q_BLOCK.min(t.q_len - q0);
+            for j in 0..valid {
+                buf.keep[j] = mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j));
+            }
+            let none = gemm::Parallelism::None;
+            if let (Some(qf), Some(kf), Some(vf), Some(of)) = (q.as_f32(), k.as_f32(), v.as_f32(), out.as_f32()) {
+                // f32: the gemms read q, k, v through their strides and write
+                // this block of the output in place.
+                let (qa, ka, va) = (t.q.row_stride as usize, t.k.row_stride as usize, t.v.row_stride as usize);
+                let sd = Dst::from_slice(&mut buf.scores[..qn * valid]);
+                let qm = MatRef { src: &qf, offset: b * t.q.batch_stride as usize + q0 * qa + h * hd, rs: qa, cs: 1 };
+                let km = MatRef { src: &kf, offset: b * t.k.batch_stride as usize + g * hd, rs: 1, cs: ka };
+                gemm_f32_scaled(&sd, 0, valid, false, qm, km, (qn, valid, hd), t.scale, none);
+                softmax_rows(t, valid, q0, qn, &mut buf.scores, &buf.keep);
+                let ss = Src::from_slice(&buf.scores[..qn * valid]);
+                let vm = MatRef { src: &vf, offset: b * t.v.batch_stride as usize + g * hd, rs: va, cs: 1 };
+                gemm_f32(&of, (b * t.q_len + q0) * out_w + h * hd, out_w, false, MatRef { src: &ss, offset: 0, rs: valid, cs: 1 }, vm, (qn, hd, valid), none);
+                return;
+            }
+            // Half precision: this head's keys and values, contiguous in f32.
             for j in 0..valid {
                 let kr = b * t.k.batch_stride as usize + j * t.k.row_stride as usize + g * hd;
                 let vr = b * t.v.batch_stride as usize + j * t.v.row_stride as usize + g * hd;
                 k.load(kr, &mut buf.k[j * hd..(j + 1) * hd]);
                 v.load(vr, &mut buf.v[j * hd..(j + 1) * hd]);
-                buf.keep[j] = mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j));
             }
-            let q0 = blk * Q_BLOCK;
-            let qn = Q_BLOCK.min(t.q_len - q0);
             for i in 0..qn {
                 q.load(b * t.q.batch_stride as usize + (q0 + i) * t.q.row_stride as usize + h * hd, &mut buf.q[i * hd..(i + 1) * hd]);
             }
             // scores[qn, valid] = scale · Q Kᵀ
             let (qs, ks, vs) = (Src::from_slice(&buf.q), Src::from_slice(&buf.k), Src::from_slice(&buf.v));
             let sd = Dst::from_slice(&mut buf.scores);
-            let none = gemm::Parallelism::None;
             gemm_f32_scaled(&sd, 0, valid, false, MatRef { src: &qs, offset: 0, rs: hd, cs: 1 }, MatRef { src: &ks, offset: 0, rs: 1, cs: hd }, (qn, valid, hd), t.scale, none);
-            for i in 0..qn {
-                let limit = if t.causal {
-                    // Query i sits at absolute position valid - q_len + i.
-                    let p = valid as isize - t.q_len as isize + (q0 + i) as isize;
-                    (p + 1).clamp(0, valid as isize) as usize
-                } else {
-                    valid
-                };
-                masked_softmax(&mut buf.scores[i * valid..(i + 1) * valid], &buf.keep, limit);
-            }
+            softmax_rows(t, valid, q0, qn, &mut buf.scores, &buf.keep);
             // out[qn, hd] = P V
             let ss = Src::from_slice(&buf.scores);
             let od = Dst::from_slice(&mut buf.out);
@@ -119,6 +126,20 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             }
         },
     );
+}
+
+/// Masked softmax of the score rows of queries q0..q0+qn.
+fn softmax_rows(t: &AttentionThunk, valid: usize, q0: usize, qn: usize, scores: &mut [f32], keep: &[bool]) {
+    for i in 0..qn {
+        let limit = if t.causal {
+            // Query i sits at absolute position valid - q_len + i.
+            let p = valid as isize - t.q_len as isize + (q0 + i) as isize;
+            (p + 1).clamp(0, valid as isize) as usize
+        } else {
+            valid
+        };
+        masked_softmax(&mut scores[i * valid..(i + 1) * valid], keep, limit);
+    }
 }
 
 crate::simd::multiversion! {
