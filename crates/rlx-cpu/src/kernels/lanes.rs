@@ -1,8 +1,9 @@
-//! Row reductions written with 16 independent accumulators, so LLVM turns
-//! them into vector code (a plain `iter().sum()` must stay sequential
-//! because float addition does not reassociate).
+//! Row reductions written with 64 independent accumulators, so LLVM turns
+//! them into several independent vector chains (a plain `iter().sum()` must
+//! stay sequential because float addition does not reassociate, and one
+//! 16-lane chain waits on the adder's latency).
 
-const L: usize = 16;
+const L: usize = 64;
 
 #[inline(always)]
 fn fold(v: &[f32], init: f32, f: impl Fn(f32, f32) -> f32, g: impl Fn(f32) -> f32) -> f32 {
