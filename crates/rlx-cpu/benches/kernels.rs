@@ -336,7 +336,8 @@ fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, h
     reps as f64 * 4.0 * (batch * heads * seq * seq * hd) as f64 / time_exe(&mut exe) / 1e9
 }
 
-/// Microseconds of one `run()` (submit + wait, no pipelining) of a
+/// Microseconds of one `run()` (nothing else in flight, so it runs on the
+/// calling thread) of a
 /// schedule with one tiny thunk: the fixed cost of a call.
 fn call_overhead_us(backend: &CpuBackend) -> f64 {
     let store = WeightStore::new();
@@ -450,6 +451,6 @@ fn main() {
             println!("{dt} storage matmul {m}×{k}×{n}: {:.1} GFLOP/s  ", rlx_matmul_of(&backend, SHAPES[0], dt));
         }
         println!("Fused attention, MiniLM shape (batch 1, seq 128, 12 heads of 32): {:.1} GFLOP/s  ", rlx_attention(&backend, 1, 128, 12, 32));
-        println!("Fixed cost of one run() call (1 tiny thunk, submit + wait): {:.1} µs\n", call_overhead_us(&backend));
+        println!("Fixed cost of one run() call (1 tiny thunk, nothing else in flight): {:.1} µs\n", call_overhead_us(&backend));
     }
 }

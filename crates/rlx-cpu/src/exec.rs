@@ -1,12 +1,14 @@
 //! The CPU executable: one persistent worker thread per executable runs
 //! submissions in order (so state stays consistent), each in its pipeline
 //! slot's arena. `submit` hands the worker a job and returns a ticket;
-//! `wait` collects the result.
+//! `wait` collects the result. `run` with nothing in flight skips the
+//! hand-off and runs on the calling thread (the worker's state sits behind
+//! a mutex that only one of them holds at a time).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -148,7 +150,7 @@ impl Worker {
         Ok(())
     }
 
-    fn run(&mut self, slot: usize, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    fn run(&mut self, slot: usize, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
         let mem = self.mem(slot);
         for (s, t) in self.schedule.inputs.iter().zip(inputs) {
             let d = mem.dst::<u8>(&s.buf).map_err(exec_err)?;
@@ -183,26 +185,33 @@ impl Worker {
             .collect()
     }
 
-    fn serve(mut self, jobs: Receiver<Job>, done: Sender<Done>) {
+    /// Rebinds the weights when given, then runs one call.
+    fn call(&mut self, slot: usize, inputs: &[&Tensor], weights: Option<Vec<Arc<Tensor>>>) -> Result<Vec<Tensor>> {
+        if let Some(w) = weights {
+            self.bind_weights(w)?;
+        }
+        self.run(slot, inputs)
+    }
+
+    fn serve(shared: Arc<Mutex<Worker>>, jobs: Receiver<Job>, done: Sender<Done>) {
         while let Ok(job) = jobs.recv() {
+            let Ok(mut guard) = shared.lock() else { return };
+            let this = &mut *guard;
             match job {
                 Job::Run { id, slot, inputs, weights } => {
                     let t0 = Instant::now();
-                    let result = match weights {
-                        Some(w) => self.bind_weights(w),
-                        None => Ok(()),
-                    }
-                    .and_then(|_| self.run(slot, &inputs));
+                    let refs: Vec<&Tensor> = inputs.iter().collect();
+                    let result = this.call(slot, &refs, weights);
                     if done.send(Done { id, result, host_time: t0.elapsed() }).is_err() {
                         return;
                     }
                 }
                 Job::Reset(reply) => {
-                    self.states.iter_mut().for_each(|s| s.bytes_mut().fill(0));
+                    this.states.iter_mut().for_each(|s| s.bytes_mut().fill(0));
                     let _ = reply.send(());
                 }
                 Job::ReadState(i, reply) => {
-                    let r = match (self.schedule.states.get(i), self.states.get(i)) {
+                    let r = match (this.schedule.states.get(i), this.states.get(i)) {
                         (Some(s), Some(b)) => Tensor::from_bytes(s.shape.clone(), s.dtype, b.bytes()[..(s.shape.numel() * s.dtype.size()).min(b.len())].to_vec()),
                         _ => Err(exec_err(format!("no state #{i}"))),
                     };
@@ -228,6 +237,9 @@ pub struct CpuExecutable {
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     ready: HashMap<u64, Result<Vec<Tensor>>>,
+    /// Owned by the worker thread between jobs; `run` borrows it directly
+    /// when nothing is in flight.
+    shared: Arc<Mutex<Worker>>,
     worker: Option<JoinHandle<()>>,
     stats: ExecStats,
 }
@@ -235,12 +247,13 @@ pub struct CpuExecutable {
 impl CpuExecutable {
     pub(crate) fn new(schedule: Arc<Schedule>, store: Arc<WeightStore>, slots: usize, pool: Option<Arc<rayon::ThreadPool>>) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let worker = Worker::new(schedule.clone(), &store, slots, pool)?;
+        let shared = Arc::new(Mutex::new(Worker::new(schedule.clone(), &store, slots, pool)?));
         let (job_tx, job_rx) = channel();
         let (done_tx, done_rx) = channel();
+        let for_thread = shared.clone();
         let handle = std::thread::Builder::new()
             .name("rlx-cpu-exec".into())
-            .spawn(move || worker.serve(job_rx, done_tx))
+            .spawn(move || Worker::serve(for_thread, job_rx, done_tx))
             .map_err(|e| exec_err(format!("could not start the executable's worker thread: {e}")))?;
         let stats = ExecStats {
             calls: 0,
@@ -258,6 +271,7 @@ impl CpuExecutable {
             jobs: Some(job_tx),
             done: done_rx,
             ready: HashMap::new(),
+            shared,
             worker: Some(handle),
             stats,
         })
@@ -265,6 +279,17 @@ impl CpuExecutable {
 
     fn send(&self, job: Job) -> Result<()> {
         self.jobs.as_ref().and_then(|j| j.send(job).ok()).ok_or_else(|| exec_err("the executable's worker thread has stopped"))
+    }
+
+    /// The weights to rebind before the next call, if the store changed.
+    fn changed_weights(&mut self) -> Result<Option<Vec<Arc<Tensor>>>> {
+        let version = self.store.version();
+        if version == self.weight_version {
+            return Ok(None);
+        }
+        let w = resolve_all(&self.schedule, &self.store)?;
+        self.weight_version = version;
+        Ok(Some(w))
     }
 
     /// Blocks for the next finished call.
@@ -311,14 +336,7 @@ impl Executable for CpuExecutable {
         let slot = self.free_slot()?;
         // Weights changed since the last call: the worker rebinds them
         // before this call, after every earlier call has finished.
-        let version = self.store.version();
-        let weights = if version != self.weight_version {
-            let w = resolve_all(&self.schedule, &self.store)?;
-            self.weight_version = version;
-            Some(w)
-        } else {
-            None
-        };
+        let weights = self.changed_weights()?;
         let id = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
         self.send(Job::Run { id, slot, inputs: staged, weights })?;
         let flag = Arc::new(AtomicBool::new(false));
@@ -340,6 +358,26 @@ impl Executable for CpuExecutable {
             }
             self.recv_one()?;
         }
+    }
+
+    /// With nothing in flight, runs on the calling thread: no hand-off to
+    /// the worker and back. Otherwise queues behind the pending calls.
+    fn run(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Vec<Tensor>> {
+        let idle = self.slots.iter().all(|s| matches!(s, SlotState::Free));
+        if !idle {
+            let t = self.submit(inputs)?;
+            return self.wait(t);
+        }
+        let staged = check_inputs(&self.schedule, inputs)?;
+        let weights = self.changed_weights()?;
+        let t0 = Instant::now();
+        let result = {
+            let mut w = self.shared.lock().map_err(|_| exec_err("the executable's worker panicked earlier"))?;
+            w.call(0, &staged, weights)
+        };
+        self.stats.calls += 1;
+        self.stats.last_host_time = t0.elapsed();
+        result
     }
 
     fn reset_state(&mut self) -> Result<()> {
