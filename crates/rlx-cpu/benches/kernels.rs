@@ -336,9 +336,9 @@ fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, h
     reps as f64 * 4.0 * (batch * heads * seq * seq * hd) as f64 / time_exe(&mut exe) / 1e9
 }
 
-/// Microseconds of one `run()` (nothing else in flight, so it runs on the
-/// calling thread) of a
-/// schedule with one tiny thunk: the fixed cost of a call.
+/// Microseconds of one `run()` of a schedule with one tiny thunk (nothing
+/// else in flight, so it runs on the calling thread): the fixed cost of a
+/// call.
 fn call_overhead_us(backend: &CpuBackend) -> f64 {
     let store = WeightStore::new();
     let mut slots = Vec::new();

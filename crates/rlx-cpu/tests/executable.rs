@@ -173,3 +173,12 @@ fn consts_are_uploaded_once_and_read() {
         assert_close(&got[0], &[1.5, 1.0, 5.0, 8.0], 0.0, "x + const");
     }
 }
+
+#[test]
+fn run_while_a_submission_is_in_flight_queues_behind_it() {
+    let mut exe = scale_plan(&[3.0; 4]).prepare(2).expect("prepare");
+    let t = exe.submit(&[("x", &x(1.0))]).expect("submit");
+    assert_close(&exe.run(&[("x", &x(5.0))]).expect("run")[0], &want(5.0, 3.0), 0.0, "run behind a submission");
+    assert_close(&exe.wait(t).expect("wait")[0], &want(1.0, 3.0), 0.0, "the submission");
+    assert_close(&exe.run(&[("x", &x(7.0))]).expect("run")[0], &want(7.0, 3.0), 0.0, "run when idle");
+}
