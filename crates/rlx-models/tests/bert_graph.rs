@@ -216,3 +216,26 @@ fn token_type_ids_input_matches_the_reference() {
         assert!(d <= 1e-4, "row {r} pooled: max abs diff {d}");
     }
 }
+
+#[test]
+fn every_bucket_shares_the_stored_weights() {
+    let cfg = small(Activation::Gelu);
+    let store = random_weights(&cfg, 1, DType::F32).expect("weights");
+    let session = Session::with_weights(Device::Cpu, Arc::clone(&store)).expect("session");
+    let mut shared = 0;
+    for (b, s) in [(1, 16), (4, 40)] {
+        let exe = session.compile(&build_bert_graph(&cfg, b, s, &BertGraphOptions::default()).expect("graph")).expect("compile");
+        for slot in &exe.schedule().weights {
+            let resolved = store.resolve(slot).expect("resolve");
+            if let [only] = slot.parts.as_slice() {
+                let stored = store.get(only).expect("stored");
+                if stored.dtype() == slot.dtype {
+                    // One copy of each weight, whatever the number of buckets.
+                    assert!(Arc::ptr_eq(&stored, &resolved), "{} was copied for bucket {b}x{s}", slot.name);
+                    shared += 1;
+                }
+            }
+        }
+    }
+    assert!(shared > 10, "only {shared} single-part weights seen");
+}

@@ -123,10 +123,13 @@ impl WeightStore {
                 }
             }
         }
-        let built = Arc::new(build(slot, &parts)?);
-        if parts.len() == 1 && parts[0].dtype() == slot.dtype {
-            return Ok(built);
+        // A single part already in the slot's dtype and shape is the stored
+        // tensor itself: share it, so every executable (every shape bucket)
+        // points at one copy instead of cloning the weights.
+        if parts.len() == 1 && parts[0].dtype() == slot.dtype && parts[0].shape() == &slot.shape {
+            return Ok(parts[0].clone());
         }
+        let built = Arc::new(build(slot, &parts)?);
         let mut g = self.inner.write().map_err(poisoned)?;
         g.derived.insert(key, (built.clone(), newest));
         Ok(built)
