@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use rlx::{CompileOptions, CompiledGraph, DType, Device, Session, Tensor, WeightStore};
+use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, WeightStore};
 
 use crate::bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS};
 use crate::weights::load_bert_weights;
@@ -83,6 +83,9 @@ impl SentenceEmbedder {
     ) -> Result<SentenceEmbedder> {
         check_options(&options)?;
         let mut session = Session::with_weights(device, weights)?;
+        // embed() runs one batch at a time (run, not submit/wait), so a
+        // second pipeline slot would only double every bucket's arena.
+        session.set_prepare_options(PrepareOptions { slots: 1, ..session.prepare_options().clone() });
         if options.dtype != DType::F32 {
             session.set_compile_options(CompileOptions { precision: Some(options.dtype), ..CompileOptions::default() });
         }
