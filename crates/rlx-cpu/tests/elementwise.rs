@@ -200,3 +200,39 @@ fn large_elementwise_splits_across_tasks() {
     let got = p.run(&[("x", &tensor(&[rows, cols], DType::F32, &x))]).expect("runs");
     assert_close(&got[0], &want, TOL_ELEMENTWISE, "bias add + gelu in place");
 }
+
+/// Integer binary ops (positions, ids): broadcasting, wrapping like the
+/// integer type, division truncating toward zero, division by zero an error.
+#[test]
+fn binary_integers() {
+    for (seed, dtype) in [DType::I32, DType::I64].into_iter().enumerate() {
+        let mut r = rng(seed as u64 + 40);
+        for op in OPS {
+            let out_shape = vec![3, 5];
+            let a: Vec<i64> = (0..15).map(|_| r.random_range(-1000..1000)).collect();
+            let b: Vec<i64> = (0..5).map(|_| r.random_range(1..50) * if r.random_bool(0.5) { -1 } else { 1 }).collect();
+            let mut p = Plan::new();
+            let ab = p.input("a", &[3, 5], dtype);
+            let bb = p.input("b", &[5], dtype);
+            let out = p.output("y", &[3, 5], dtype);
+            p.push(Thunk::Binary { op, dtype, out_shape, a: ab, a_strides: vec![5, 1], b: bb, b_strides: vec![0, 1], out });
+            let want: Vec<i64> = (0..15)
+                .map(|i| match op {
+                    BinaryOp::Add => a[i] + b[i % 5],
+                    BinaryOp::Sub => a[i] - b[i % 5],
+                    BinaryOp::Mul => a[i] * b[i % 5],
+                    BinaryOp::Div => a[i] / b[i % 5],
+                })
+                .collect();
+            let got = p.run(&[("a", &ints(&[3, 5], dtype, &a)), ("b", &ints(&[5], dtype, &b))]).expect("int binary runs");
+            assert_eq!(got[0], ints(&[3, 5], dtype, &want), "{op:?} {dtype}");
+        }
+    }
+    let mut p = Plan::new();
+    let ab = p.input("a", &[2], DType::I32);
+    let bb = p.input("b", &[2], DType::I32);
+    let out = p.output("y", &[2], DType::I32);
+    p.push(Thunk::Binary { op: BinaryOp::Div, dtype: DType::I32, out_shape: vec![2], a: ab, a_strides: vec![1], b: bb, b_strides: vec![1], out });
+    let err = p.run(&[("a", &ints(&[2], DType::I32, &[4, 5])), ("b", &ints(&[2], DType::I32, &[2, 0]))]).expect_err("division by zero");
+    assert!(err.to_string().contains("division by zero at element 1"), "{err}");
+}

@@ -172,3 +172,26 @@ fn topk_random_with_ties() {
         assert_eq!(got[1].as_i32().expect("i32"), wi, "topk indices seed {seed}");
     }
 }
+
+/// ArgMax and TopK over integer data compare exactly (values past 2^24
+/// that f32 could not tell apart).
+#[test]
+fn argmax_and_topk_on_integers() {
+    let big = 1i64 << 40;
+    for dtype in [DType::I32, DType::I64] {
+        let base = if dtype == DType::I64 { big } else { 1 << 28 };
+        let x: Vec<i64> = vec![base, base + 1, base - 3, base + 1, 7, base + 2];
+        let (rows, len, k) = (2, 3, 2);
+        let mut p = Plan::new();
+        let xb = p.input("x", &[rows, len], dtype);
+        let am = p.output("am", &[rows], DType::I32);
+        let vb = p.output("v", &[rows, k], dtype);
+        let ib = p.output("i", &[rows, k], DType::I32);
+        p.push(Thunk::ArgMax { dtype, outer: rows, len, inner: 1, x: xb, out: am });
+        p.push(Thunk::TopK { dtype, rows, len, k, x: xb, values: Some(vb), indices: Some(ib) });
+        let got = p.run(&[("x", &ints(&[rows, len], dtype, &x))]).expect("runs");
+        assert_eq!(got[0].as_i32().expect("i32"), vec![1, 2], "argmax {dtype}");
+        assert_eq!(got[1], ints(&[rows, k], dtype, &[base + 1, base, base + 2, base + 1]), "topk values {dtype}");
+        assert_eq!(got[2].as_i32().expect("i32"), vec![1, 0, 2, 0], "topk indices {dtype}");
+    }
+}

@@ -152,3 +152,18 @@ fn write_state_past_capacity_is_an_error() {
     // The executable still works after the error.
     exe.run(&[("value", &v), ("pos", &ints(&[1], DType::I32, &[2]))]).expect("in range");
 }
+
+/// Integer state (e.g. a token history) is written like any other.
+#[test]
+fn write_state_of_integers() {
+    let mut p = Plan::new();
+    let st = p.state("tokens", &[1, 4, 1], DType::I64);
+    let value = p.input("value", &[1, 1, 1], DType::I64);
+    let position = p.input("pos", &[1], DType::I32);
+    p.push(Thunk::WriteState { dtype: DType::I64, batch: 1, max_rows: 4, new_rows: 1, width: 1, state: st, value, position });
+    let mut exe = p.prepare(1).expect("prepare");
+    for (pos, tok) in [(0i64, 101i64), (1, 1 << 40), (3, -5)] {
+        exe.run(&[("value", &ints(&[1, 1, 1], DType::I64, &[tok])), ("pos", &ints(&[1], DType::I32, &[pos]))]).expect("write");
+    }
+    assert_eq!(exe.read_state("tokens").expect("read"), ints(&[1, 4, 1], DType::I64, &[101, 1 << 40, 0, -5]));
+}

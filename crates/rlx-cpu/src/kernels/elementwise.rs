@@ -82,6 +82,10 @@ fn load_line<T: Elem>(src: &Src<T>, start: usize, stride: usize, out: &mut [f32]
 
 #[allow(clippy::too_many_arguments)]
 pub fn binary(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &BufRef, a_strides: &[u64], b: &BufRef, b_strides: &[u64], out: &BufRef, mem: &Mem) -> Result<()> {
+    if dtype.is_int() {
+        let (a, b, out) = (mem.src::<u8>(a).map_err(exec_err)?, mem.src::<u8>(b).map_err(exec_err)?, mem.dst::<u8>(out).map_err(exec_err)?);
+        return binary_int(op, dtype, out_shape, &a, a_strides, &b, b_strides, &out);
+    }
     with_float!(dtype, T => binary_t::<T>(op, out_shape, mem.src::<T>(a).map_err(exec_err)?, a_strides, mem.src::<T>(b).map_err(exec_err)?, b_strides, mem.dst::<T>(out).map_err(exec_err)?))
 }
 
@@ -124,6 +128,38 @@ fn binary_t<T: Elem>(op: BinaryOp, out_shape: &[usize], a: Src<T>, a_strides: &[
             }
         },
     );
+    Ok(())
+}
+
+/// Integer ops (ids, positions): small tensors, so a plain loop. Computed in
+/// i64, which for i32 gives the same bits as wrapping i32 arithmetic;
+/// division truncates toward zero and dividing by zero is an error.
+#[allow(clippy::too_many_arguments)]
+fn binary_int(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &Src<u8>, a_strides: &[u64], b: &Src<u8>, b_strides: &[u64], out: &Dst<u8>) -> Result<()> {
+    let total: usize = out_shape.iter().product();
+    let es = dtype.size();
+    for i in 0..total {
+        let (mut rem, mut oa, mut ob) = (i, 0usize, 0usize);
+        for d in (0..out_shape.len()).rev() {
+            let idx = rem % out_shape[d];
+            rem /= out_shape[d];
+            oa += idx * a_strides[d] as usize;
+            ob += idx * b_strides[d] as usize;
+        }
+        let (x, y) = (read_int(a, dtype, oa), read_int(b, dtype, ob));
+        let r = match op {
+            BinaryOp::Add => x.wrapping_add(y),
+            BinaryOp::Sub => x.wrapping_sub(y),
+            BinaryOp::Mul => x.wrapping_mul(y),
+            BinaryOp::Div if y == 0 => return Err(exec_err(format!("binary div: integer division by zero at element {i} of {out_shape:?}"))),
+            BinaryOp::Div => x.wrapping_div(y),
+        };
+        let row = out.row_mut(i * es, es);
+        match dtype {
+            DType::I64 => row.copy_from_slice(&r.to_le_bytes()),
+            _ => row.copy_from_slice(&(r as i32).to_le_bytes()),
+        }
+    }
     Ok(())
 }
 

@@ -6,7 +6,7 @@ use rlx_compile::BufRef;
 use rlx_ir::{DType, ReduceOp};
 
 use super::lanes;
-use crate::elem::{with_float, Elem};
+use crate::elem::{read_int, with_float, Elem};
 use crate::memory::{Dst, Mem, Src};
 use crate::{exec_err, Result};
 
@@ -30,6 +30,17 @@ fn reduce_t<T: Elem>(op: ReduceOp, outer: usize, len: usize, inner: usize, x: Sr
 
 pub fn argmax(dtype: DType, outer: usize, len: usize, inner: usize, x: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
     let o = mem.dst::<i32>(out).map_err(exec_err)?;
+    if dtype.is_int() {
+        // Ids and counts: compared exactly as i64; ties to the lowest index.
+        let x = mem.src::<u8>(x).map_err(exec_err)?;
+        for line in 0..outer * inner {
+            let (ob, i) = (line / inner, line % inner);
+            let at = |j: usize| read_int(&x, dtype, (ob * len + j) * inner + i);
+            let best = (1..len).fold(0usize, |b, j| if at(j) > at(b) { j } else { b });
+            o.set(line, best as i32);
+        }
+        return Ok(());
+    }
     with_float!(dtype, T => argmax_t::<T>(outer, len, inner, mem.src::<T>(x).map_err(exec_err)?, o));
     Ok(())
 }

@@ -4,7 +4,7 @@ use rayon::prelude::*;
 use rlx_compile::BufRef;
 use rlx_ir::DType;
 
-use crate::elem::{with_float, Elem};
+use crate::elem::{read_int, with_float, Elem};
 use crate::memory::{Dst, Mem, Src};
 use crate::{exec_err, Result};
 
@@ -20,6 +20,9 @@ pub struct TopKArgs<'a> {
 
 pub fn run(a: &TopKArgs<'_>, mem: &Mem) -> Result<()> {
     let idx = a.indices.map(|b| mem.dst::<i32>(b)).transpose().map_err(exec_err)?;
+    if a.dtype.is_int() {
+        return ints(a, mem, idx);
+    }
     with_float!(a.dtype, T => {
         let x = mem.src::<T>(a.x).map_err(exec_err)?;
         let vals = a.values.map(|b| mem.dst::<T>(b)).transpose().map_err(exec_err)?;
@@ -57,4 +60,26 @@ fn rows<T: Elem>(a: &TopKArgs<'_>, x: Src<T>, vals: Option<Dst<T>>, idx: Option<
             }
         },
     );
+}
+
+/// Integer input: keys compared exactly as i64, values copied as bytes.
+fn ints(a: &TopKArgs<'_>, mem: &Mem, idx: Option<Dst<i32>>) -> Result<()> {
+    let x = mem.src::<u8>(a.x).map_err(exec_err)?;
+    let vals = a.values.map(|b| mem.dst::<u8>(b)).transpose().map_err(exec_err)?;
+    let (len, k, es) = (a.len, a.k, a.dtype.size());
+    let mut order: Vec<(i64, usize)> = Vec::with_capacity(len);
+    for r in 0..a.rows {
+        order.clear();
+        order.extend((0..len).map(|j| (read_int(&x, a.dtype, r * len + j), j)));
+        order.sort_by(|p, q| q.0.cmp(&p.0).then(p.1.cmp(&q.1)));
+        for (j, &(_, i)) in order[..k].iter().enumerate() {
+            if let Some(d) = &vals {
+                d.copy_from((r * k + j) * es, &x, (r * len + i) * es, es);
+            }
+            if let Some(d) = &idx {
+                d.set(r * k + j, i as i32);
+            }
+        }
+    }
+    Ok(())
 }
