@@ -1,6 +1,8 @@
 //! Replay vs eager on BERT-shaped encoders (seeded random weights, fp16):
 //! median latency per call (submit + wait), host time per submit, kernels per
 //! forward. Usage: replay_bench [RUNS] (default 200). Needs a GPU.
+//! `replay_bench host [RUNS]` instead splits the host time of a replayed
+//! submit by phase under several conditions (see `host_experiment`).
 //!
 //! The schedule is built by hand, thunk by thunk, as the compiler lowers a
 //! BERT encoder: embedding gather + position add + LayerNorm, then per layer
@@ -63,7 +65,7 @@ fn fail(msg: &str) -> ! {
     std::process::exit(1)
 }
 
-fn build(m: &Model, batch: usize, seq: usize) -> (Arc<Schedule>, Arc<WeightStore>) {
+fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>, Arc<WeightStore>) {
     let dt = DType::F16;
     let (h, rows) = (m.h, batch * seq);
     let hd = h / m.heads;
@@ -106,7 +108,7 @@ fn build(m: &Model, batch: usize, seq: usize) -> (Arc<Schedule>, Arc<WeightStore
         let bqkv = b.weight(&p("bqkv"), &[3 * h], 0.1);
         let qkv = b.scratch(rows * 3 * h);
         b.s.thunks.push(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
-        let view = |off: usize| SeqView { buf: BufRef { offset: qkv.offset + (off * 2) as u64, ..qkv }, batch_stride: (seq * 3 * h) as u64, row_stride: (3 * h) as u64 };
+        let view = |off: usize| SeqView { buf: BufRef { offset: qkv.offset + (off * 2) as u64, bytes: qkv.bytes - (off * 2) as u64, ..qkv }, batch_stride: (seq * 3 * h) as u64, row_stride: (3 * h) as u64 };
         let att = b.scratch(rows * h);
         b.s.thunks.push(Thunk::Attention(AttentionThunk {
             dtype: dt,
@@ -144,7 +146,12 @@ fn build(m: &Model, batch: usize, seq: usize) -> (Arc<Schedule>, Arc<WeightStore
         b.s.thunks.push(Thunk::Norm { rms: false, dtype: dt, rows, cols: h, eps: 1e-12, x: f2, residual: None, gamma: g2, beta: Some(b2), out });
         x = out;
     }
-    b.s.outputs.push(TensorSlot { name: "hidden".into(), shape: Shape(vec![batch, seq, h]), dtype: dt, buf: x });
+    if small_out {
+        // First token's hidden state only: a pooled-size copy-out.
+        b.s.outputs.push(TensorSlot { name: "hidden".into(), shape: Shape(vec![1, h]), dtype: dt, buf: BufRef { bytes: (h * 2) as u64, ..x } });
+    } else {
+        b.s.outputs.push(TensorSlot { name: "hidden".into(), shape: Shape(vec![batch, seq, h]), dtype: dt, buf: x });
+    }
     (Arc::new(b.s), Arc::new(b.store))
 }
 
@@ -196,9 +203,97 @@ fn measure(e: &mut Box<dyn Executable>, inputs: &[(&str, &Tensor)], runs: usize)
     Measured { latency: median(lat), pipelined, host: median(host), kernels: e.stats().kernels_per_call, out }
 }
 
+fn inputs_for(batch: usize, seq: usize) -> (Tensor, Tensor) {
+    let ids: Vec<i32> = (0..batch * seq).map(|i| ((i * 7919) % 30000) as i32 + 100).collect();
+    let mut mask = vec![1i32; batch * seq];
+    for bi in 0..batch {
+        for j in seq - (bi % 17)..seq {
+            mask[bi * seq + j] = 0;
+        }
+    }
+    let ids = Tensor::from_i32(vec![batch, seq], &ids).unwrap_or_else(|e| fail(&e.to_string()));
+    let mask = Tensor::from_i32(vec![batch, seq], &mask).unwrap_or_else(|e| fail(&e.to_string()));
+    (ids, mask)
+}
+
+/// Why a replayed submit costs more at 32x128 than at 1x128: median host
+/// time per phase (check, stage, launch, record) of a submit issued right
+/// after the previous wait, after that wait plus 3 ms of CPU spinning or of
+/// sleeping, and with the previous call still in flight; for the full
+/// hidden state and a one-row output and for a 3-kernel graph, with the
+/// staging copies inside the graph or not (RLX_GRAPH_IO), with a polling
+/// wait (RLX_WAIT_POLL).
+fn host_experiment(g: &CudaBackend, runs: usize) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let bert = Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 };
+    // layers 0: no encoder layer (gather, position add, LayerNorm: 3 kernels).
+    let tiny = Model { name: "embeddings only", h: 768, heads: 12, layers: 0, ffn: 3072 };
+    println!("| shape | graph, output | variant | condition | check | stage | launch | record | total (us) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (batch, seq) in [(1usize, 128usize), (32, 128)] {
+        let (ids, mask) = inputs_for(batch, seq);
+        let inputs = [("ids", &ids), ("mask", &mask)];
+        for (model, small) in [(&bert, false), (&bert, true), (&tiny, true)] {
+            let (s, w) = build(model, batch, seq, small);
+            for (variant, io, poll) in [("default", "1", "0"), ("io outside graph", "0", "0"), ("polling wait", "1", "1")] {
+                std::env::set_var("RLX_GRAPH_IO", io);
+                std::env::set_var("RLX_WAIT_POLL", poll);
+                let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
+                for _ in 0..10 {
+                    e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
+                }
+                for cond in ["after wait", "after wait + 3 ms spin", "after wait + 3 ms sleep", "previous in flight"] {
+                    let mut ph: [Vec<Duration>; 5] = Default::default();
+                    let mut prev = None;
+                    for _ in 0..runs {
+                        match cond {
+                            "after wait + 3 ms spin" => {
+                                let t = Instant::now();
+                                while t.elapsed() < Duration::from_millis(3) {
+                                    std::hint::spin_loop();
+                                }
+                            }
+                            "after wait + 3 ms sleep" => std::thread::sleep(Duration::from_millis(3)),
+                            _ => {}
+                        }
+                        let t0 = Instant::now();
+                        let t = e.submit(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
+                        let total = t0.elapsed();
+                        let p = e.last_submit_phases();
+                        for (i, d) in p.iter().chain([&total]).enumerate() {
+                            ph[i].push(*d);
+                        }
+                        if cond == "previous in flight" {
+                            if let Some(p) = prev.replace(t) {
+                                e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+                            }
+                        } else {
+                            e.wait(t).unwrap_or_else(|err| fail(&err.to_string()));
+                        }
+                    }
+                    if let Some(p) = prev {
+                        e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+                    }
+                    let m: Vec<String> = ph.into_iter().map(|v| format!("{:.1}", us(median(v)))).collect();
+                    println!("| {batch}x{seq} | {} {} | {variant} | {cond} | {} |", model.name, if small { "1 row" } else { "hidden" }, m.join(" | "));
+                }
+            }
+        }
+    }
+    for v in ["RLX_GRAPH_IO", "RLX_WAIT_POLL"] {
+        std::env::remove_var(v);
+    }
+}
+
 fn main() {
-    let runs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200).max(1);
+    let host_mode = std::env::args().nth(1).as_deref() == Some("host");
+    let runs: usize = std::env::args().nth(if host_mode { 2 } else { 1 }).and_then(|a| a.parse().ok()).unwrap_or(200).max(1);
     let g = CudaBackend::new(0).unwrap_or_else(|e| fail(&e.to_string()));
+    if host_mode {
+        println!("device: {}", g.device_name());
+        host_experiment(&g, runs);
+        return;
+    }
     println!("device: {}", g.device_name());
     println!("fp16, seeded random weights, median of {runs} calls after 20 warm-up calls; latency = submit + wait (inputs staged, outputs copied back); host time = median submit() with the previous call still running\n");
     println!("| model | batch x seq | RLX replay (us) | RLX eager (us) | eager / replay | replay, 2 in flight (us/call) | host time per replayed submit (us) | kernels per forward |");
@@ -206,16 +301,8 @@ fn main() {
     let models = [Model { name: "all-MiniLM-L6-v2 shape", h: 384, heads: 12, layers: 6, ffn: 1536 }, Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 }];
     for m in &models {
         for (batch, seq) in [(1usize, 128usize), (32, 128)] {
-            let (s, w) = build(m, batch, seq);
-            let ids: Vec<i32> = (0..batch * seq).map(|i| ((i * 7919) % 30000) as i32 + 100).collect();
-            let mut mask = vec![1i32; batch * seq];
-            for bi in 0..batch {
-                for j in seq - (bi % 17)..seq {
-                    mask[bi * seq + j] = 0;
-                }
-            }
-            let ids = Tensor::from_i32(vec![batch, seq], &ids).unwrap_or_else(|e| fail(&e.to_string()));
-            let mask = Tensor::from_i32(vec![batch, seq], &mask).unwrap_or_else(|e| fail(&e.to_string()));
+            let (s, w) = build(m, batch, seq, false);
+            let (ids, mask) = inputs_for(batch, seq);
             let inputs = [("ids", &ids), ("mask", &mask)];
             let mut rep = g.prepare(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
             let mut eag = g.prepare(s, w, &PrepareOptions { slots: 2, replay: false, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));

@@ -2,8 +2,13 @@
 // flash-attention style, with mma.sync m16n8k16 and f32 accumulation.
 //
 // A block of 4 warps owns 64 query rows of one (batch, head), 16 per warp.
-// K and V stream through shared memory in tiles of 64 keys (V stored
-// transposed so its fragments are contiguous pairs). Each warp computes its
+// K and V stream through shared memory in tiles of 64 keys, both stored
+// row-major ([key][dim]); when the head dim is a multiple of 8 and every
+// pointer and stride allows it, a tile moves as 16-byte cp.async copies
+// (4 + 4 per thread for head dim 64), double-buffered for head dims up to 64
+// so the next tile's copy overlaps this tile's math; else element by element. V's fragments
+// come out transposed through ldmatrix.trans. The key mask of a tile is
+// read once into shared memory. Each warp computes its
 // 16x64 score tile S = Q·Kᵀ in registers, applies scale and masks, updates
 // the online softmax, and accumulates O += P·V with P rounded to the storage
 // type. HDP is the head dim rounded up to 32/64/96/128; the padding is zero.
@@ -46,12 +51,39 @@ template <> struct Mma<__nv_bfloat16> {
     }
 };
 
+// Four 8x8 b16 matrices from shared memory, transposed: lanes 8i..8i+7 give
+// the row addresses of matrix i; register i receives matrix i's fragment.
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+// 16 bytes global -> shared without passing through registers; `full`
+// false writes 16 zero bytes (src-size 0: nothing is read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = full ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
 template <typename T, int HDP>
 __device__ void attention_mma_body(const AttnP& p) {
-    constexpr int KP = HDP + 8;  // pitches padded so fragment loads hit 32 distinct banks
-    constexpr int VP = TK + 8;
-    __shared__ __align__(16) unsigned short sk[TK * KP];
-    __shared__ __align__(16) unsigned short svt[HDP * VP];
+    // Pitch padded by 16 bytes: fragment reads of K (rows g, words t) and
+    // ldmatrix row reads of V both hit 32 distinct banks.
+    constexpr int KP = HDP + 8;
+    constexpr int CH = HDP / 8;  // 16-byte chunks per padded row
+    // Two tile buffers (the next tile loads while this one is used) where
+    // they fit in 48 KB of static shared memory, else one.
+    constexpr int STAGES = HDP <= 64 ? 2 : 1;
+    __shared__ __align__(16) unsigned short sk[STAGES * TK * KP];
+    __shared__ __align__(16) unsigned short sv[STAGES * TK * KP];
+    __shared__ unsigned char sok[STAGES * TK];
     typedef unsigned short u16;
     const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * 64;
@@ -64,23 +96,12 @@ __device__ void attention_mma_body(const AttnP& p) {
     i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
     if (kv_end < 0) kv_end = 0;
 
-    // This warp's rows: wr and wr + 8 for the two halves of each fragment.
-    const i64 wr = r0 + warp * 16 + g;
     const u16* qb = q + b * p.qbs + h * p.hd;
-    auto qpair = [&](i64 row, int d) -> unsigned {
-        if (row >= p.q_len) return 0u;
-        unsigned lo = d < hd ? qb[row * p.qrs + d] : 0u;
-        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
-        return lo | (hi << 16);
-    };
-    unsigned qa[HDP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    const u16* kb = k + b * p.kbs + kvh * p.hd;
+    const u16* vb = v + b * p.vbs + kvh * p.hd;
+    // 16-byte path: whole 8-element chunks of every row, all aligned.
+    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
+                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
 
     float o[HDP / 8][4];
 #pragma unroll
@@ -93,23 +114,87 @@ __device__ void attention_mma_body(const AttnP& p) {
         i64 lim = valid - p.q_len + last_row + 1;
         if (lim < tile_end) tile_end = lim;
     }
-    const u16* kb = k + b * p.kbs + kvh * p.hd;
-    const u16* vb = v + b * p.vbs + kvh * p.hd;
 
-    for (i64 t0 = 0; t0 < tile_end; t0 += TK) {
-        __syncthreads();
-        // Fixed trip count, unrolled: many loads in flight per thread
-        // instead of one load-to-store round trip per element.
+    // Tile loads: 16-byte cp.async copies (zero-filled past the keys or the
+    // head dim) on the aligned path, plain loads and stores otherwise.
+    auto load_tile = [&](int buf, i64 t0) {
+        u16* dk = sk + buf * TK * KP;
+        u16* dv = sv + buf * TK * KP;
+        if (vec) {
+            // Consecutive threads take consecutive chunks of one row:
+            // coalesced global reads, conflict-free shared stores.
+#pragma unroll
+            for (int it = 0; it < TK * CH / 128; ++it) {
+                int e = threadIdx.x + it * 128;
+                int j = e / CH, c = e % CH;
+                i64 key = t0 + j;
+                bool in = key < p.kv_len && c * 8 < hd;
+                cp_async16(dk + j * KP + c * 8, in ? kb + key * p.krs + c * 8 : kb, in);
+                cp_async16(dv + j * KP + c * 8, in ? vb + key * p.vrs + c * 8 : vb, in);
+            }
+        } else {
 #pragma unroll 16
-        for (int it = 0; it < TK * HDP / 128; ++it) {
-            int e = threadIdx.x + it * 128;
-            int j = e / HDP, d = e % HDP;
-            i64 key = t0 + j;
-            bool in = key < p.kv_len && d < hd;
-            sk[j * KP + d] = in ? kb[key * p.krs + d] : (u16)0;
-            svt[d * VP + j] = in ? vb[key * p.vrs + d] : (u16)0;
+            for (int it = 0; it < TK * HDP / 128; ++it) {
+                int e = threadIdx.x + it * 128;
+                int j = e / HDP, d = e % HDP;
+                i64 key = t0 + j;
+                bool in = key < p.kv_len && d < hd;
+                dk[j * KP + d] = in ? kb[key * p.krs + d] : (u16)0;
+                dv[j * KP + d] = in ? vb[key * p.vrs + d] : (u16)0;
+            }
+        }
+        cp_async_commit();
+    };
+    // The tile's key flags: issued after this tile's math, so the mask's
+    // load latency is not paid before it.
+    auto load_flags = [&](int buf, i64 t0) {
+        if (threadIdx.x < TK) {
+            const i64 key = t0 + threadIdx.x;
+            bool ok = key < kv_end;
+            if (ok && p.mask) ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+            sok[buf * TK + threadIdx.x] = ok;
+        }
+    };
+
+    const int ntiles = tile_end > 0 ? (int)((tile_end + TK - 1) / TK) : 0;
+    if (ntiles > 0) {
+        load_tile(0, 0);
+        load_flags(0, 0);
+    }
+
+    // This warp's rows: wr and wr + 8 for the two halves of each fragment.
+    const i64 wr = r0 + warp * 16 + g;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len || d >= hd) return 0u;
+        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);  // d even, d + 1 < hd
+        unsigned lo = qb[row * p.qrs + d];
+        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
+        return lo | (hi << 16);
+    };
+    unsigned qa[HDP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+
+    for (int ti = 0; ti < ntiles; ++ti) {
+        const i64 t0 = (i64)ti * TK;
+        const int buf = STAGES == 2 ? (ti & 1) : 0;
+        if (STAGES == 2 && ti + 1 < ntiles) {
+            // The other buffer was last read before the previous iteration's
+            // closing barrier.
+            load_tile(buf ^ 1, t0 + TK);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        const u16* ck = sk + buf * TK * KP;
+        const u16* cv = sv + buf * TK * KP;
+        const unsigned char* cok = sok + buf * TK;
 
         float s[TK / 8][4];
 #pragma unroll
@@ -118,7 +203,7 @@ __device__ void attention_mma_body(const AttnP& p) {
         for (int ks = 0; ks < HDP / 16; ++ks) {
 #pragma unroll
             for (int n = 0; n < TK / 8; ++n) {
-                const u16* kr = sk + (n * 8 + g) * KP + ks * 16 + 2 * t;
+                const u16* kr = ck + (n * 8 + g) * KP + ks * 16 + 2 * t;
                 Mma<T>::run(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
             }
         }
@@ -129,9 +214,9 @@ __device__ void attention_mma_body(const AttnP& p) {
         for (int n = 0; n < TK / 8; ++n) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const i64 key = t0 + n * 8 + 2 * t + c;
-                bool ok = key < kv_end;
-                if (ok && p.mask) ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+                const int j = n * 8 + 2 * t + c;
+                const i64 key = t0 + j;
+                const bool ok = cok[j] != 0;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     bool okr = ok && !(p.causal && key > valid - p.q_len + wr + 8 * half);
@@ -173,6 +258,10 @@ __device__ void attention_mma_body(const AttnP& p) {
             o[n][2] *= corr[1]; o[n][3] *= corr[1];
         }
         // O += P·V: the score accumulators are already the A fragments of P.
+        // V's B fragments (k = keys 2t.., n = dim g) are ldmatrix.trans of
+        // row-major V: matrices (keys +0..7, dims 8n..), (keys +8..15, 8n..),
+        // then the same for dims 8(n+1).. .
+        const int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
         for (int ks = 0; ks < TK / 16; ++ks) {
             unsigned pa[4];
@@ -180,11 +269,20 @@ __device__ void attention_mma_body(const AttnP& p) {
             pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
             pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
             pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            const u16* vrow = cv + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
 #pragma unroll
-            for (int n = 0; n < HDP / 8; ++n) {
-                const u16* vr = svt + (n * 8 + g) * VP + ks * 16 + 2 * t;
-                Mma<T>::run(o[n], pa, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+            for (int n = 0; n < HDP / 8; n += 2) {
+                unsigned vf[4];
+                ldsm_x4_trans(vf, vrow + n * 8);
+                Mma<T>::run(o[n], pa, vf[0], vf[1]);
+                Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
             }
+        }
+        if (STAGES == 2 && ti + 1 < ntiles) load_flags(buf ^ 1, t0 + TK);
+        __syncthreads();  // every warp is done with this buffer
+        if (STAGES == 1 && ti + 1 < ntiles) {
+            load_tile(0, t0 + TK);
+            load_flags(0, t0 + TK);
         }
     }
 
@@ -196,11 +294,17 @@ __device__ void attention_mma_body(const AttnP& p) {
         // A row that sees no key at all (fully masked) yields zeros.
         float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
         T* orow = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        // Pairs as one 4-byte store when the row allows it (same rounding as st).
+        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
 #pragma unroll
         for (int n = 0; n < HDP / 8; ++n) {
             int d = n * 8 + 2 * t;
-            if (d < hd) st(orow, d, o[n][2 * half] * inv);
-            if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
+            if (pairs) {
+                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+            } else {
+                if (d < hd) st(orow, d, o[n][2 * half] * inv);
+                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
+            }
         }
     }
 }

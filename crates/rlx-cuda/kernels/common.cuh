@@ -95,6 +95,61 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// 16 bytes of T as floats and back (E elements); stores round to nearest
+// exactly like `st`, so vector and scalar kernels give the same bits.
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+    static constexpr int E = 4;
+    static __device__ __forceinline__ void load(uint4 u, float* f) {
+        f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y); f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+    }
+    static __device__ __forceinline__ uint4 store(const float* f) {
+        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+    }
+};
+template <> struct Vec16<__half> {
+    static constexpr int E = 8;
+    static __device__ __forceinline__ void load(uint4 u, float* f) {
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+            float2 v = __half22float2(h);
+            f[2 * i] = v.x; f[2 * i + 1] = v.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 store(const float* f) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __half2 h = __halves2half2(__float2half_rn(f[2 * i]), __float2half_rn(f[2 * i + 1]));
+            w[i] = *reinterpret_cast<unsigned*>(&h);
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+template <> struct Vec16<__nv_bfloat16> {
+    static constexpr int E = 8;
+    static __device__ __forceinline__ void load(uint4 u, float* f) {
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+            float2 v = __bfloat1622float2(h);
+            f[2 * i] = v.x; f[2 * i + 1] = v.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 store(const float* f) {
+        unsigned w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __nv_bfloat162 h = __halves2bfloat162(__float2bfloat16_rn(f[2 * i]), __float2bfloat16_rn(f[2 * i + 1]));
+            w[i] = *reinterpret_cast<unsigned*>(&h);
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+
 // Instantiates `extern "C"` entry points NAME_f32, NAME_f16, NAME_bf16 of a
 // templated kernel body `NAME##_body<T>(P)`.
 #define RLX_FLOAT_KERNELS(NAME, P)                                                     \

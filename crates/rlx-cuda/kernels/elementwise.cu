@@ -57,6 +57,31 @@ __device__ void epilogue_body(const EpilogueP& p) {
 }
 RLX_FLOAT_KERNELS(epilogue, EpilogueP)
 
+// The same epilogue over 16-byte vectors (n a multiple of the vector width,
+// pointers 16-byte aligned; the host checks): one load and one store
+// instruction per 8 halves instead of 8, so the pass runs at memory speed.
+// Same per-element arithmetic as `epilogue`, hence the same bits.
+template <typename T>
+__device__ void epilogue_vec_body(const EpilogueP& p) {
+    constexpr int E = Vec16<T>::E;
+    uint4* out = (uint4*)p.out; const uint4* res = (const uint4*)p.res;
+    const i64 nv = p.n / E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < nv; i += (i64)gridDim.x * blockDim.x) {
+        float v[E], r[E];
+        uint4 o = out[i];
+        uint4 rr = res ? res[i] : make_uint4(0, 0, 0, 0);
+        Vec16<T>::load(o, v);
+        Vec16<T>::load(rr, r);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            v[e] = act_apply(p.act, v[e]);
+            if (res) v[e] += r[e];
+        }
+        out[i] = Vec16<T>::store(v);
+    }
+}
+RLX_FLOAT_KERNELS(epilogue_vec, EpilogueP)
+
 // Any dtype to any dtype; floats round to nearest, float -> int truncates.
 struct CastP { const void* src; void* dst; i64 n; i64 from; i64 to; };
 

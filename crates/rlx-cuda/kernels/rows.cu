@@ -75,6 +75,90 @@ __device__ void norm_body(const NormP& p) {
 }
 RLX_FLOAT_KERNELS(norm, NormP)
 
+// LayerNorm / RmsNorm for rows that fit in one warp's registers: one warp
+// per row, 4 rows per 128-thread block, 16-byte loads and stores. The block
+// kernel above spends most of its time in two block-wide reductions per
+// row; here both reductions are warp shuffles and a 4096-row call fills the
+// GPU with 1024 small blocks. The host picks it when cols is a multiple of
+// the vector width, every pointer is 16-byte aligned, and the row takes at
+// most NV vectors per lane (see `norm_warp_nv` in src/launch.rs).
+template <typename T, int NV>
+__device__ void norm_warp_body(const NormP& p) {
+    constexpr int E = Vec16<T>::E;
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= p.rows) return;
+    const int nvec = (int)(p.cols / E);
+    const uint4* x = (const uint4*)p.x + row * nvec;
+    const uint4* res = p.res ? (const uint4*)p.res + row * nvec : nullptr;
+    const uint4* gamma = (const uint4*)p.gamma;
+    const uint4* beta = (const uint4*)p.beta;
+    uint4* out = (uint4*)p.out + row * nvec;
+    const float inv_n = 1.0f / (float)p.cols;
+    // Issue every load of the row before the first use.
+    uint4 raw[NV], rres[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        int c = lane + k * 32;
+        raw[k] = c < nvec ? x[c] : make_uint4(0, 0, 0, 0);
+        rres[k] = (res && c < nvec) ? res[c] : make_uint4(0, 0, 0, 0);
+    }
+    float v[NV][E];
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        float r[E];
+        Vec16<T>::load(raw[k], v[k]);
+        Vec16<T>::load(rres[k], r);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            v[k][e] += r[e];  // zero when there is no residual or past the row
+            s += v[k][e];
+        }
+    }
+    const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
+    float s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        if (lane + k * 32 < nvec) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                float d = v[k][e] - mean;
+                s2 += d * d;
+            }
+        }
+    }
+    const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
+    // out may alias x or res: this warp read its whole row above.
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        int c = lane + k * 32;
+        if (c < nvec) {
+            float g[E], bt[E], o[E];
+            Vec16<T>::load(gamma[c], g);
+            if (beta) Vec16<T>::load(beta[c], bt);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                o[e] = (v[k][e] - mean) * rstd * g[e];
+                if (beta) o[e] += bt[e];
+            }
+            out[c] = Vec16<T>::store(o);
+        }
+    }
+}
+
+// norm_warp_<NV>_<dtype>
+#define RLX_NORM_WARP(NV)                                                                                        \
+    extern "C" __global__ void norm_warp_##NV##_f32(const NormP p) { norm_warp_body<float, NV>(p); }             \
+    extern "C" __global__ void norm_warp_##NV##_f16(const NormP p) { norm_warp_body<__half, NV>(p); }            \
+    extern "C" __global__ void norm_warp_##NV##_bf16(const NormP p) { norm_warp_body<__nv_bfloat16, NV>(p); }
+RLX_NORM_WARP(1)
+RLX_NORM_WARP(2)
+RLX_NORM_WARP(3)
+RLX_NORM_WARP(4)
+RLX_NORM_WARP(6)
+RLX_NORM_WARP(8)
+
 // op: 0 sum, 1 mean, 2 max (reduce); softmax and argmax ignore it.
 struct AxisP { const void* x; void* out; i64 outer; i64 len; i64 inner; i64 op; };
 

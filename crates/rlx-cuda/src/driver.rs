@@ -255,6 +255,16 @@ impl Event {
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
     }
+    /// Waits by polling cuEventQuery in a spin loop (never yields the CPU).
+    pub fn spin_wait(&self) -> Result<()> {
+        loop {
+            // SAFETY: live event.
+            match unsafe { sys::cuEventQuery(self.0) } {
+                CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
+                r => return check(r, "cuEventQuery"),
+            }
+        }
+    }
     /// Milliseconds between two recorded timing events.
     pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
         let mut ms = 0.0f32;
@@ -303,7 +313,11 @@ impl GraphExec {
                 sys::cuGraphDestroy(graph);
                 return Err(err(format!("cuGraphInstantiate failed: {}", describe(r))));
             }
-            Ok(GraphExec { graph, exec, nodes })
+            let g = GraphExec { graph, exec, nodes };
+            // Uploading now moves the one-time setup of the executable graph
+            // out of the first replayed call.
+            check(sys::cuGraphUpload(exec, s.0), "cuGraphUpload")?;
+            Ok(g)
         }
     }
     pub fn launch(&self, s: &Stream) -> Result<()> {

@@ -63,11 +63,15 @@ pub struct CudaExecutable {
     /// Where the copied-back error flag sits in pin_out.
     flag_off: usize,
     replay: bool,
+    /// RLX_WAIT_POLL=1: `wait` polls the completion event (diagnostic).
+    spin_wait: bool,
     trace: bool,
     profile: bool,
     next_id: u64,
     next_slot: usize,
     stats: ExecStats,
+    /// Host time of the last submit's phases: check, stage, launch, record.
+    phases: [Duration; 4],
 }
 
 fn env_flag(name: &str) -> Option<bool> {
@@ -105,6 +109,9 @@ impl CudaExecutable {
         let trace = env_flag("RLX_TRACE") == Some(true);
         let profile = env_flag("RLX_PROFILE") == Some(true);
         let nslots = opts.slots.max(1);
+        // Diagnostic for the host cost of a replayed submit (bench/gpu-perf.md):
+        // RLX_GRAPH_IO=0 enqueues the staging copies outside the recorded graphs.
+        let graph_io = env_flag("RLX_GRAPH_IO") != Some(false);
         for t in &schedule.thunks {
             if let Some(why) = launch::unsupported(t) {
                 return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
@@ -180,7 +187,7 @@ impl CudaExecutable {
             // SAFETY: the last 4 bytes of pin_out hold the error flag.
             let dst = unsafe { pin_out.as_ptr().add(out_bytes) };
             steps.push(Step { op: Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, host: false, kind: "io" });
-            let segments = if replay { record(&stream, &steps)? } else { Vec::new() };
+            let segments = if replay { record(&stream, &steps, graph_io)? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot { _arena: arena, _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
         }
@@ -208,11 +215,13 @@ impl CudaExecutable {
             out_layout,
             flag_off: out_bytes,
             replay,
+            spin_wait: env_flag("RLX_WAIT_POLL") == Some(true),
             trace,
             profile,
             next_id: 1,
             next_slot: 0,
             stats,
+            phases: [Duration::ZERO; 4],
         };
         if trace {
             eprintln!("{}", exec.segment_map());
@@ -242,6 +251,13 @@ impl CudaExecutable {
             s.push_str(&format!("  segment {i}: {kind} steps {}..{} ({} graph nodes): {}\n", r.start, r.end, nodes, list.join(" ")));
         }
         s
+    }
+
+    /// Host time of the last `submit`, by phase: input check, staging into
+    /// pinned memory, launch (graph launches or eager enqueues), completion
+    /// event record.
+    pub fn last_submit_phases(&self) -> [Duration; 4] {
+        self.phases
     }
 
     /// A slot that is free: never used, collected, or abandoned (waiting for
@@ -310,13 +326,15 @@ impl CudaExecutable {
 }
 
 /// Splits steps into segments and records each replayable one as a graph.
-fn record(stream: &Stream, steps: &[Step]) -> Result<Vec<Segment>> {
+/// With `graph_io` false, staging copies are enqueued directly, like host steps.
+fn record(stream: &Stream, steps: &[Step], graph_io: bool) -> Result<Vec<Segment>> {
+    let direct = |s: &Step| s.host || (!graph_io && s.kind == "io");
     let mut segs = Vec::new();
     let mut i = 0;
     while i < steps.len() {
-        let host = steps[i].host;
+        let host = direct(&steps[i]);
         let mut j = i;
-        while j < steps.len() && steps[j].host == host {
+        while j < steps.len() && direct(&steps[j]) == host {
             j += 1;
         }
         if host {
@@ -354,7 +372,12 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
 impl Executable for CudaExecutable {
     fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket> {
         let t0 = Instant::now();
-        let tensors = check_inputs(&self.schedule, inputs)?;
+        // Inputs given in the schedule's order with the right shapes and
+        // dtypes need no name table; anything else gets the full check and
+        // its error messages.
+        let in_order = inputs.len() == self.schedule.inputs.len()
+            && inputs.iter().zip(&self.schedule.inputs).all(|((n, t), s)| *n == s.name && t.dtype() == s.dtype && t.shape() == &s.shape);
+        let tensors: Vec<&Tensor> = if in_order { inputs.iter().map(|(_, t)| *t).collect() } else { check_inputs(&self.schedule, inputs)? };
         self.dev.bind()?;
         self.weights.refresh(&self.store)?;
         let si = self.free_slot()?;
@@ -384,6 +407,7 @@ impl Executable for CudaExecutable {
         self.stats.calls += 1;
         let end = Instant::now();
         self.stats.last_host_time = end - t0;
+        self.phases = [t_stage - t0, t_launch - t_stage, t_record - t_launch, end - t_record];
         if self.trace {
             eprintln!(
                 "rlx-cuda call {id} slot {si} {}: check {:?}, stage {:?}, launch {:?}, record {:?}",
@@ -406,7 +430,7 @@ impl Executable for CudaExecutable {
         let t0 = Instant::now();
         self.dev.bind()?;
         let slot = &mut self.slots[si];
-        let synced = slot.done.synchronize();
+        let synced = if self.spin_wait { slot.done.spin_wait() } else { slot.done.synchronize() };
         slot.pending = None;
         synced?;
         let t1 = Instant::now();

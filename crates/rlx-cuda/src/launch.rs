@@ -162,6 +162,22 @@ impl Kernels {
     }
 }
 
+/// Rows (one warp each) per block of the `norm_warp` kernels.
+const NORM_WARP_ROWS: u64 = 4;
+
+/// The vectors-per-lane variant of `norm_warp` (kernels/rows.cu) for a row of
+/// `cols`, or None when the block-per-row kernel must run: cols not a
+/// multiple of the 16-byte vector, a pointer (0 = absent) not 16-byte
+/// aligned, or a row too long for registers.
+pub(crate) fn norm_warp_nv(dtype: DType, cols: usize, ptrs: &[u64]) -> Option<usize> {
+    let width = 16 / dtype.size().max(1);
+    if cols == 0 || !cols.is_multiple_of(width) || ptrs.iter().any(|p| !p.is_multiple_of(16)) {
+        return None;
+    }
+    let per_lane = (cols / width).div_ceil(32);
+    [1, 2, 3, 4, 6, 8].into_iter().find(|&nv| nv >= per_lane)
+}
+
 fn strides(v: &[u64]) -> impl Iterator<Item = u64> + '_ {
     v.iter().copied()
 }
@@ -199,7 +215,12 @@ pub(crate) fn lower(
                     _ => 0,
                 };
                 let args = Args::default().p(d).p(res).i(n).i(act_code(e.act));
-                steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, kind));
+                let width = (16 / m.dtype.size()) as u64;
+                if n.is_multiple_of(width) && (d | res).is_multiple_of(16) {
+                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, args, kind));
+                } else {
+                    steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, kind));
+                }
             }
         }
         Thunk::Binary { op, dtype, out_shape, a, a_strides, b: bb, b_strides, out } => {
@@ -229,8 +250,16 @@ pub(crate) fn lower(
         Thunk::Norm { rms, dtype, rows, cols, eps, x, residual, gamma, beta, out } => {
             let res = residual.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
             let bet = beta.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
-            let args = Args::default().p(b.ptr(x)?).p(res).p(b.ptr(gamma)?).p(bet).p(b.ptr(out)?).i(*rows).i(*cols).i(*rms as i64).f(*eps as f64);
-            steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind));
+            let (xp, gp, op) = (b.ptr(x)?, b.ptr(gamma)?, b.ptr(out)?);
+            let args = Args::default().p(xp).p(res).p(gp).p(bet).p(op).i(*rows).i(*cols).i(*rms as i64).f(*eps as f64);
+            match norm_warp_nv(*dtype, *cols, &[xp, res, gp, bet, op]) {
+                Some(nv) => {
+                    let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;
+                    let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
+                    steps.push(Step::new(Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, args: args.0 }, kind));
+                }
+                None => steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind)),
+            }
         }
         Thunk::Softmax { dtype, outer, len, inner, x, out } => {
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);

@@ -29,7 +29,8 @@ fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64)
     sb.thunk(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
     let att = sb.scratch((rows * h * dt.size()) as u64);
     let view = |off: usize| SeqView {
-        buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, ..qkv },
+        // The view ends where the fused tensor ends.
+        buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
         batch_stride: (seq * 3 * h) as u64,
         row_stride: (3 * h) as u64,
     };

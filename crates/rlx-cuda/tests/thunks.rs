@@ -137,7 +137,23 @@ fn norms_softmax_reduce_argmax() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(4);
     for dt in FLOATS {
-        for (rms, with_res, rows, cols) in [(false, false, 5, 384), (false, true, 9, 771), (true, false, 3, 129), (true, true, 4, 64), (false, true, 3, 2050), (true, false, 2, 1500)] {
+        // Block-per-row kernel (odd or long rows) and the warp-per-row kernel
+        // (rows a multiple of 16 bytes: 1, 2, 3, 4, 6, 8 vectors per lane;
+        // row counts that leave a block part empty).
+        for (rms, with_res, rows, cols) in [
+            (false, false, 5, 384),
+            (false, true, 9, 771),
+            (true, false, 3, 129),
+            (true, true, 4, 64),
+            (false, true, 3, 2050),
+            (true, false, 2, 1500),
+            (false, true, 37, 768),
+            (true, true, 13, 1024),
+            (false, false, 6, 2048),
+            (false, true, 11, 1536),
+            (false, true, 70, 256),
+            (true, false, 5, 8),
+        ] {
             let mut sb = Sb::new();
             let x = sb.input("x", &[rows, cols], dt);
             let residual = if with_res { Some(sb.input("res", &[rows, cols], dt)) } else { None };
@@ -281,9 +297,17 @@ fn rope_both_modes() {
 /// Attention with Q, K, V read out of one fused QKV tensor through strides.
 #[allow(clippy::too_many_arguments)]
 fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng, dt: DType, batch: usize, heads: usize, kv_heads: usize, hd: usize, q_len: usize, kv_len: usize, causal: bool, mask: bool, valid: Option<i32>) {
+    attention_case_at(g, r, dt, batch, heads, kv_heads, hd, q_len, kv_len, causal, mask, valid, 0)
+}
+
+/// As `attention_case`; with `shift` > 0 (fused QKV only) Q, K and V start
+/// `shift` elements into rows `shift` elements wider, so the kernels' aligned
+/// 16-byte paths must not be taken.
+#[allow(clippy::too_many_arguments)]
+fn attention_case_at(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng, dt: DType, batch: usize, heads: usize, kv_heads: usize, hd: usize, q_len: usize, kv_len: usize, causal: bool, mask: bool, valid: Option<i32>, shift: usize) {
     let qw = heads * hd;
     let kw = kv_heads * hd;
-    let row = if q_len == kv_len { qw + 2 * kw } else { 0 };
+    let row = if q_len == kv_len { qw + 2 * kw + shift } else { 0 };
     let mut sb = Sb::new();
     let (q, k, v);
     let mut inputs = Vec::new();
@@ -291,11 +315,12 @@ fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng,
         let qkv = sb.input("qkv", &[batch, q_len, row], dt);
         inputs.push(("qkv", rand_tensor(r, &[batch, q_len, row], dt)));
         let view = |off: usize| SeqView {
-            buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, ..qkv },
+            // The view ends where the fused tensor ends.
+            buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
             batch_stride: (q_len * row) as u64,
             row_stride: row as u64,
         };
-        (q, k, v) = (view(0), view(qw), view(qw + kw));
+        (q, k, v) = (view(shift), view(shift + qw), view(shift + qw + kw));
     } else {
         let qb = sb.input("q", &[batch, q_len, qw], dt);
         let kb = sb.input("k", &[batch, kv_len, kw], dt);
@@ -347,7 +372,7 @@ fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng,
         out,
     }));
     let (s, w) = sb.finish();
-    let what = format!("attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?}");
+    let what = format!("attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift}");
     check(&what, g, &s, &w, &named(inputs), 1.0);
 }
 
@@ -366,6 +391,15 @@ fn attention_masks_gqa_strides() {
         // Grids of at least one 64-row block per SM: the tensor-core kernel (f16/bf16).
         attention_case(&g, &mut r, dt, 4, 8, 8, 64, 300, 300, false, true, None);
         attention_case(&g, &mut r, dt, 3, 12, 4, 80, 256, 256, true, true, None);
+        // BERT's shape (12 heads of 64, 128 tokens, key padding) and the other
+        // padded head dims on the tensor-core kernel; then a misaligned
+        // fused QKV, which takes its element-by-element loads.
+        attention_case(&g, &mut r, dt, 6, 12, 12, 64, 128, 128, false, true, None);
+        attention_case(&g, &mut r, dt, 4, 16, 16, 32, 190, 190, false, true, None);
+        attention_case(&g, &mut r, dt, 2, 8, 2, 128, 520, 520, true, false, None);
+        attention_case(&g, &mut r, dt, 3, 16, 8, 48, 140, 140, false, true, None);
+        attention_case_at(&g, &mut r, dt, 6, 12, 12, 64, 128, 128, false, true, None, 1);
+        attention_case_at(&g, &mut r, dt, 3, 12, 4, 80, 256, 256, true, false, None, 3);
     }
 }
 
