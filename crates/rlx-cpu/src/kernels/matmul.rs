@@ -65,12 +65,14 @@ fn gemm_batches(mm: &MatMulThunk, a: &Operand<'_>, b: &Operand<'_>, c: &Dst<f32>
     let fold = mm.batch == 1 || (b.batch_stride == 0 && a.batch_stride == m * a.rs);
     if fold {
         let rows = mm.batch * m;
-        // Few rows (a transformer at small batch): give each thread its own
-        // column block and a single-threaded gemm. gemm's own threading
-        // synchronises per k-block, which costs more than it gains here
-        // (and much more on a loaded machine); large products keep it.
+        // Few rows (a transformer at small batch): split the columns into
+        // blocks, each a single-threaded gemm, about four per thread so a
+        // thread that gets descheduled is covered by work stealing. gemm's
+        // own threading synchronises per k-block, which costs more than it
+        // gains here (and much more on a loaded machine); large products
+        // keep it.
         if threads > 1 && rows <= 512 && n >= 64 * threads {
-            let chunk = n.div_ceil(threads).div_ceil(16) * 16;
+            let chunk = (n / (4 * threads)).max(64).div_ceil(16) * 16;
             (0..n.div_ceil(chunk)).into_par_iter().for_each(|p| {
                 let j0 = p * chunk;
                 let am = MatRef { src: a.src, offset: a.offset, rs: a.rs, cs: a.cs };
