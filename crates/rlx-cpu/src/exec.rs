@@ -111,7 +111,21 @@ impl Worker {
         for (t, slot) in tensors.into_iter().zip(&self.schedule.weights) {
             weights.push(WeightMem::new(t, &slot.name)?);
         }
-        self.weights = weights;
+        let old = std::mem::replace(&mut self.weights, weights);
+        match self.weight_caches() {
+            Ok(cache) => {
+                self.b_cache = cache;
+                Ok(())
+            }
+            Err(e) => {
+                // Keep the previous binding whole rather than half-updated.
+                self.weights = old;
+                Err(e)
+            }
+        }
+    }
+
+    fn weight_caches(&self) -> Result<Vec<Option<Vec<f32>>>> {
         let mem = self.mem(0);
         let mut cache = Vec::with_capacity(self.schedule.thunks.len());
         for (i, t) in self.schedule.thunks.iter().enumerate() {
@@ -121,8 +135,7 @@ impl Worker {
                 _ => None,
             });
         }
-        self.b_cache = cache;
-        Ok(())
+        Ok(cache)
     }
 
     /// Inputs, outputs and states must lie where the schedule says.
