@@ -60,6 +60,7 @@ def main():
     import numpy as np
     import torch
     import onnxruntime as ort
+    import transformers
     from transformers import AutoTokenizer, BertModel
 
     torch.set_num_threads(args.threads)
@@ -95,10 +96,13 @@ def main():
             log(f"TorchScript ONNX export failed ({e}); using the dynamo exporter")
             torch.onnx.export(export_model, ex, onnx_path, dynamo=True, **kw)
     if not os.path.exists(opt_path):
-        from onnxruntime.transformers import optimizer
-        m = optimizer.optimize_model(onnx_path, model_type="bert", num_heads=12, hidden_size=384)
-        log("ORT transformer optimizer fused:", json.dumps(m.get_fused_operator_statistics()))
-        m.save_model_to_file(opt_path)
+        try:
+            from onnxruntime.transformers import optimizer
+            m = optimizer.optimize_model(onnx_path, model_type="bert", num_heads=12, hidden_size=384)
+            log("ORT transformer optimizer fused:", json.dumps(m.get_fused_operator_statistics()))
+            m.save_model_to_file(opt_path)
+        except Exception as e:  # e.g. the onnx package missing: go on without that engine
+            log(f"ORT transformer optimizer unavailable ({e}); no ort_opt engine")
 
     def session(path):
         so = ort.SessionOptions()
@@ -108,7 +112,10 @@ def main():
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
-    sessions = {"ort": session(onnx_path), "ort_opt": session(opt_path)}
+    sessions = {"ort": session(onnx_path)}
+    if os.path.exists(opt_path):
+        sessions["ort_opt"] = session(opt_path)
+    engines = [e for e in ("ort", "ort_opt") if e in sessions] + ["torch"]
 
     def run(engine, ids, mask):
         if engine == "torch":
@@ -131,8 +138,8 @@ def main():
                 out[i] = vecs[j]
         return out
 
-    versions = {"torch": torch.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__}
-    print(json.dumps({"ready": True, "versions": versions, "threads": args.threads}), flush=True)
+    versions = {"torch": torch.__version__, "onnxruntime": ort.__version__, "transformers": transformers.__version__}
+    print(json.dumps({"ready": True, "versions": versions, "threads": args.threads, "engines": engines}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         cmd = req.get("cmd")

@@ -122,9 +122,12 @@ fn main() -> Result<(), String> {
     let load = |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
     let engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?), ("rlx_bf16", load(DType::BF16)?)];
 
+    let mut peer_engines: Vec<&str> = vec![];
     let mut peer = match Peer::start(&root, &model, threads) {
         Ok((p, hello)) => {
-            println!("peers: {}", hello["versions"]);
+            println!("peers: {} engines {}", hello["versions"], hello["engines"]);
+            let offered: Vec<&str> = hello["engines"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+            peer_engines = PEERS.iter().copied().filter(|e| offered.contains(e)).collect();
             Some(p)
         }
         Err(e) => {
@@ -132,8 +135,12 @@ fn main() -> Result<(), String> {
             None
         }
     };
-    let names: Vec<&str> = engines.iter().map(|(n, _)| *n).chain(if peer.is_some() { PEERS.to_vec() } else { vec![] }).collect();
-    println!("threads {threads}, rlx-cpu on {} rayon threads; forward: median of {rounds} alternating runs after 3 warm-ups", rayon_threads());
+    let names: Vec<&str> = engines.iter().map(|(n, _)| *n).chain(peer_engines.iter().copied()).collect();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_default();
+    println!("cpu {cpu:?}; threads {threads}, rlx-cpu on {} rayon threads; forward: median of {rounds} alternating runs after 3 warm-ups", rayon_threads());
 
     let mut table: Vec<(String, Vec<f64>)> = vec![];
     for &(b, s) in SHAPES {
