@@ -203,6 +203,41 @@ __device__ void reduce_body(const AxisP& p) {
 }
 RLX_FLOAT_KERNELS(reduce, AxisP)
 
+// The same reduction when the kept inner axis is wide (mean pooling over the
+// sequence: [batch, seq, hidden] -> [batch, hidden]): a 256-thread block owns
+// 32 adjacent columns, lane = column (coalesced reads), warp w sums rows
+// w, w+8, ...; the 8 partial results meet in shared memory in a fixed order.
+// Grid: outer * ceil(inner / 32) blocks.
+template <typename T>
+__device__ void reduce_cols_body(const AxisP& p) {
+    __shared__ float part[8][33];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const i64 nb = (p.inner + 31) / 32;
+    const i64 o = blockIdx.x / nb, col = (blockIdx.x % nb) * 32 + lane;
+    if (o >= p.outer) return;
+    const bool in = col < p.inner;
+    const T* x = (const T*)p.x + o * p.len * p.inner + col;
+    const bool mx = p.op == 2;
+    float v = mx ? -INFINITY : 0.0f;
+    if (in) {
+#pragma unroll 4
+        for (i64 j = w; j < p.len; j += 8) {
+            float e = ld(x, j * p.inner);
+            v = mx ? fmaxf(v, e) : v + e;
+        }
+    }
+    part[w][lane] = v;
+    __syncthreads();
+    if (w == 0 && in) {
+        float r = part[0][lane];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) r = mx ? fmaxf(r, part[k][lane]) : r + part[k][lane];
+        if (p.op == 1) r /= (float)p.len;
+        st((T*)p.out, o * p.inner + col, r);
+    }
+}
+RLX_FLOAT_KERNELS(reduce_cols, AxisP)
+
 // Index of the largest value; ties go to the lower index; NaN never wins.
 template <typename T>
 __device__ void argmax_body(const AxisP& p) {

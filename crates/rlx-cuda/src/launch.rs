@@ -178,6 +178,51 @@ pub(crate) fn norm_warp_nv(dtype: DType, cols: usize, ptrs: &[u64]) -> Option<us
     [1, 2, 3, 4, 6, 8].into_iter().find(|&nv| nv >= per_lane)
 }
 
+/// Drops size-1 dims and merges each pair of adjacent dims that every
+/// operand walks contiguously (stride of the outer = stride of the inner x
+/// its size), so an elementwise kernel decomposes its linear (row-major,
+/// contiguous output) index over as few dims as possible. Returns at least
+/// one dim. `strides[k][d]` is operand k's stride of dim d, in elements.
+pub(crate) fn collapse(shape: &[usize], strides: &[&[u64]]) -> (Vec<usize>, Vec<Vec<u64>>) {
+    let mut out_shape: Vec<usize> = Vec::new();
+    let mut out_st: Vec<Vec<u64>> = vec![Vec::new(); strides.len()];
+    for (d, &size) in shape.iter().enumerate() {
+        if size == 1 {
+            continue;
+        }
+        let st = |k: usize| strides[k].get(d).copied().unwrap_or(0);
+        let merge = match out_shape.last() {
+            Some(_) => (0..strides.len()).all(|k| out_st[k].last().copied() == Some(st(k) * size as u64)),
+            None => false,
+        };
+        if let (true, Some(last)) = (merge, out_shape.last_mut()) {
+            *last *= size;
+            for (k, v) in out_st.iter_mut().enumerate() {
+                if let Some(x) = v.last_mut() {
+                    *x = st(k);
+                }
+            }
+        } else {
+            out_shape.push(size);
+            for (k, v) in out_st.iter_mut().enumerate() {
+                v.push(st(k));
+            }
+        }
+    }
+    if out_shape.is_empty() {
+        out_shape.push(1);
+        for v in out_st.iter_mut() {
+            v.push(0);
+        }
+    }
+    (out_shape, out_st)
+}
+
+/// The largest element offset an operand with these strides reaches.
+fn max_offset(shape: &[usize], strides: &[u64]) -> u64 {
+    shape.iter().zip(strides).map(|(&n, &s)| (n.saturating_sub(1) as u64).saturating_mul(s)).fold(0u64, |a, x| a.saturating_add(x))
+}
+
 fn strides(v: &[u64]) -> impl Iterator<Item = u64> + '_ {
     v.iter().copied()
 }
@@ -231,17 +276,21 @@ pub(crate) fn lower(
                 BinaryOp::Mul => 2,
                 BinaryOp::Div => 3,
             };
+            let (shape, st) = collapse(out_shape, &[a_strides, b_strides]);
             let args = Args::default()
                 .p(b.ptr(a)?)
                 .p(b.ptr(bb)?)
                 .p(b.ptr(out)?)
                 .i(n)
-                .i(out_shape.len())
+                .i(shape.len())
                 .i(op)
-                .arr(out_shape.iter().map(|&d| d as u64))
-                .arr(strides(a_strides))
-                .arr(strides(b_strides));
-            steps.push(k.flat(k.typed("binary", *dtype)?, n as u64, args, kind));
+                .arr(shape.iter().map(|&d| d as u64))
+                .arr(strides(&st[0]))
+                .arr(strides(&st[1]));
+            let fits31 = |v: u64| v < (1u64 << 31);
+            let small = fits31(n as u64) && st.iter().all(|s| fits31(max_offset(&shape, s)));
+            let name = if small { "binary32" } else { "binary" };
+            steps.push(k.flat(k.typed(name, *dtype)?, n as u64, args, kind));
         }
         Thunk::Activation { act, dtype, n, x, out } => {
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*n).i(act_code(Some(*act)));
@@ -272,7 +321,13 @@ pub(crate) fn lower(
                 ReduceOp::Max => 2,
             };
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(op);
-            steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
+            if *inner >= 32 {
+                // Wide rows kept: 32 columns per block (kernels/rows.cu, reduce_cols).
+                let blocks = (*outer as u64) * (*inner as u64).div_ceil(32);
+                steps.push(k.rows(k.typed("reduce_cols", *dtype)?, blocks, args, kind));
+            } else {
+                steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
+            }
         }
         Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
@@ -447,5 +502,61 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         Thunk::TopK { k, len, .. } if *k > *len || *k == 0 => Some(format!("topk k={k} of len {len}")),
         Thunk::Norm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => Some("too many rows".into()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{collapse, max_offset, norm_warp_nv};
+    use rlx_ir::DType;
+
+    /// Element offsets of every linear index, walking `shape` row-major.
+    fn offsets(shape: &[usize], st: &[u64]) -> Vec<u64> {
+        let n: usize = shape.iter().product();
+        (0..n)
+            .map(|i| {
+                let (mut rem, mut off) = (i, 0u64);
+                for d in (0..shape.len()).rev() {
+                    off += (rem % shape[d]) as u64 * st[d];
+                    rem /= shape[d];
+                }
+                off
+            })
+            .collect()
+    }
+
+    #[test]
+    fn collapse_keeps_every_offset_and_merges_what_it_can() {
+        // (shape, a strides, b strides, expected rank)
+        type Case<'a> = (&'a [usize], &'a [u64], &'a [u64], usize);
+        let cases: &[Case] = &[
+            (&[32, 128, 768], &[98304, 768, 1], &[0, 768, 1], 2), // x + position embeddings
+            (&[32, 128, 768], &[98304, 768, 1], &[98304, 768, 1], 1), // same-shape add
+            (&[32, 128, 768], &[98304, 768, 1], &[128, 1, 0], 2), // hidden * mask[.., None]
+            (&[32, 768], &[768, 1], &[1, 0], 2),                  // sum / count
+            (&[3, 1, 7], &[7, 7, 1], &[0, 0, 1], 2),
+            (&[1, 1], &[1, 1], &[0, 0], 1),
+            (&[], &[], &[], 1),
+            (&[2, 3, 4, 5], &[60, 20, 5, 1], &[0, 1, 0, 0], 3),
+        ];
+        for (shape, a, b, rank) in cases {
+            let (cs, st) = collapse(shape, &[a, b]);
+            assert_eq!(cs.len(), *rank, "{shape:?}: collapsed to {cs:?}");
+            assert_eq!(cs.iter().product::<usize>(), shape.iter().product::<usize>().max(1));
+            assert_eq!(offsets(&cs, &st[0]), offsets(shape, a), "{shape:?} a");
+            assert_eq!(offsets(&cs, &st[1]), offsets(shape, b), "{shape:?} b");
+            assert_eq!(max_offset(&cs, &st[0]), offsets(shape, a).into_iter().max().unwrap_or(0));
+        }
+    }
+
+    #[test]
+    fn norm_warp_variant_choice() {
+        assert_eq!(norm_warp_nv(DType::F16, 768, &[0, 256, 512]), Some(3));
+        assert_eq!(norm_warp_nv(DType::F16, 384, &[0]), Some(2));
+        assert_eq!(norm_warp_nv(DType::F32, 1024, &[0]), Some(8));
+        assert_eq!(norm_warp_nv(DType::F16, 2048, &[0]), Some(8));
+        assert_eq!(norm_warp_nv(DType::F16, 2056, &[0]), None, "too long for registers");
+        assert_eq!(norm_warp_nv(DType::F16, 771, &[0]), None, "not whole vectors");
+        assert_eq!(norm_warp_nv(DType::BF16, 768, &[0, 8]), None, "misaligned pointer");
     }
 }

@@ -98,6 +98,43 @@ fn binary_broadcast() {
     }
 }
 
+/// The broadcasts a BERT graph makes (position add, mask multiply, pooled
+/// division), odd sizes: collapsed dims, 32-bit index kernel.
+#[test]
+fn binary_bert_broadcasts() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(12);
+    for dt in FLOATS {
+        let (bs, s, h) = (5usize, 33usize, 47usize);
+        // (op, out shape, b shape, b strides over the out shape)
+        type Case = (BinaryOp, Vec<usize>, Vec<usize>, Vec<u64>);
+        let cases: [Case; 4] = [
+            (BinaryOp::Add, vec![bs, s, h], vec![s, h], vec![0, h as u64, 1]),
+            (BinaryOp::Add, vec![bs, s, h], vec![bs, s, h], vec![(s * h) as u64, h as u64, 1]),
+            (BinaryOp::Mul, vec![bs, s, h], vec![bs, s, 1], vec![s as u64, 1, 0]),
+            (BinaryOp::Div, vec![bs, h], vec![bs, 1], vec![1, 0]),
+        ];
+        for (op, shape, bshape, b_strides) in cases {
+            let mut sb = Sb::new();
+            let a = sb.input("a", &shape, dt);
+            let bb = sb.input("b", &bshape, dt);
+            let out = sb.output("out", &shape, dt);
+            let mut a_strides = vec![1u64; shape.len()];
+            for d in (0..shape.len().saturating_sub(1)).rev() {
+                a_strides[d] = a_strides[d + 1] * shape[d + 1] as u64;
+            }
+            sb.thunk(Thunk::Binary { op, dtype: dt, out_shape: shape.clone(), a, a_strides, b: bb, b_strides, out });
+            let mut bt = rand_tensor(&mut r, &bshape, dt);
+            if op == BinaryOp::Div {
+                let v: Vec<f32> = bt.to_f32().iter().map(|x| if x.abs() < 0.25 { 0.5 } else { *x }).collect();
+                bt = Tensor::from_f32(bshape.to_vec(), &v).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+            }
+            let (sch, w) = sb.finish();
+            check(&format!("binary {op:?} {dt} {shape:?} by {bshape:?}"), &g, &sch, &w, &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]), 1.0);
+        }
+    }
+}
+
 #[test]
 fn activations_and_swiglu() {
     let Some(g) = gpu_or_dry() else { return };
@@ -168,7 +205,8 @@ fn norms_softmax_reduce_argmax() {
             let (s, w) = sb.finish();
             check(&format!("norm rms={rms} res={with_res} {dt} {rows}x{cols}"), &g, &s, &w, &named(inputs), 2.0);
         }
-        for (outer, len, inner) in [(3, 37, 1), (2, 300, 5), (1, 1000, 2)] {
+        // inner >= 32 takes the column-block reduction (mean pooling's shape).
+        for (outer, len, inner) in [(3, 37, 1), (2, 300, 5), (1, 1000, 2), (3, 37, 40), (2, 129, 96), (5, 3, 33)] {
             let shape = [outer, len, inner];
             let mut sb = Sb::new();
             let x = sb.input("x", &shape, dt);
