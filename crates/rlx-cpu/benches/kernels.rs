@@ -201,8 +201,11 @@ mod peak {
         out.iter().sum()
     }
 
-    /// (label, flops per iteration, kernel) for the widest FMA the CPU has.
-    pub fn kernel() -> Option<(&'static str, f64, fn(u64) -> f32)> {
+    /// (label, flops per iteration, kernel).
+    pub type Fma = (&'static str, f64, fn(u64) -> f32);
+
+    /// The widest FMA loop the CPU has.
+    pub fn kernel() -> Option<Fma> {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the feature was detected at run time.
             Some(("AVX-512", 512.0, |n| unsafe { fma512(n) }))

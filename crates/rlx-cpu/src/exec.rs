@@ -33,7 +33,8 @@ enum WeightMem {
 
 impl WeightMem {
     fn new(t: Arc<Tensor>, name: &str) -> Result<WeightMem> {
-        if t.bytes().as_ptr() as usize % t.dtype().size() == 0 {
+        // Element sizes are powers of two.
+        if t.bytes().as_ptr() as usize & (t.dtype().size() - 1) == 0 {
             return Ok(WeightMem::Shared(t));
         }
         AlignedBuf::from_bytes(t.bytes()).map(WeightMem::Copied).ok_or_else(|| exec_err(format!("out of memory copying weight '{name}'")))

@@ -131,7 +131,8 @@ impl Mem {
         if end > r.len as u64 {
             return Err(format!("{:?} bytes {}..{} lie outside the space ({} bytes)", b.space, b.offset, end, r.len));
         }
-        if (r.base as usize + b.offset as usize) % align != 0 {
+        // Alignments are element sizes: powers of two.
+        if (r.base as usize + b.offset as usize) & (align.max(1) - 1) != 0 {
             return Err(format!("{:?} offset {} is not aligned to {} bytes", b.space, b.offset, align));
         }
         Ok(())
