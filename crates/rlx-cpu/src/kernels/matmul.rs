@@ -10,6 +10,7 @@ use rlx_compile::MatMulThunk;
 use rlx_ir::DType;
 
 use crate::elem::{with_float, Elem};
+use crate::kernels::matmul_small::{self, SmallArgs};
 use crate::memory::{gemm_f32, Dst, MatRef, Mem, Src};
 use crate::validate::extent;
 use crate::{act, exec_err, Result, Scratch};
@@ -138,6 +139,10 @@ fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, threads: usize) -
     let out = mem.dst::<f32>(&mm.out).map_err(exec_err)?;
     let bias = mm.bias.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
     let residual = mm.residual.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
+    if matmul_small::applies(mm) {
+        matmul_small::run(mm, &SmallArgs { a: &a, b: &b, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads);
+        return Ok(());
+    }
     let (brs, bcs) = b_strides(mm);
     let ao = Operand { src: &a, offset: 0, batch_stride: mm.a_batch_stride as usize, rs: mm.lda as usize, cs: 1 };
     let bo = Operand { src: &b, offset: 0, batch_stride: mm.b_batch_stride as usize, rs: brs, cs: bcs };
@@ -199,6 +204,10 @@ fn run_half<T: Elem>(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, b_cache
         }
     };
     let (a_src, b_src) = (Src::from_slice(a32), Src::from_slice(b_f32));
+    if matmul_small::applies(mm) {
+        matmul_small::run(mm, &SmallArgs { a: &a_src, b: &b_src, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads);
+        return Ok(());
+    }
     let (brs, bcs) = b_strides(mm);
     let ao = Operand { src: &a_src, offset: 0, batch_stride: mm.a_batch_stride as usize, rs: mm.lda as usize, cs: 1 };
     let bo = Operand { src: &b_src, offset: 0, batch_stride: mm.b_batch_stride as usize, rs: brs, cs: bcs };

@@ -6,6 +6,7 @@ pub mod elementwise;
 pub mod gather;
 pub mod lanes;
 pub mod matmul;
+pub mod matmul_small;
 pub mod norm;
 pub mod reduce;
 pub mod rope;

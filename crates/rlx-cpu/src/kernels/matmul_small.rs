@@ -1,0 +1,202 @@
+//! Few-row matmul against a transposed b (`[N, K]`, K contiguous: every
+//! weight of a BERT linear layer) as dot products, with nothing packed.
+//!
+//! gemm packs b into panels on every call; with a handful of rows that copy
+//! costs about as much as the multiply, since each weight is used only a few
+//! times. Here a tile of MR a rows × NR b rows accumulates 16-lane AVX-512
+//! FMAs over K and is reduced horizontally at the end. The columns are split
+//! into blocks across threads, so each core streams disjoint weight rows and
+//! a block's weight rows stay in L1 while every a row passes over them. The
+//! epilogue (bias, activation, residual) runs on the block while it is hot.
+
+use rayon::prelude::*;
+use rlx_compile::MatMulThunk;
+
+use crate::act;
+use crate::elem::Elem;
+use crate::memory::{Dst, Src};
+
+/// Most rows (batch × m) this path takes; beyond it gemm's packed
+/// microkernel is faster (measured on MiniLM shapes, see bench/cpu-perf.md).
+pub const MAX_ROWS: usize = 64;
+
+/// a rows per tile (the last tile of a block may be shorter).
+const MR: usize = 4;
+/// b rows per tile: 4×4 accumulators + 4 + 4 operands fit the 32 registers.
+const NR: usize = 4;
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether this kernel runs `mm`: b transposed and shared by every batch,
+/// few rows, and a CPU with AVX-512 (without it gemm's AVX2 path is used).
+pub fn applies(mm: &MatMulThunk) -> bool {
+    let rows = mm.batch * mm.m;
+    mm.b_trans && (mm.batch == 1 || mm.b_batch_stride == 0) && rows > 0 && rows <= MAX_ROWS && mm.n > 0 && has_avx512()
+}
+
+/// The views one call reads and writes; a and b are f32 (half-precision
+/// callers pass their widened copies), bias / residual / out in T.
+pub struct SmallArgs<'a, T> {
+    pub a: &'a Src<f32>,
+    pub b: &'a Src<f32>,
+    pub bias: Option<&'a Src<T>>,
+    pub residual: Option<&'a Src<T>>,
+    pub out: &'a Dst<T>,
+}
+
+/// `out = act(a · bᵀ + bias) + residual` for a thunk `applies` accepted.
+pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize) {
+    let (m, n, k) = (mm.m, mm.n, mm.k);
+    let rows = mm.batch * m;
+    let (lda, abs, ldb) = (mm.lda as usize, mm.a_batch_stride as usize, mm.ldb as usize);
+    // Row r of the folded batch starts here; the largest start + k is a's
+    // extent, which validate.rs checked against the buffer.
+    let a_off: Vec<usize> = (0..rows).map(|r| (r / m) * abs + (r % m) * lda).collect();
+    let a_len = a_off.iter().max().copied().unwrap_or(0) + k;
+    let a_all = v.a.row(0, a_len);
+    let b_all = v.b.row(0, (n - 1) * ldb + k);
+    // About four column blocks per thread (work stealing covers a thread
+    // that gets descheduled), a multiple of 16 so GELU runs in full blocks.
+    let nb = (n / (4 * threads.max(1))).clamp(16, 256).div_ceil(16) * 16;
+    (0..n.div_ceil(nb)).into_par_iter().for_each_init(
+        || (vec![0f32; rows * nb], vec![0f32; nb]),
+        |(c, tmp), p| {
+            let j0 = p * nb;
+            let w = nb.min(n - j0);
+            let c = &mut c[..rows * w];
+            dots(a_all, &a_off, k, b_all, ldb, j0, w, c);
+            let tmp = &mut tmp[..w];
+            for (r, row) in c.chunks_exact_mut(w).enumerate() {
+                if let Some(b) = v.bias {
+                    b.load(j0, tmp);
+                    row.iter_mut().zip(tmp.iter()).for_each(|(x, y)| *x += y);
+                }
+                if let Some(a) = mm.act {
+                    act::apply(a, row);
+                }
+                // Loaded into tmp before the store: the residual may be out.
+                if let Some(res) = v.residual {
+                    res.load(r * n + j0, tmp);
+                    row.iter_mut().zip(tmp.iter()).for_each(|(x, y)| *x += y);
+                }
+                v.out.store(r * n + j0, row);
+            }
+        },
+    );
+}
+
+/// c[r * w + j] = a row r · b row (j0 + j) for every row and j < w.
+#[allow(clippy::too_many_arguments)]
+fn dots(a: &[f32], a_off: &[usize], k: usize, b: &[f32], ldb: usize, j0: usize, w: usize, c: &mut [f32]) {
+    // Every pointer the tiles form lies in these ranges (masked loads touch
+    // nothing past k).
+    assert!(a_off.iter().all(|&o| o + k <= a.len()) && (j0 + w - 1) * ldb + k <= b.len() && c.len() == a_off.len() * w);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F was detected; bounds asserted above.
+        unsafe { avx512::dots(a, a_off, k, b, ldb, j0, w, c) };
+        return;
+    }
+    // `applies` keeps non-AVX-512 CPUs off this path; a plain loop keeps
+    // the function total anyway.
+    for (r, &o) in a_off.iter().enumerate() {
+        for j in 0..w {
+            let br = &b[(j0 + j) * ldb..][..k];
+            c[r * w + j] = a[o..o + k].iter().zip(br).map(|(x, y)| x * y).sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{MR, NR};
+
+    /// See `super::dots`; the caller checked the bounds and the feature.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn dots(a: &[f32], a_off: &[usize], k: usize, b: &[f32], ldb: usize, j0: usize, w: usize, c: &mut [f32]) {
+        let rows = a_off.len();
+        let mut j = 0;
+        while j < w {
+            let nr = (w - j).min(NR);
+            // A short last tile repeats its last b row; the extra sums are
+            // dropped.
+            let mut bp = [b.as_ptr(); NR];
+            for (t, p) in bp.iter_mut().enumerate() {
+                *p = b.as_ptr().add((j0 + j + t.min(nr - 1)) * ldb);
+            }
+            let mut i = 0;
+            while i < rows {
+                let mr = (rows - i).min(MR);
+                let mut ap = [a.as_ptr(); MR];
+                for (t, p) in ap.iter_mut().enumerate() {
+                    *p = a.as_ptr().add(a_off[i + t.min(mr - 1)]);
+                }
+                let mut s = [[0f32; NR]; MR];
+                match mr {
+                    1 => tile::<1>(&ap, &bp, k, &mut s),
+                    2 => tile::<2>(&ap, &bp, k, &mut s),
+                    3 => tile::<3>(&ap, &bp, k, &mut s),
+                    _ => tile::<MR>(&ap, &bp, k, &mut s),
+                }
+                for (ti, srow) in s.iter().enumerate().take(mr) {
+                    let cr = &mut c[(i + ti) * w + j..][..nr];
+                    cr.copy_from_slice(&srow[..nr]);
+                }
+                i += mr;
+            }
+            j += nr;
+        }
+    }
+
+    /// s[r][t] = Σ_k a[r][k] · b[t][k] for the first R a rows.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(ap: &[*const f32; MR], bp: &[*const f32; NR], k: usize, s: &mut [[f32; NR]; MR]) {
+        let mut acc = [[_mm512_setzero_ps(); NR]; R];
+        let mut kk = 0;
+        while kk + 16 <= k {
+            let mut bv = [_mm512_setzero_ps(); NR];
+            for t in 0..NR {
+                bv[t] = _mm512_loadu_ps(bp[t].add(kk));
+            }
+            for r in 0..R {
+                let av = _mm512_loadu_ps(ap[r].add(kk));
+                for t in 0..NR {
+                    acc[r][t] = _mm512_fmadd_ps(av, bv[t], acc[r][t]);
+                }
+            }
+            kk += 16;
+        }
+        if kk < k {
+            // Masked loads read only the lanes below k, so odd K needs no
+            // scalar tail and never touches memory past a row.
+            let mask: __mmask16 = ((1u32 << (k - kk)) - 1) as __mmask16;
+            let mut bv = [_mm512_setzero_ps(); NR];
+            for t in 0..NR {
+                bv[t] = _mm512_maskz_loadu_ps(mask, bp[t].add(kk));
+            }
+            for r in 0..R {
+                let av = _mm512_maskz_loadu_ps(mask, ap[r].add(kk));
+                for t in 0..NR {
+                    acc[r][t] = _mm512_fmadd_ps(av, bv[t], acc[r][t]);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..NR {
+                s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            }
+        }
+    }
+}
