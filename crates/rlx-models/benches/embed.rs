@@ -20,6 +20,8 @@ use serde_json::{json, Value};
 
 const SHAPES: &[(usize, usize)] = &[(1, 16), (1, 128), (8, 128)];
 const PEERS: &[&str] = &["ort", "ort_opt", "torch"];
+/// Untimed gap before every timed run.
+const PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// The ids embed_peers.py's ids_for() makes: [CLS] … [SEP], the middle
 /// spread over the vocabulary.
@@ -152,6 +154,10 @@ fn main() -> Result<(), String> {
             // Rotate the order so no engine always runs right after another.
             for k in 0..names.len() {
                 let i = (k + round) % names.len();
+                // Let the previous engine's worker threads stop spinning
+                // (ORT's pool and OpenMP spin-wait after a call) so they do
+                // not steal the cores from the next one.
+                std::thread::sleep(PAUSE);
                 let (ms, v) = if i < engines.len() {
                     let t = Instant::now();
                     let out = engines[i].1.embed_ids(&ids).map_err(|e| e.to_string())?;
@@ -192,6 +198,7 @@ fn main() -> Result<(), String> {
     for round in 0..e2e_rounds + 1 {
         for k in 0..names.len() {
             let i = (k + round) % names.len();
+            std::thread::sleep(PAUSE);
             let secs = if i < engines.len() {
                 let t = Instant::now();
                 let out = engines[i].1.embed(&corpus).map_err(|e| e.to_string())?;
