@@ -16,14 +16,17 @@ use crate::act;
 use crate::elem::Elem;
 use crate::memory::{Dst, Src};
 
-/// Most rows (batch × m) this path takes; beyond it gemm's packed
-/// microkernel is faster (measured on MiniLM shapes, see bench/cpu-perf.md).
-pub const MAX_ROWS: usize = 64;
+/// Most rows (batch × m) this path takes: MiniLM at 1×128 ran 4% faster
+/// here than through gemm, at 8×128 gemm's packed microkernel wins (see
+/// bench/cpu-perf.md).
+pub const MAX_ROWS: usize = 128;
 
 /// a rows per tile (the last tile of a block may be shorter).
 const MR: usize = 4;
 /// b rows per tile: 4×4 accumulators + 4 + 4 operands fit the 32 registers.
 const NR: usize = 4;
+// The reduction tree below sums exactly 16 accumulators.
+const _: () = assert!(MR * NR == 16);
 
 fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -193,10 +196,40 @@ mod avx512 {
                 }
             }
         }
+        let mut v = [_mm512_setzero_ps(); MR * NR];
         for r in 0..R {
             for t in 0..NR {
-                s[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+                v[r * NR + t] = acc[r][t];
             }
         }
+        let mut sums = [0f32; MR * NR];
+        _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(&v));
+        for r in 0..R {
+            s[r].copy_from_slice(&sums[r * NR..][..NR]);
+        }
+    }
+
+    /// Per 128-bit lane, [Σ v0, Σ v1, Σ v2, Σ v3] over that lane's 4 floats.
+    #[inline(always)]
+    unsafe fn lane_sums(v0: __m512, v1: __m512, v2: __m512, v3: __m512) -> __m512 {
+        let a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+        let b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+        _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b))
+    }
+
+    /// The 16 horizontal sums of v in one vector (lane i = Σ v[i]): a
+    /// transposing tree of ~30 shuffles and adds instead of 16 separate
+    /// reductions of ~8 each, which cost a third of a tile at K = 384.
+    #[inline(always)]
+    unsafe fn reduce16(v: &[__m512; 16]) -> __m512 {
+        let c0 = lane_sums(v[0], v[1], v[2], v[3]);
+        let c1 = lane_sums(v[4], v[5], v[6], v[7]);
+        let c2 = lane_sums(v[8], v[9], v[10], v[11]);
+        let c3 = lane_sums(v[12], v[13], v[14], v[15]);
+        const EVEN: i32 = 0b10_00_10_00;
+        const ODD: i32 = 0b11_01_11_01;
+        let d01 = _mm512_add_ps(_mm512_shuffle_f32x4::<EVEN>(c0, c1), _mm512_shuffle_f32x4::<ODD>(c0, c1));
+        let d23 = _mm512_add_ps(_mm512_shuffle_f32x4::<EVEN>(c2, c3), _mm512_shuffle_f32x4::<ODD>(c2, c3));
+        _mm512_add_ps(_mm512_shuffle_f32x4::<EVEN>(d01, d23), _mm512_shuffle_f32x4::<ODD>(d01, d23))
     }
 }
