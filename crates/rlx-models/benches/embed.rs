@@ -10,7 +10,7 @@
 //! Without the peers it prints RLX's numbers alone.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
@@ -46,7 +46,7 @@ struct Peer {
 }
 
 impl Peer {
-    fn start(root: &PathBuf, model: &PathBuf, threads: usize) -> Result<(Peer, Value), String> {
+    fn start(root: &Path, model: &Path, threads: usize) -> Result<(Peer, Value), String> {
         let mut child = Command::new("python3")
             .arg(root.join("bench/embed_peers.py"))
             .args(["--model", &model.display().to_string(), "--threads", &threads.to_string()])

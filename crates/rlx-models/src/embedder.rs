@@ -3,6 +3,7 @@
 //! executable per (batch, seq) bucket is compiled on first use and cached,
 //! all of them sharing the one weight store.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -207,13 +208,14 @@ impl SentenceEmbedder {
 
         let mut cache = self.compiled.lock().map_err(|_| ModelError::Input("embedder poisoned by a panic in another thread".into()))?;
         let key = (batch, seq, hidden);
-        if !cache.contains_key(&key) {
-            let opts = BertGraphOptions { pooling: self.sentence.pooling, hidden_states: hidden, token_type_ids: false };
-            let graph = build_bert_graph(&self.config, batch, seq, &opts)?;
-            let exe = self.session.compile(&graph)?;
-            cache.insert(key, exe);
-        }
-        let exe = cache.get_mut(&key).ok_or_else(|| ModelError::Input("compiled bucket vanished from the cache".into()))?;
+        let exe = match cache.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => {
+                let opts = BertGraphOptions { pooling: self.sentence.pooling, hidden_states: hidden, token_type_ids: false };
+                let graph = build_bert_graph(&self.config, batch, seq, &opts)?;
+                v.insert(self.session.compile(&graph)?)
+            }
+        };
         // The precision policy may store inputs in another dtype; give the
         // executable exactly what its schedule expects.
         let want = |name: &str| exe.schedule().inputs.iter().find(|s| s.name == name).map(|s| s.dtype);
