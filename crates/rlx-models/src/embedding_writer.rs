@@ -3,7 +3,7 @@
 //! on any error (or a drop without finish) the temporary file is removed, so
 //! no half-written output ever looks complete.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
@@ -36,7 +36,8 @@ struct AtomicFile {
 
 impl AtomicFile {
     fn create(tmp: PathBuf, dest: Option<PathBuf>) -> Result<AtomicFile> {
-        let f = File::create(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+        // Readable too: a spool is copied out of it at the end.
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
         Ok(AtomicFile { tmp, dest, file: Some(BufWriter::new(f)) })
     }
 
@@ -76,11 +77,11 @@ impl Drop for AtomicFile {
 }
 
 enum Target {
-    Stdout(BufWriter<std::io::Stdout>),
+    Stream(BufWriter<Box<dyn Write + Send>>),
     File(AtomicFile),
-    /// npy to stdout: the header is only known at the end, so spool to a
+    /// npy to a stream: the header is only known at the end, so spool to a
     /// temporary file and copy it out then.
-    Spool(AtomicFile),
+    Spool(AtomicFile, Box<dyn Write + Send>),
 }
 
 pub struct EmbeddingWriter {
@@ -105,14 +106,22 @@ impl EmbeddingWriter {
     }
 
     pub fn to_stdout(format: OutputFormat, dim: usize) -> Result<EmbeddingWriter> {
+        Self::to_stream(Box::new(std::io::stdout()), "stdout", format, dim)
+    }
+
+    /// Writes to any stream (`name` is for messages). JSON lines go out as
+    /// they come; npy is spooled to a temporary file until `finish`.
+    pub fn to_stream(out: Box<dyn Write + Send>, name: &str, format: OutputFormat, dim: usize) -> Result<EmbeddingWriter> {
         let target = match format {
-            OutputFormat::Jsonl => Target::Stdout(BufWriter::new(std::io::stdout())),
+            OutputFormat::Jsonl => Target::Stream(BufWriter::new(out)),
             OutputFormat::Npy => {
-                let tmp = std::env::temp_dir().join(format!("rlx-embed-{}.npy", std::process::id()));
-                Target::Spool(AtomicFile::create(tmp, None)?)
+                static SPOOLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = SPOOLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let tmp = std::env::temp_dir().join(format!("rlx-embed-{}-{n}.npy", std::process::id()));
+                Target::Spool(AtomicFile::create(tmp, None)?, out)
             }
         };
-        Self::start(target, format, dim, PathBuf::from("stdout"))
+        Self::start(target, format, dim, PathBuf::from(name))
     }
 
     fn start(target: Target, format: OutputFormat, dim: usize, name: PathBuf) -> Result<EmbeddingWriter> {
@@ -126,8 +135,8 @@ impl EmbeddingWriter {
 
     fn out(&mut self) -> Result<&mut dyn Write> {
         Ok(match &mut self.target {
-            Target::Stdout(w) => w,
-            Target::File(f) | Target::Spool(f) => f.writer()?,
+            Target::Stream(w) => w,
+            Target::File(f) | Target::Spool(f, _) => f.writer()?,
         })
     }
 
@@ -173,7 +182,7 @@ impl EmbeddingWriter {
     pub fn finish(self) -> Result<u64> {
         let EmbeddingWriter { format, dim, rows, target, name } = self;
         match target {
-            Target::Stdout(mut w) => w.flush().map_err(|e| ModelError::io(&name, e))?,
+            Target::Stream(mut w) => w.flush().map_err(|e| ModelError::io(&name, e))?,
             Target::File(mut f) => {
                 if format == OutputFormat::Npy {
                     let file = f.flush()?;
@@ -181,13 +190,13 @@ impl EmbeddingWriter {
                 }
                 f.commit()?;
             }
-            Target::Spool(mut f) => {
+            Target::Spool(mut f, mut out) => {
+                let spool = f.tmp.clone();
                 let file = f.flush()?;
-                rewrite_npy_header(file, rows, dim).map_err(|e| ModelError::io(&name, e))?;
-                file.seek(SeekFrom::Start(0)).map_err(|e| ModelError::io(&name, e))?;
-                let mut stdout = std::io::stdout().lock();
-                std::io::copy(file, &mut stdout).map_err(|e| ModelError::io(&name, e))?;
-                stdout.flush().map_err(|e| ModelError::io(&name, e))?;
+                rewrite_npy_header(file, rows, dim).map_err(|e| ModelError::io(&spool, e))?;
+                file.seek(SeekFrom::Start(0)).map_err(|e| ModelError::io(&spool, e))?;
+                std::io::copy(file, &mut out).map_err(|e| ModelError::io(&name, e))?;
+                out.flush().map_err(|e| ModelError::io(&name, e))?;
             }
         }
         Ok(rows)

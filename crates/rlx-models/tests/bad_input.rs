@@ -282,3 +282,35 @@ fn output_is_complete_or_absent() {
     assert_eq!(rows[1]["index"], 1);
     assert_eq!(rows[1]["embedding"][0].as_f64().map(|x| x as f32), Some(1e-8));
 }
+
+/// A `Write` whose bytes the test can read afterwards.
+#[derive(Clone, Default)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+impl std::io::Write for Shared {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("lock").extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn npy_and_jsonl_to_a_stream() {
+    let sink = Shared::default();
+    let mut w = EmbeddingWriter::to_stream(Box::new(sink.clone()), "test stream", OutputFormat::Npy, 2).expect("create");
+    w.write(&[1.5, -2.0]).expect("write");
+    assert!(sink.0.lock().expect("lock").is_empty(), "npy is spooled until finish");
+    assert_eq!(w.finish().expect("finish"), 1);
+    let bytes = sink.0.lock().expect("lock").clone();
+    assert_eq!(bytes.len(), 128 + 8);
+    assert!(std::str::from_utf8(&bytes[10..128]).expect("ascii").contains("'shape': (1, 2)"));
+    assert_eq!(&bytes[128..], [1.5f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat());
+
+    let sink = Shared::default();
+    let mut w = EmbeddingWriter::to_stream(Box::new(sink.clone()), "test stream", OutputFormat::Jsonl, 1).expect("create");
+    w.write(&[0.25]).expect("write");
+    w.finish().expect("finish");
+    assert_eq!(String::from_utf8(sink.0.lock().expect("lock").clone()).expect("utf-8"), "{\"index\":0,\"embedding\":[0.25]}\n");
+}
