@@ -72,7 +72,7 @@ fn gemm_batches(mm: &MatMulThunk, a: &Operand<'_>, b: &Operand<'_>, c: &Dst<f32>
         // own threading synchronises per k-block, which costs more than it
         // gains here (and much more on a loaded machine); large products
         // keep it.
-        if threads > 1 && rows <= 512 && n >= 64 * threads {
+        if threads > 1 && rows <= 1024 && n >= 64 * threads {
             let chunk = (n / (4 * threads)).max(64).div_ceil(16) * 16;
             (0..n.div_ceil(chunk)).into_par_iter().for_each(|p| {
                 let j0 = p * chunk;
