@@ -23,10 +23,11 @@ pub const MAX_ROWS: usize = 128;
 
 /// a rows per tile (the last tile of a block may be shorter).
 const MR: usize = 4;
-/// b rows per tile: 4×4 accumulators + 4 + 4 operands fit the 32 registers.
-const NR: usize = 4;
-// The reduction tree below sums exactly 16 accumulators.
-const _: () = assert!(MR * NR == 16);
+/// b rows per tile: 4×6 accumulators + 6 b + 1 a operand fit the 32
+/// registers. b rows stay in L1 across a block's row tiles while a rows come
+/// from L2, so more b rows per a load is what helps: 4×6 ran 5-7% faster
+/// than 4×4 on MiniLM, 6×4 no faster.
+const NR: usize = 6;
 
 fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -285,14 +286,22 @@ mod avx512 {
                 }
             }
         }
-        let mut v = [_mm512_setzero_ps(); MR * NR];
+        // The R × NR sums, 16 at a time through the reduction tree.
+        const G: usize = (MR * NR).div_ceil(16) * 16;
+        let mut v = [_mm512_setzero_ps(); G];
         for r in 0..R {
             for t in 0..NR {
                 v[r * NR + t] = acc[r][t];
             }
         }
-        let mut sums = [0f32; MR * NR];
-        _mm512_storeu_ps(sums.as_mut_ptr(), reduce16(&v));
+        let mut sums = [0f32; G];
+        let mut g = 0;
+        while g < R * NR {
+            let mut part = [_mm512_setzero_ps(); 16];
+            part.copy_from_slice(&v[g..g + 16]);
+            _mm512_storeu_ps(sums.as_mut_ptr().add(g), reduce16(&part));
+            g += 16;
+        }
         for r in 0..R {
             s[r].copy_from_slice(&sums[r * NR..][..NR]);
         }
