@@ -82,8 +82,7 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     if !args.texts.is_empty() {
         let bar = progress(Some(args.texts.len() as u64));
         for chunk in args.texts.chunks(TEXTS_PER_ROUND) {
-            done += embed_round(&embedder, chunk, &mut writer)?;
-            bar.set_position(done);
+            done += embed_round(&embedder, chunk, &mut writer, &bar)?;
         }
         bar.finish_and_clear();
     } else if let Some(path) = &args.input {
@@ -126,16 +125,15 @@ fn stream<R: BufRead>(embedder: &SentenceEmbedder, mut lines: TextLines<R>, writ
         if texts.is_empty() {
             break;
         }
-        done += embed_round(embedder, &texts, writer)?;
-        bar.set_position(done);
+        done += embed_round(embedder, &texts, writer, &bar)?;
     }
     bar.finish_and_clear();
     Ok(done)
 }
 
-fn embed_round(embedder: &SentenceEmbedder, texts: &[String], writer: &mut EmbeddingWriter) -> Result<u64, String> {
+fn embed_round(embedder: &SentenceEmbedder, texts: &[String], writer: &mut EmbeddingWriter, bar: &ProgressBar) -> Result<u64, String> {
     let refs: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
-    let vectors = embedder.embed(&refs).map_err(|e| e.to_string())?;
+    let vectors = embedder.embed_with_progress(&refs, &mut |n| bar.inc(n as u64)).map_err(|e| e.to_string())?;
     for v in &vectors {
         writer.write(v).map_err(|e| e.to_string())?;
     }

@@ -124,8 +124,14 @@ impl SentenceEmbedder {
     /// One vector per text, in input order (normalised when the model says
     /// so). The empty text is a text: `[CLS] [SEP]`.
     pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        self.embed_with_progress(texts, &mut |_| {})
+    }
+
+    /// [`embed`](Self::embed), calling `progress(n)` after each batch of `n`
+    /// texts (e.g. to move a progress bar).
+    pub fn embed_with_progress(&self, texts: &[&str], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
         let ids = self.tokenize(texts)?;
-        self.embed_ids(&ids)
+        self.embed_ids_with_progress(&ids, progress)
     }
 
     /// Token ids of each text, as the model sees them.
@@ -137,6 +143,10 @@ impl SentenceEmbedder {
     /// One vector per id sequence (each with its special tokens), in input
     /// order.
     pub fn embed_ids(&self, ids: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        self.embed_ids_with_progress(ids, &mut |_| {})
+    }
+
+    fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
         let max = self.seq_buckets.last().copied().unwrap_or(0);
         for (i, row) in ids.iter().enumerate() {
             if row.is_empty() {
@@ -159,6 +169,7 @@ impl SentenceEmbedder {
             for (&i, v) in group.iter().zip(pooled.into_iter().next().unwrap_or_default()) {
                 out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
             }
+            progress(group.len());
         }
         Ok(out)
     }
