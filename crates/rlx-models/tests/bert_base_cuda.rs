@@ -3,19 +3,12 @@
 //! same weights; replay and eager must be bit-identical. Skips without a GPU
 //! unless RLX_REQUIRE_GPU=1 (the GPU machine), where it must run.
 
+mod common;
+
+use common::gpu;
 use rlx::{CompileOptions, DType, Device, PrepareOptions, Session, Tensor};
 use rlx_models::{build_bert_graph, random_weights, BertConfig, BertGraphOptions};
 
-fn gpu(test: &str) -> bool {
-    match Session::new(Device::Cuda(0)) {
-        Ok(_) => true,
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{test}: RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no CUDA device ({e})");
-            false
-        }
-    }
-}
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();

@@ -8,20 +8,10 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{f32s, reference};
-use rlx::{DType, Device, Session};
+use common::{f32s, gpu, reference};
+use rlx::{DType, Device};
 use rlx_models::{cosine, random_weights, BertConfig, EmbedderOptions, SentenceConfig, SentenceEmbedder, Pooling};
 
-fn gpu(test: &str) -> bool {
-    match Session::new(Device::Cuda(0)) {
-        Ok(_) => true,
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{test}: RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no CUDA device ({e})");
-            false
-        }
-    }
-}
 
 fn lengths_ids(cfg: &BertConfig) -> Vec<Vec<u32>> {
     // Mixed lengths across several buckets; ids spread over the vocabulary.

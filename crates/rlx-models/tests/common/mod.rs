@@ -39,3 +39,16 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// Whether a CUDA device is usable. Without one the test prints why and is
+/// skipped, unless RLX_REQUIRE_GPU=1 (the GPU machine), where it fails.
+pub fn gpu(test: &str) -> bool {
+    match rlx::Session::new(rlx::Device::Cuda(0)) {
+        Ok(_) => true,
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{test}: RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no CUDA device ({e})");
+            false
+        }
+    }
+}
