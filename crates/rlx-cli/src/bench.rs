@@ -91,7 +91,12 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     }
     if let Device::Cuda(_) = device {
         // Fail before any work, with the reason, when there is no GPU.
-        Session::new(device).map_err(|e| format!("no usable CUDA GPU for --device {}: {e} (`rlx doctor` shows what was found; --device cpu times the CPU backend)", args.device))?;
+        Session::new(device).map_err(|e| {
+            format!(
+                "no usable CUDA GPU for --device {}: {e} (`rlx doctor` shows what was found; --device cpu times the CPU backend)",
+                args.device
+            )
+        })?;
     }
     let gpu = matches!(device, Device::Cuda(_));
     let tmp = TempDir::create(args.keep_temp)?;
@@ -192,11 +197,13 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
 /// notes on the row, so one bad configuration does not lose the others.
 fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: Inputs, args: &BenchArgs) -> Pending {
     let label = format!("{} {} {}x{}", spec.name, dtype, inputs.batch, inputs.seq);
-    let mut row = Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
+    let mut row =
+        Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
     let mut measure = |replay: bool| -> Option<Timing> {
         let mode = if replay { "replay" } else { "eager" };
         eprintln!("{label}: RLX {mode}...");
-        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure_mode(spec, store, device, dtype, &inputs, replay, args)));
+        let attempt =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure_mode(spec, store, device, dtype, &inputs, replay, args)));
         let result = attempt.unwrap_or_else(|panic| Err(format!("panicked: {}", panic_message(&panic))));
         result.map_err(|e| row.notes.push(format!("RLX {mode} failed: {e}"))).ok()
     };
@@ -228,7 +235,15 @@ fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: 
 }
 
 /// Compiles the configuration with replay on or off and times it.
-fn measure_mode(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: DType, inputs: &Inputs, replay: bool, args: &BenchArgs) -> Result<Timing, String> {
+fn measure_mode(
+    spec: &ModelSpec,
+    store: &Arc<WeightStore>,
+    device: Device,
+    dtype: DType,
+    inputs: &Inputs,
+    replay: bool,
+    args: &BenchArgs,
+) -> Result<Timing, String> {
     let graph = model::graph(spec, inputs.batch, inputs.seq)?;
     let tensors = inputs.tensors()?;
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
@@ -240,7 +255,10 @@ fn measure_mode(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtyp
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Warm-up, then `runs` timed calls: wall clock around submit + wait, the
@@ -267,7 +285,14 @@ fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, 
         _ => None,
     };
     let stats = exe.stats();
-    Ok(Timing { wall_us: median(&mut wall), submit_us: median(&mut submit), cpu_us, kernels: stats.kernels_per_call, mode: stats.mode, outputs })
+    Ok(Timing {
+        wall_us: median(&mut wall),
+        submit_us: median(&mut submit),
+        cpu_us,
+        kernels: stats.kernels_per_call,
+        mode: stats.mode,
+        outputs,
+    })
 }
 
 /// Fills a row with the peer's timings and compares the outputs.
@@ -283,7 +308,8 @@ fn merge_peer(p: &mut Pending, result: Option<&peer::PeerResult>) {
     let (b, s) = (p.inputs.batch, p.inputs.seq);
     // PyTorch's hidden state is [batch, seq, hidden]; RLX's pooled output [batch, hidden].
     let count = rlx.len() * s;
-    let compared = peer::read_f32(hidden_path, count).and_then(|h| peer::compare_pooled(rlx, &h, b, s, &p.inputs.mask, model::POOLED_NORMALIZED));
+    let compared =
+        peer::read_f32(hidden_path, count).and_then(|h| peer::compare_pooled(rlx, &h, b, s, &p.inputs.mask, model::POOLED_NORMALIZED));
     match compared {
         Ok(d) => p.row.max_abs_diff = Some(d),
         Err(e) => p.row.notes.push(format!("output comparison failed: {e}")),
@@ -344,7 +370,11 @@ fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>, String> {
             (b, q) => Some((b, q)),
         }
     };
-    s.split(',').map(|p| parse(p).ok_or_else(|| format!("--shapes: expected BATCHxSEQ with positive numbers (e.g. 1x128,32x128), found '{}'", p.trim()))).collect()
+    s.split(',')
+        .map(|p| {
+            parse(p).ok_or_else(|| format!("--shapes: expected BATCHxSEQ with positive numbers (e.g. 1x128,32x128), found '{}'", p.trim()))
+        })
+        .collect()
 }
 
 fn peer_device(d: Device) -> String {

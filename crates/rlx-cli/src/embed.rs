@@ -118,7 +118,12 @@ pub fn run_similarity(args: SimilarityArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn stream<R: BufRead>(embedder: &SentenceEmbedder, mut lines: TextLines<R>, writer: &mut EmbeddingWriter, bar: ProgressBar) -> Result<u64, String> {
+fn stream<R: BufRead>(
+    embedder: &SentenceEmbedder,
+    mut lines: TextLines<R>,
+    writer: &mut EmbeddingWriter,
+    bar: ProgressBar,
+) -> Result<u64, String> {
     let mut done = 0;
     loop {
         let texts = lines.next_batch(TEXTS_PER_ROUND).map_err(|e| e.to_string())?;

@@ -22,9 +22,7 @@ fn es(d: DType) -> u64 {
 /// Strides that read `in_dims` (with `in_strides`) broadcast to `out_dims`.
 fn broadcast_strides(in_dims: &[usize], in_strides: &[u64], out_dims: &[usize]) -> Vec<u64> {
     let pad = out_dims.len() - in_dims.len().min(out_dims.len());
-    (0..out_dims.len())
-        .map(|j| if j < pad || in_dims[j - pad] == 1 { 0 } else { in_strides[j - pad] })
-        .collect()
+    (0..out_dims.len()).map(|j| if j < pad || in_dims[j - pad] == 1 { 0 } else { in_strides[j - pad] }).collect()
 }
 
 impl Lowerer<'_> {
@@ -97,9 +95,8 @@ impl Lowerer<'_> {
         let dtype = node.dtype;
         let numel = node.shape.numel();
         let rows_cols = || (numel / node.shape.last().max(1), node.shape.last());
-        let outer_len_inner = |x: &[usize], axis: usize| -> (usize, usize, usize) {
-            (x[..axis].iter().product(), x[axis], x[axis + 1..].iter().product())
-        };
+        let outer_len_inner =
+            |x: &[usize], axis: usize| -> (usize, usize, usize) { (x[..axis].iter().product(), x[axis], x[axis + 1..].iter().product()) };
         let in0 = |s: &Self| s.input(i, 0);
         let thunk = match &node.op {
             Op::Input { .. } | Op::Param { .. } | Op::State { .. } | Op::Constant { .. } | Op::Reshape => return Ok(()),
@@ -189,7 +186,14 @@ impl Lowerer<'_> {
                 let x = in0(self)?;
                 let loc = &self.plan.locs[x];
                 let src_strides: Vec<u64> = perm.iter().map(|&p| loc.strides[p]).collect();
-                Thunk::Copy { dtype, shape: dims.to_vec(), src: self.buf(x), src_strides, dst: self.buf(i), dst_strides: dense_strides(dims) }
+                Thunk::Copy {
+                    dtype,
+                    shape: dims.to_vec(),
+                    src: self.buf(x),
+                    src_strides,
+                    dst: self.buf(i),
+                    dst_strides: dense_strides(dims),
+                }
             }
             Op::Concat { axis } => {
                 let out_loc = self.plan.locs[i].clone();
@@ -328,7 +332,11 @@ impl Lowerer<'_> {
                 } else if dims.iter().all(|&d| d == 1) {
                     Ok(0)
                 } else {
-                    Err(lower_err(g, i, format!("{what} batch dims {dims:?} broadcast partially against {ob:?}; only full or no broadcasting is supported")))
+                    Err(lower_err(
+                        g,
+                        i,
+                        format!("{what} batch dims {dims:?} broadcast partially against {ob:?}; only full or no broadcasting is supported"),
+                    ))
                 }
             };
             let asb = stride_for(&ad[..ar - 2], m as u64 * lda, "lhs")?;
@@ -368,8 +376,18 @@ impl Lowerer<'_> {
 /// an out-of-bounds panic.
 fn check_plan(g: &Graph, plan: &ArenaPlan) -> Result<()> {
     let bad = |detail: String| CompileError::Lower { node: 0, op: "plan".into(), detail };
-    if plan.locs.len() != g.len() || plan.output_copy.len() != g.outputs.len() || plan.scratch.len() != g.len() || plan.in_place.len() != g.len() {
-        return Err(bad(format!("the plan covers {} nodes and {} outputs, the graph has {} and {}", plan.locs.len(), plan.output_copy.len(), g.len(), g.outputs.len())));
+    if plan.locs.len() != g.len()
+        || plan.output_copy.len() != g.outputs.len()
+        || plan.scratch.len() != g.len()
+        || plan.in_place.len() != g.len()
+    {
+        return Err(bad(format!(
+            "the plan covers {} nodes and {} outputs, the graph has {} and {}",
+            plan.locs.len(),
+            plan.output_copy.len(),
+            g.len(),
+            g.outputs.len()
+        )));
     }
     let nb = plan.buffers.len();
     for (i, (loc, n)) in plan.locs.iter().zip(&g.nodes).enumerate() {

@@ -154,7 +154,8 @@ impl Planner<'_> {
         let mut needed = vec![false; self.plan.weights.len()];
         for (i, loc) in locs.iter().enumerate() {
             if let Root::Weight(w) = loc.root {
-                let absorbed = |u: &usize| matches!(locs[*u].root, Root::Weight(_)) && matches!(g.nodes[*u].op, Op::Cast | Op::Concat { .. });
+                let absorbed =
+                    |u: &usize| matches!(locs[*u].root, Root::Weight(_)) && matches!(g.nodes[*u].op, Op::Cast | Op::Concat { .. });
                 if self.is_output[i] || !self.users[i].iter().all(absorbed) {
                     needed[w as usize] = true;
                 }

@@ -48,7 +48,16 @@ fn describe(t: &Thunk) -> String {
         Thunk::MatMul(m) => {
             let mut s = format!(
                 "{} batch={} m={} n={} k={} a={} lda={} b={}{} ldb={}",
-                m.dtype, m.batch, m.m, m.n, m.k, m.a, m.lda, m.b, if m.b_trans { "ᵀ" } else { "" }, m.ldb
+                m.dtype,
+                m.batch,
+                m.m,
+                m.n,
+                m.k,
+                m.a,
+                m.lda,
+                m.b,
+                if m.b_trans { "ᵀ" } else { "" },
+                m.ldb
             );
             if m.batch > 1 {
                 s += &format!(" a_bs={} b_bs={}", m.a_batch_stride, m.b_batch_stride);
@@ -104,16 +113,15 @@ fn describe(t: &Thunk) -> String {
             opt(&a.valid_len),
             a.out
         ),
-        Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, .. } => format!(
-            "{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions} -> {out}",
-            seq(x)
-        ),
+        Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, .. } => {
+            format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions} -> {out}", seq(x))
+        }
         Thunk::SwiGlu { dtype, rows: r, cols, gate, up, out } => {
             format!("{dtype} rows={r} cols={cols} gate={} up={} -> {out}", rows(gate), rows(up))
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => format!(
-            "{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}"
-        ),
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => {
+            format!("{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}")
+        }
     }
 }
 

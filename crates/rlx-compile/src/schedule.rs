@@ -116,7 +116,13 @@ pub enum Thunk {
         out: BufRef,
     },
     /// out = act(x), `n` contiguous elements (out may equal x).
-    Activation { act: Activation, dtype: DType, n: usize, x: BufRef, out: BufRef },
+    Activation {
+        act: Activation,
+        dtype: DType,
+        n: usize,
+        x: BufRef,
+        out: BufRef,
+    },
     /// LayerNorm (with beta) or RmsNorm (without) over rows of `cols`
     /// contiguous elements of `x (+ residual)`.
     Norm {
@@ -132,22 +138,74 @@ pub enum Thunk {
         out: BufRef,
     },
     /// Softmax over the middle axis of a contiguous `[outer, len, inner]`.
-    Softmax { dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    Softmax {
+        dtype: DType,
+        outer: usize,
+        len: usize,
+        inner: usize,
+        x: BufRef,
+        out: BufRef,
+    },
     /// Reduce the middle axis of a contiguous `[outer, len, inner]` → `[outer, inner]`.
-    Reduce { op: ReduceOp, dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    Reduce {
+        op: ReduceOp,
+        dtype: DType,
+        outer: usize,
+        len: usize,
+        inner: usize,
+        x: BufRef,
+        out: BufRef,
+    },
     /// ArgMax over the middle axis of `[outer, len, inner]` → i32 `[outer, inner]`.
-    ArgMax { dtype: DType, outer: usize, len: usize, inner: usize, x: BufRef, out: BufRef },
+    ArgMax {
+        dtype: DType,
+        outer: usize,
+        len: usize,
+        inner: usize,
+        x: BufRef,
+        out: BufRef,
+    },
     /// Top k over the last axis of contiguous `[rows, len]`, sorted
     /// descending (ties: lower index first). Writes values and/or i32 indices.
-    TopK { dtype: DType, rows: usize, len: usize, k: usize, x: BufRef, values: Option<BufRef>, indices: Option<BufRef> },
+    TopK {
+        dtype: DType,
+        rows: usize,
+        len: usize,
+        k: usize,
+        x: BufRef,
+        values: Option<BufRef>,
+        indices: Option<BufRef>,
+    },
     /// out[i, :] = table[ids[i], :]; an id outside 0..vocab is an error
     /// (CPU) or writes zeros and raises the backend's error flag (GPU).
-    Gather { dtype: DType, id_dtype: DType, n: usize, dim: usize, vocab: usize, table: BufRef, ids: BufRef, out: BufRef },
+    Gather {
+        dtype: DType,
+        id_dtype: DType,
+        n: usize,
+        dim: usize,
+        vocab: usize,
+        table: BufRef,
+        ids: BufRef,
+        out: BufRef,
+    },
     /// Strided copy: dst[idx] = src[idx] over `shape`, strides in elements.
     /// Materialises narrow, transpose and each part of a concat.
-    Copy { dtype: DType, shape: Vec<usize>, src: BufRef, src_strides: Vec<u64>, dst: BufRef, dst_strides: Vec<u64> },
+    Copy {
+        dtype: DType,
+        shape: Vec<usize>,
+        src: BufRef,
+        src_strides: Vec<u64>,
+        dst: BufRef,
+        dst_strides: Vec<u64>,
+    },
     /// Element type conversion of `n` contiguous elements.
-    Cast { from: DType, to: DType, n: usize, src: BufRef, dst: BufRef },
+    Cast {
+        from: DType,
+        to: DType,
+        n: usize,
+        src: BufRef,
+        dst: BufRef,
+    },
     Attention(AttentionThunk),
     /// Rotary embedding of `x` `[batch, seq, heads*head_dim]` (through a
     /// view) into contiguous out. positions: i32 `[seq]` (shared by the batch)
@@ -167,7 +225,14 @@ pub enum Thunk {
     },
     /// out = silu(gate) * up over `[rows, cols]`; gate/up may be strided
     /// (halves of one fused projection); out contiguous.
-    SwiGlu { dtype: DType, rows: usize, cols: usize, gate: RowsView, up: RowsView, out: BufRef },
+    SwiGlu {
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        gate: RowsView,
+        up: RowsView,
+        out: BufRef,
+    },
     /// state[b, pos + s, :] = value[b, s, :] for s < new_rows, pos read from
     /// an i32 device scalar. State is `[batch, max_rows, width]`. A position
     /// with pos + new_rows > max_rows is an error (CPU) or a no-op that

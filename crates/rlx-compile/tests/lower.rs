@@ -19,7 +19,10 @@ fn bert_layer_lowers_to_fused_thunks_with_strided_qkv() {
     let Thunk::MatMul(qkv) = &s.thunks[0] else { unreachable!() };
     assert_eq!((qkv.batch, qkv.m, qkv.n, qkv.k, qkv.b_trans, qkv.b_batch_stride), (1, 10, 48, 16, true, 0));
     assert!(qkv.bias.is_some());
-    let w = &s.weights[match qkv.b.space { Space::Weight(i) => i as usize, _ => panic!("{s}") }];
+    let w = &s.weights[match qkv.b.space {
+        Space::Weight(i) => i as usize,
+        _ => panic!("{s}"),
+    }];
     assert_eq!(w.parts, ["q.w", "k.w", "v.w"]);
     assert_eq!((w.concat_axis, w.shape.dims()), (0, &[48, 16][..]));
     let Thunk::Attention(a) = &s.thunks[1] else { unreachable!() };

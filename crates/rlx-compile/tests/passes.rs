@@ -171,7 +171,14 @@ fn precision_f16_stores_floats_as_f16_and_keeps_the_interface() {
     assert_eq!(after.dtype(after.outputs[0]), DType::F32);
     assert_eq!(after.dtype(after.outputs[1]), DType::I32);
     assert_eq!(after.output_name(0), "y");
-    let c16 = after.nodes.iter().find_map(|n| match &n.op { Op::Constant { data } => Some(data.clone()), _ => None }).unwrap();
+    let c16 = after
+        .nodes
+        .iter()
+        .find_map(|n| match &n.op {
+            Op::Constant { data } => Some(data.clone()),
+            _ => None,
+        })
+        .unwrap();
     assert_eq!(c16, [0.5f32, -1.0, 2.0, 0.25].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect::<Vec<u8>>());
     assert!(precision::run(&g, DType::I32).is_err());
     // The whole pipeline lowers with f16 storage.
@@ -187,7 +194,13 @@ fn invalid_graph_is_an_error_not_a_panic() {
     let x = g.input("x", [2, 3], DType::F32).unwrap();
     g.output(x).unwrap();
     g.nodes[0].shape = rlx_ir::Shape::new(vec![5]);
-    g.nodes.push(rlx_ir::Node { op: Op::Activation(Activation::Relu), inputs: vec![rlx_ir::NodeId(7)], shape: [2, 3].into(), dtype: DType::F32, name: None });
+    g.nodes.push(rlx_ir::Node {
+        op: Op::Activation(Activation::Relu),
+        inputs: vec![rlx_ir::NodeId(7)],
+        shape: [2, 3].into(),
+        dtype: DType::F32,
+        name: None,
+    });
     let e = compile(&g, &CompileOptions::default()).unwrap_err();
     assert!(e.to_string().contains("node 1"), "{e}");
 }

@@ -43,7 +43,11 @@ fn random_graph(seed: u64, steps: usize) -> Graph {
                     _ => partner,
                 };
                 let op = pick(&mut rng, &[BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul]);
-                if rng.random_bool(0.5) { g.binary(op, a, b) } else { g.binary(op, b, a) }
+                if rng.random_bool(0.5) {
+                    g.binary(op, a, b)
+                } else {
+                    g.binary(op, b, a)
+                }
             }
             1 => g.activation(pick(&mut rng, &[Activation::Gelu, Activation::Silu, Activation::Relu, Activation::Tanh]), a),
             2 | 3 => {
@@ -72,7 +76,8 @@ fn random_graph(seed: u64, steps: usize) -> Graph {
             6 => g.swiglu(a, partner),
             7 => {
                 let r = ad.len();
-                let other: Vec<NodeId> = pool.iter().copied().filter(|&p| g.shape(p).dims()[..r - 1] == ad[..r - 1] && g.shape(p).rank() == r).collect();
+                let other: Vec<NodeId> =
+                    pool.iter().copied().filter(|&p| g.shape(p).dims()[..r - 1] == ad[..r - 1] && g.shape(p).rank() == r).collect();
                 let b = pick(&mut rng, &other);
                 g.concat(&[a, b], r - 1)
             }
@@ -91,9 +96,7 @@ fn random_graph(seed: u64, steps: usize) -> Graph {
                 let axes = pick(&mut rng, &[&[0usize, 2][..], &[1], &[0, 1], &[2]]);
                 g.reduce(pick(&mut rng, &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max]), a, axes, true)
             }
-            _ => {
-                g.silu(a).and_then(|s| g.mul(s, partner))
-            }
+            _ => g.silu(a).and_then(|s| g.mul(s, partner)),
         };
         if let Ok(id) = made {
             pool.push(id);
@@ -121,13 +124,17 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::MatMul(m) => ([Some(m.a), Some(m.b), m.bias, m.residual].into_iter().flatten().collect(), vec![m.out]),
         Thunk::Binary { a, b, out, .. } => (vec![*a, *b], vec![*out]),
         Thunk::Activation { x, out, .. } | Thunk::Softmax { x, out, .. } | Thunk::Reduce { x, out, .. } => (vec![*x], vec![*out]),
-        Thunk::Norm { x, residual, gamma, beta, out, .. } => ([Some(*x), *residual, Some(*gamma), *beta].into_iter().flatten().collect(), vec![*out]),
+        Thunk::Norm { x, residual, gamma, beta, out, .. } => {
+            ([Some(*x), *residual, Some(*gamma), *beta].into_iter().flatten().collect(), vec![*out])
+        }
         Thunk::SwiGlu { gate, up, out, .. } => (vec![gate.buf, up.buf], vec![*out]),
         Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => (vec![*src], vec![*dst]),
         Thunk::ArgMax { x, out, .. } => (vec![*x], vec![*out]),
         Thunk::TopK { x, values, indices, .. } => (vec![*x], values.iter().chain(indices).copied().collect()),
         Thunk::Gather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
-        Thunk::Attention(a) => ([Some(a.q.buf), Some(a.k.buf), Some(a.v.buf), a.mask, a.valid_len].into_iter().flatten().collect(), vec![a.out]),
+        Thunk::Attention(a) => {
+            ([Some(a.q.buf), Some(a.k.buf), Some(a.v.buf), a.mask, a.valid_len].into_iter().flatten().collect(), vec![a.out])
+        }
         Thunk::Rope { x, positions, out, .. } => (vec![x.buf, *positions], vec![*out]),
         Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
     }
@@ -149,7 +156,7 @@ fn check(s: &Schedule) -> Result<(), TestCaseError> {
     for o in &s.outputs {
         prop_assert_eq!(o.buf.space, Space::Arena);
         let written = s.thunks.iter().any(|t| io(t).1.iter().any(|w| overlaps(w, &o.buf)));
- prop_assert!(written, "output {} is not written by a thunk\n{s}", o.name);
+        prop_assert!(written, "output {} is not written by a thunk\n{s}", o.name);
     }
     for t in &s.thunks {
         let (reads, writes) = io(t);
@@ -265,7 +272,15 @@ fn wide_graph(seed: u64) -> Graph {
         let pos = g.constant_i32([s], &(0..s as i32).collect::<Vec<_>>()).unwrap();
         let q = if rng.random_bool(0.5) { g.rope(q, pos, 4, 10000.0, rlx_ir::RopeMode::Interleaved).unwrap() } else { q };
         let mask = rng.random_bool(0.5).then(|| g.input("mask", [b, s], DType::F32).unwrap());
-        let spec = rlx_ir::AttentionSpec { heads: h / 4, kv_heads: h / 4, head_dim: 4, scale: 0.5, causal: rng.random_bool(0.5), mask: false, valid_len: false };
+        let spec = rlx_ir::AttentionSpec {
+            heads: h / 4,
+            kv_heads: h / 4,
+            head_dim: 4,
+            scale: 0.5,
+            causal: rng.random_bool(0.5),
+            mask: false,
+            valid_len: false,
+        };
         x = g.attention(spec, q, k, v, mask, None).unwrap();
     }
     if rng.random_bool(0.5) {

@@ -62,8 +62,24 @@ fn weight_of(store: &WeightStore, slots: &mut Vec<WeightSlot>, name: &str, shape
 /// An executable running `thunk` `reps` times per call, so per-call
 /// overhead (waking the worker and the pool) is amortised as it is over a
 /// model's many thunks.
-fn executable(backend: &CpuBackend, thunk: Thunk, reps: usize, weights: Vec<WeightSlot>, store: WeightStore, arena_bytes: u64) -> Box<dyn Executable> {
-    let schedule = Schedule { thunks: vec![thunk; reps], arena_bytes, inputs: vec![], outputs: vec![], weights, states: vec![], consts: vec![], arena: ArenaSummary::default() };
+fn executable(
+    backend: &CpuBackend,
+    thunk: Thunk,
+    reps: usize,
+    weights: Vec<WeightSlot>,
+    store: WeightStore,
+    arena_bytes: u64,
+) -> Box<dyn Executable> {
+    let schedule = Schedule {
+        thunks: vec![thunk; reps],
+        arena_bytes,
+        inputs: vec![],
+        outputs: vec![],
+        weights,
+        states: vec![],
+        consts: vec![],
+        arena: ArenaSummary::default(),
+    };
     backend.prepare(Arc::new(schedule), Arc::new(store), &PrepareOptions { slots: 2, ..Default::default() }).expect("prepare")
 }
 
@@ -397,7 +413,12 @@ fn main() {
             if only_rows {
                 for (i, &(r, c)) in row_cases.iter().enumerate() {
                     let g = |k| rlx_rows(&backend, k, r, c);
-                    rows[i] = (rows[i].0.max(memcpy(&pool, r * c * 4)), rows[i].1.max(g(RowKernel::LayerNorm)), rows[i].2.max(g(RowKernel::Softmax)), rows[i].3.max(g(RowKernel::Gelu)));
+                    rows[i] = (
+                        rows[i].0.max(memcpy(&pool, r * c * 4)),
+                        rows[i].1.max(g(RowKernel::LayerNorm)),
+                        rows[i].2.max(g(RowKernel::Softmax)),
+                        rows[i].3.max(g(RowKernel::Gelu)),
+                    );
                 }
                 continue;
             }
@@ -421,7 +442,12 @@ fn main() {
             for (i, &(r, c)) in row_cases.iter().enumerate() {
                 let mc = memcpy(&pool, r * c * 4);
                 let g = |k| rlx_rows(&backend, k, r, c);
-                rows[i] = (rows[i].0.max(mc), rows[i].1.max(g(RowKernel::LayerNorm)), rows[i].2.max(g(RowKernel::Softmax)), rows[i].3.max(g(RowKernel::Gelu)));
+                rows[i] = (
+                    rows[i].0.max(mc),
+                    rows[i].1.max(g(RowKernel::LayerNorm)),
+                    rows[i].2.max(g(RowKernel::Softmax)),
+                    rows[i].3.max(g(RowKernel::Gelu)),
+                );
             }
         }
         println!("## {t} thread{}", if t == 1 { "" } else { "s" });

@@ -73,7 +73,9 @@ struct Worker {
 }
 
 fn alloc(bytes: u64, what: &str) -> Result<AlignedBuf> {
-    AlignedBuf::zeroed(bytes as usize).ok_or(RuntimeError::OutOfMemory { requested: bytes, free: 0 }).map_err(|e| exec_err(format!("{what}: {e}")))
+    AlignedBuf::zeroed(bytes as usize)
+        .ok_or(RuntimeError::OutOfMemory { requested: bytes, free: 0 })
+        .map_err(|e| exec_err(format!("{what}: {e}")))
 }
 
 fn resolve_all(schedule: &Schedule, store: &WeightStore) -> Result<Vec<Arc<Tensor>>> {
@@ -90,7 +92,8 @@ impl Worker {
             .enumerate()
             .map(|(i, c)| AlignedBuf::from_bytes(&c.data).ok_or_else(|| exec_err(format!("out of memory for const {i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let mut w = Worker { schedule, arenas, states, consts, weights: Vec::new(), b_cache: Vec::new(), scratch: Scratch::default(), pool };
+        let mut w =
+            Worker { schedule, arenas, states, consts, weights: Vec::new(), b_cache: Vec::new(), scratch: Scratch::default(), pool };
         w.bind_weights(resolve_all(&w.schedule, store)?)?;
         w.validate_slots()?;
         Ok(w)
@@ -145,7 +148,10 @@ impl Worker {
         let check = |kind: &str, s: &TensorSlot, writable: bool| -> Result<()> {
             let need = (s.shape.numel() * s.dtype.size()) as u64;
             if s.buf.bytes < need {
-                return Err(exec_err(format!("{kind} '{}' ({} {}) needs {need} bytes, its buffer has {}", s.name, s.shape, s.dtype, s.buf.bytes)));
+                return Err(exec_err(format!(
+                    "{kind} '{}' ({} {}) needs {need} bytes, its buffer has {}",
+                    s.name, s.shape, s.dtype, s.buf.bytes
+                )));
             }
             let r = if writable { mem.dst::<u8>(&s.buf).map(|_| ()) } else { mem.check(&s.buf, 1) };
             r.map_err(|e| exec_err(format!("{kind} '{}': {e}", s.name)))
@@ -158,7 +164,10 @@ impl Worker {
         }
         for (i, s) in self.schedule.states.iter().enumerate() {
             if s.buf.space != Space::State(i as u32) || s.buf.offset != 0 {
-                return Err(exec_err(format!("state '{}' must be the whole of Space::State({i}), found {:?} at offset {}", s.name, s.buf.space, s.buf.offset)));
+                return Err(exec_err(format!(
+                    "state '{}' must be the whole of Space::State({i}), found {:?} at offset {}",
+                    s.name, s.buf.space, s.buf.offset
+                )));
             }
         }
         Ok(())
@@ -176,7 +185,9 @@ impl Worker {
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let b = cache.get(i).and_then(|c| c.as_deref());
                 kernels::run(t, &mem, scratch, b, threads).map_err(|e| match e {
-                    RuntimeError::Backend { backend, detail } => RuntimeError::Backend { backend, detail: format!("thunk #{i} ({}): {detail}", t.kind()) },
+                    RuntimeError::Backend { backend, detail } => {
+                        RuntimeError::Backend { backend, detail: format!("thunk #{i} ({}): {detail}", t.kind()) }
+                    }
                     other => other,
                 })?;
             }
@@ -226,7 +237,11 @@ impl Worker {
                 }
                 Job::ReadState(i, reply) => {
                     let r = match (this.schedule.states.get(i), this.states.get(i)) {
-                        (Some(s), Some(b)) => Tensor::from_bytes(s.shape.clone(), s.dtype, b.bytes()[..(s.shape.numel() * s.dtype.size()).min(b.len())].to_vec()),
+                        (Some(s), Some(b)) => Tensor::from_bytes(
+                            s.shape.clone(),
+                            s.dtype,
+                            b.bytes()[..(s.shape.numel() * s.dtype.size()).min(b.len())].to_vec(),
+                        ),
                         _ => Err(exec_err(format!("no state #{i}"))),
                     };
                     let _ = reply.send(r);
@@ -239,7 +254,10 @@ impl Worker {
 enum SlotState {
     Free,
     /// A submitted call; the flag is set when its ticket was dropped.
-    Pending { id: u64, abandoned: Arc<AtomicBool> },
+    Pending {
+        id: u64,
+        abandoned: Arc<AtomicBool>,
+    },
 }
 
 /// See the module docs.
@@ -259,7 +277,12 @@ pub struct CpuExecutable {
 }
 
 impl CpuExecutable {
-    pub(crate) fn new(schedule: Arc<Schedule>, store: Arc<WeightStore>, slots: usize, pool: Option<Arc<rayon::ThreadPool>>) -> Result<CpuExecutable> {
+    pub(crate) fn new(
+        schedule: Arc<Schedule>,
+        store: Arc<WeightStore>,
+        slots: usize,
+        pool: Option<Arc<rayon::ThreadPool>>,
+    ) -> Result<CpuExecutable> {
         let weight_version = store.version();
         let shared = Arc::new(Mutex::new(Worker::new(schedule.clone(), &store, slots, pool)?));
         let (job_tx, job_rx) = channel();

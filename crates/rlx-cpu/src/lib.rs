@@ -80,7 +80,11 @@ impl Backend for CpuBackend {
             return Err(exec_err(e.clone()));
         }
         for (i, t) in schedule.thunks.iter().enumerate() {
-            validate::check_thunk(t).map_err(|detail| RuntimeError::Unsupported { backend: "cpu".into(), thunk: format!("#{i} {}", t.kind()), detail })?;
+            validate::check_thunk(t).map_err(|detail| RuntimeError::Unsupported {
+                backend: "cpu".into(),
+                thunk: format!("#{i} {}", t.kind()),
+                detail,
+            })?;
         }
         Ok(Box::new(CpuExecutable::new(schedule, weights, opts.slots.max(1), self.pool.clone())?))
     }

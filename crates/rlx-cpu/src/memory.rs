@@ -127,7 +127,8 @@ impl Mem {
     /// The range of `b` checked against its region and `align`.
     pub fn check(&self, b: &BufRef, align: usize) -> Result<(), String> {
         let r = self.region(b.space).ok_or_else(|| format!("{:?} does not exist in this schedule", b.space))?;
-        let end = b.offset.checked_add(b.bytes).ok_or_else(|| format!("{:?} offset {} + {} bytes overflows", b.space, b.offset, b.bytes))?;
+        let end =
+            b.offset.checked_add(b.bytes).ok_or_else(|| format!("{:?} offset {} + {} bytes overflows", b.space, b.offset, b.bytes))?;
         if end > r.len as u64 {
             return Err(format!("{:?} bytes {}..{} lie outside the space ({} bytes)", b.space, b.offset, end, r.len));
         }

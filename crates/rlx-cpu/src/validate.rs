@@ -175,11 +175,9 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             }
             v
         }
-        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => vec![
-            rd("table", *table, vocab * dim, *dtype),
-            rd("ids", *ids, *n, *id_dtype),
-            wr("out", *out, n * dim, *dtype),
-        ],
+        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
+            vec![rd("table", *table, vocab * dim, *dtype), rd("ids", *ids, *n, *id_dtype), wr("out", *out, n * dim, *dtype)]
+        }
         Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
             let es = dtype.size() as u64;
             vec![
@@ -213,8 +211,20 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let es = dtype.size() as u64;
             vec![
-                Operand { what: "gate", buf: gate.buf, need: extent(&[*rows, *cols], &[gate.row_stride, 1]).saturating_mul(es), align: dtype.size(), write: false },
-                Operand { what: "up", buf: up.buf, need: extent(&[*rows, *cols], &[up.row_stride, 1]).saturating_mul(es), align: dtype.size(), write: false },
+                Operand {
+                    what: "gate",
+                    buf: gate.buf,
+                    need: extent(&[*rows, *cols], &[gate.row_stride, 1]).saturating_mul(es),
+                    align: dtype.size(),
+                    write: false,
+                },
+                Operand {
+                    what: "up",
+                    buf: up.buf,
+                    need: extent(&[*rows, *cols], &[up.row_stride, 1]).saturating_mul(es),
+                    align: dtype.size(),
+                    write: false,
+                },
                 wr("out", *out, rows * cols, *dtype),
             ]
         }

@@ -53,7 +53,8 @@ fn reference(c: &Case, q: &(Vec<f64>, usize, usize), k: &(Vec<f64>, usize, usize
                     .collect();
                 let p = softmax_ref(&scores);
                 for d in 0..c.hd {
-                    out[(b * c.q_len + i) * c.heads * c.hd + h * c.hd + d] = allowed.iter().zip(&p).map(|(&j, w)| w * get(v, b, j, g * c.hd + d)).sum();
+                    out[(b * c.q_len + i) * c.heads * c.hd + h * c.hd + d] =
+                        allowed.iter().zip(&p).map(|(&j, w)| w * get(v, b, j, g * c.hd + d)).sum();
                 }
             }
         }
@@ -88,7 +89,12 @@ fn run(seed: u64, c: &Case, fused: bool) {
         tensors.push(("qkv", tensor(&[c.batch, c.q_len, w], dt, &data)));
     } else {
         let pad = 3;
-        let mk = |p: &mut Plan, r: &mut rand::rngs::StdRng, name: &'static str, len: usize, width: usize, tensors: &mut Vec<(&'static str, rlx_runtime::Tensor)>| {
+        let mk = |p: &mut Plan,
+                  r: &mut rand::rngs::StdRng,
+                  name: &'static str,
+                  len: usize,
+                  width: usize,
+                  tensors: &mut Vec<(&'static str, rlx_runtime::Tensor)>| {
             let row = width + pad;
             let data = values(r, c.batch * len * row, dt);
             let buf = p.input(name, &[c.batch, len, row], dt);
@@ -103,7 +109,11 @@ fn run(seed: u64, c: &Case, fused: bool) {
     let mask = c.mask.as_ref().map(|(mdt, m)| {
         let buf = p.input("mask", &[c.batch, c.kv_len], *mdt);
         let vals: Vec<f64> = m.iter().map(|&k| if k { 1.0 } else { 0.0 }).collect();
-        let t = if mdt.is_float() { tensor(&[c.batch, c.kv_len], *mdt, &vals) } else { ints(&[c.batch, c.kv_len], *mdt, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>()) };
+        let t = if mdt.is_float() {
+            tensor(&[c.batch, c.kv_len], *mdt, &vals)
+        } else {
+            ints(&[c.batch, c.kv_len], *mdt, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>())
+        };
         tensors.push(("mask", t));
         buf
     });
@@ -136,7 +146,15 @@ fn run(seed: u64, c: &Case, fused: bool) {
     let got = p.run(&inputs).expect("attention runs");
     let what = format!(
         "seed {seed} {dt} b{} h{}/{} hd{} q{} kv{} causal {} valid {:?} mask {} fused {fused}",
-        c.batch, c.heads, c.kv_heads, c.hd, c.q_len, c.kv_len, c.causal, c.valid, c.mask.is_some()
+        c.batch,
+        c.heads,
+        c.kv_heads,
+        c.hd,
+        c.q_len,
+        c.kv_len,
+        c.causal,
+        c.valid,
+        c.mask.is_some()
     );
     assert_close(&got[0], &want, tol(dt, TOL_MATMUL), &what);
 }
@@ -178,7 +196,19 @@ fn attention_separate_views_gqa_causal_valid_len() {
 /// A sequence longer than one query block, so several tasks share a head.
 #[test]
 fn attention_long_sequence() {
-    let c = Case { dtype: DType::F32, batch: 1, heads: 4, kv_heads: 2, hd: 32, q_len: 130, kv_len: 130, causal: true, valid: None, mask: None, scale: 0.17 };
+    let c = Case {
+        dtype: DType::F32,
+        batch: 1,
+        heads: 4,
+        kv_heads: 2,
+        hd: 32,
+        q_len: 130,
+        kv_len: 130,
+        causal: true,
+        valid: None,
+        mask: None,
+        scale: 0.17,
+    };
     run(7, &c, true);
 }
 
@@ -187,6 +217,18 @@ fn attention_long_sequence() {
 fn attention_fully_masked_rows_are_zero() {
     let (batch, kv_len) = (2, 5);
     let mask: Vec<bool> = (0..batch * kv_len).map(|i| i < kv_len).collect();
-    let c = Case { dtype: DType::F32, batch, heads: 2, kv_heads: 2, hd: 8, q_len: 3, kv_len, causal: false, valid: None, mask: Some((DType::I32, mask)), scale: 0.3 };
+    let c = Case {
+        dtype: DType::F32,
+        batch,
+        heads: 2,
+        kv_heads: 2,
+        hd: 8,
+        q_len: 3,
+        kv_len,
+        causal: false,
+        valid: None,
+        mask: Some((DType::I32, mask)),
+        scale: 0.3,
+    };
     run(9, &c, false);
 }

@@ -45,7 +45,10 @@ fn binary_broadcasting_random() {
         let (b_shape, b_st) = broadcast_operand(&mut r, &out_shape);
         let a_vals = values(&mut r, a_shape.iter().product(), dtype);
         // Keep divisors away from zero.
-        let b_vals: Vec<f64> = values(&mut r, b_shape.iter().product(), dtype).iter().map(|v| round_to(if op == BinaryOp::Div { v.signum() * (0.5 + v.abs()) } else { *v }, dtype)).collect();
+        let b_vals: Vec<f64> = values(&mut r, b_shape.iter().product(), dtype)
+            .iter()
+            .map(|v| round_to(if op == BinaryOp::Div { v.signum() * (0.5 + v.abs()) } else { *v }, dtype))
+            .collect();
         let n: usize = out_shape.iter().product();
         // In place when a already has the output's shape.
         let in_place = a_shape == out_shape && r.random_bool(0.5);
@@ -73,7 +76,12 @@ fn binary_broadcasting_random() {
             .collect();
         let (at_, bt_) = (tensor(&a_shape, dtype, &a_vals), tensor(&b_shape, dtype, &b_vals));
         let got = p.run(&[("a", &at_), ("b", &bt_)]).expect("binary runs");
-        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("seed {seed} {op:?} {dtype} {out_shape:?} <- {a_shape:?}, {b_shape:?} in_place {in_place}"));
+        assert_close(
+            &got[0],
+            &want,
+            tol(dtype, TOL_ELEMENTWISE),
+            &format!("seed {seed} {op:?} {dtype} {out_shape:?} <- {a_shape:?}, {b_shape:?} in_place {in_place}"),
+        );
     }
 }
 
@@ -117,7 +125,8 @@ fn swiglu_strided_halves() {
         let vals = values(&mut r, rows * 2 * cols, dtype);
         let mut p = Plan::new();
         let x = p.input("x", &[rows, 2 * cols], dtype);
-        let up_buf = rlx_compile::BufRef { offset: x.offset + (cols * dtype.size()) as u64, bytes: x.bytes - (cols * dtype.size()) as u64, ..x };
+        let up_buf =
+            rlx_compile::BufRef { offset: x.offset + (cols * dtype.size()) as u64, bytes: x.bytes - (cols * dtype.size()) as u64, ..x };
         let out = p.output("y", &[rows, cols], dtype);
         p.push(Thunk::SwiGlu {
             dtype,
@@ -127,10 +136,12 @@ fn swiglu_strided_halves() {
             up: RowsView { buf: up_buf, row_stride: 2 * cols as u64 },
             out,
         });
-        let want: Vec<f64> = (0..rows * cols).map(|i| {
-            let (rr, c) = (i / cols, i % cols);
-            act_ref(Activation::Silu, vals[rr * 2 * cols + c]) * vals[rr * 2 * cols + cols + c]
-        }).collect();
+        let want: Vec<f64> = (0..rows * cols)
+            .map(|i| {
+                let (rr, c) = (i / cols, i % cols);
+                act_ref(Activation::Silu, vals[rr * 2 * cols + c]) * vals[rr * 2 * cols + cols + c]
+            })
+            .collect();
         let got = p.run(&[("x", &tensor(&[rows, 2 * cols], dtype, &vals))]).expect("swiglu runs");
         assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("swiglu {dtype}"));
     }
@@ -144,7 +155,11 @@ fn cast_all_pairs() {
             let mut r = rng(11);
             let n = 257;
             let vals: Vec<f64> = (0..n).map(|_| round_to(r.random_range(-300.0..300.0), from)).collect();
-            let t = if from.is_float() { tensor(&[n], from, &vals) } else { ints(&[n], from, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>()) };
+            let t = if from.is_float() {
+                tensor(&[n], from, &vals)
+            } else {
+                ints(&[n], from, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>())
+            };
             let mut p = Plan::new();
             let src = p.input("x", &[n], from);
             let dst = p.output("y", &[n], to);
@@ -166,17 +181,31 @@ fn copy_strided_transpose_and_narrow() {
         let nb = r.random_range(1..=b);
         let off = r.random_range(0..=b - nb);
         let vals: Vec<f64> = (0..a * b * c).map(|i| i as f64 - 7.0).collect();
-        let t = if dtype.is_float() { tensor(&[a, b, c], dtype, &vals) } else { ints(&[a, b, c], dtype, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>()) };
+        let t = if dtype.is_float() {
+            tensor(&[a, b, c], dtype, &vals)
+        } else {
+            ints(&[a, b, c], dtype, &vals.iter().map(|v| *v as i64).collect::<Vec<_>>())
+        };
         let mut p = Plan::new();
         let src = p.input("x", &[a, b, c], dtype);
         let dst = p.output("y", &[c, a, nb], dtype);
         let es = dtype.size() as u64;
-        let src_view = rlx_compile::BufRef { offset: src.offset + off as u64 * c as u64 * es, bytes: src.bytes - off as u64 * c as u64 * es, ..src };
-        p.push(Thunk::Copy { dtype, shape: vec![c, a, nb], src: src_view, src_strides: vec![1, (b * c) as u64, c as u64], dst, dst_strides: strides(&[c, a, nb]) });
-        let want: Vec<f64> = (0..c * a * nb).map(|i| {
-            let idx = unflatten(i, &[c, a, nb]);
-            vals[idx[1] * b * c + (idx[2] + off) * c + idx[0]]
-        }).collect();
+        let src_view =
+            rlx_compile::BufRef { offset: src.offset + off as u64 * c as u64 * es, bytes: src.bytes - off as u64 * c as u64 * es, ..src };
+        p.push(Thunk::Copy {
+            dtype,
+            shape: vec![c, a, nb],
+            src: src_view,
+            src_strides: vec![1, (b * c) as u64, c as u64],
+            dst,
+            dst_strides: strides(&[c, a, nb]),
+        });
+        let want: Vec<f64> = (0..c * a * nb)
+            .map(|i| {
+                let idx = unflatten(i, &[c, a, nb]);
+                vals[idx[1] * b * c + (idx[2] + off) * c + idx[0]]
+            })
+            .collect();
         let got = p.run(&[("x", &t)]).expect("copy runs");
         assert_close(&got[0], &want, 0.0, &format!("copy {dtype}"));
     }
@@ -194,7 +223,16 @@ fn large_elementwise_splits_across_tasks() {
     let xb = p.input("x", &[rows, cols], DType::F32);
     let bb = p.weight("b", tensor(&[cols], DType::F32, &bias));
     let out = p.output("y", &[rows, cols], DType::F32);
-    p.push(Thunk::Binary { op: BinaryOp::Add, dtype: DType::F32, out_shape: vec![rows, cols], a: xb, a_strides: vec![cols as u64, 1], b: bb, b_strides: vec![0, 1], out });
+    p.push(Thunk::Binary {
+        op: BinaryOp::Add,
+        dtype: DType::F32,
+        out_shape: vec![rows, cols],
+        a: xb,
+        a_strides: vec![cols as u64, 1],
+        b: bb,
+        b_strides: vec![0, 1],
+        out,
+    });
     p.push(Thunk::Activation { act: Activation::Gelu, dtype: DType::F32, n: rows * cols, x: out, out });
     let want: Vec<f64> = (0..rows * cols).map(|i| act_ref(Activation::Gelu, x[i] + bias[i % cols])).collect();
     let got = p.run(&[("x", &tensor(&[rows, cols], DType::F32, &x))]).expect("runs");
@@ -232,7 +270,16 @@ fn binary_integers() {
     let ab = p.input("a", &[2], DType::I32);
     let bb = p.input("b", &[2], DType::I32);
     let out = p.output("y", &[2], DType::I32);
-    p.push(Thunk::Binary { op: BinaryOp::Div, dtype: DType::I32, out_shape: vec![2], a: ab, a_strides: vec![1], b: bb, b_strides: vec![1], out });
+    p.push(Thunk::Binary {
+        op: BinaryOp::Div,
+        dtype: DType::I32,
+        out_shape: vec![2],
+        a: ab,
+        a_strides: vec![1],
+        b: bb,
+        b_strides: vec![1],
+        out,
+    });
     let err = p.run(&[("a", &ints(&[2], DType::I32, &[4, 5])), ("b", &ints(&[2], DType::I32, &[2, 0]))]).expect_err("division by zero");
     assert!(err.to_string().contains("division by zero at element 1"), "{err}");
 }

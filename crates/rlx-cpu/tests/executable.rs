@@ -18,7 +18,16 @@ fn scale_plan(w: &[f64]) -> Plan {
     let x = p.input("x", &[4], DType::F32);
     let wb = p.weight("w", tensor(&[4], DType::F32, w));
     let out = p.output("y", &[4], DType::F32);
-    p.push(Thunk::Binary { op: BinaryOp::Mul, dtype: DType::F32, out_shape: vec![4], a: x, a_strides: vec![1], b: wb, b_strides: vec![1], out });
+    p.push(Thunk::Binary {
+        op: BinaryOp::Mul,
+        dtype: DType::F32,
+        out_shape: vec![4],
+        a: x,
+        a_strides: vec![1],
+        b: wb,
+        b_strides: vec![1],
+        out,
+    });
     p
 }
 
@@ -146,7 +155,8 @@ fn bad_inputs_are_errors() {
 fn missing_weight_is_a_prepare_error() {
     let p = scale_plan(&[1.0; 4]);
     let schedule = Arc::new(p.schedule());
-    let err = CpuBackend::new().prepare(schedule, Arc::new(rlx_runtime::WeightStore::new()), &Default::default()).err().expect("missing weight");
+    let err =
+        CpuBackend::new().prepare(schedule, Arc::new(rlx_runtime::WeightStore::new()), &Default::default()).err().expect("missing weight");
     assert!(err.to_string().contains("'w'"), "{err}");
 }
 
@@ -166,7 +176,16 @@ fn consts_are_uploaded_once_and_read() {
     let xb = p.input("x", &[4], DType::F32);
     let c = p.konst(&tensor(&[4], DType::F32, &[0.5, -1.0, 2.0, 4.0]));
     let out = p.output("y", &[4], DType::F32);
-    p.push(Thunk::Binary { op: BinaryOp::Add, dtype: DType::F32, out_shape: vec![4], a: xb, a_strides: vec![1], b: c, b_strides: vec![1], out });
+    p.push(Thunk::Binary {
+        op: BinaryOp::Add,
+        dtype: DType::F32,
+        out_shape: vec![4],
+        a: xb,
+        a_strides: vec![1],
+        b: c,
+        b_strides: vec![1],
+        out,
+    });
     let mut exe = p.prepare(1).expect("prepare");
     for _ in 0..2 {
         let got = exe.run(&[("x", &x(1.0))]).expect("run");

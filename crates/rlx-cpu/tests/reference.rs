@@ -118,7 +118,13 @@ impl Plan {
     pub fn weight(&mut self, name: &str, t: Tensor) -> BufRef {
         let i = self.weights.len() as u32;
         let b = BufRef { space: Space::Weight(i), offset: 0, bytes: t.bytes().len() as u64 };
-        self.weights.push(WeightSlot { name: name.into(), parts: vec![name.into()], concat_axis: 0, shape: t.shape().clone(), dtype: t.dtype() });
+        self.weights.push(WeightSlot {
+            name: name.into(),
+            parts: vec![name.into()],
+            concat_axis: 0,
+            shape: t.shape().clone(),
+            dtype: t.dtype(),
+        });
         self.store.set(name, t).expect("set weight");
         b
     }

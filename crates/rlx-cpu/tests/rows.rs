@@ -63,7 +63,12 @@ fn norms_random() {
             inputs.push(("r", &rt));
         }
         let got = p.run(&inputs).expect("norm runs");
-        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("seed {seed} rms {rms} {dtype} {rows}x{cols} res {residual} in_place {in_place}"));
+        assert_close(
+            &got[0],
+            &want,
+            tol(dtype, TOL_ELEMENTWISE),
+            &format!("seed {seed} rms {rms} {dtype} {rows}x{cols} res {residual} in_place {in_place}"),
+        );
     }
 }
 

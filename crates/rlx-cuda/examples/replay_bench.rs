@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::f16;
-use rlx_compile::{ArenaSummary, AttentionThunk, BufRef, MatMulThunk, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN};
+use rlx_compile::{
+    ArenaSummary, AttentionThunk, BufRef, MatMulThunk, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN,
+};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{Activation, BinaryOp, DType, Shape};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Tensor, WeightStore};
@@ -55,7 +57,13 @@ impl Builder {
         let t = Tensor::from_f16(shape.to_vec(), &v).unwrap_or_else(|e| fail(&e.to_string()));
         self.store.set(name, t).unwrap_or_else(|e| fail(&e.to_string()));
         let i = self.s.weights.len() as u32;
-        self.s.weights.push(WeightSlot { name: name.into(), parts: vec![name.into()], concat_axis: 0, shape: Shape(shape.to_vec()), dtype: DType::F16 });
+        self.s.weights.push(WeightSlot {
+            name: name.into(),
+            parts: vec![name.into()],
+            concat_axis: 0,
+            shape: Shape(shape.to_vec()),
+            dtype: DType::F16,
+        });
         BufRef { space: Space::Weight(i), offset: 0, bytes: (n * 2) as u64 }
     }
 }
@@ -70,7 +78,16 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
     let (h, rows) = (m.h, batch * seq);
     let hd = h / m.heads;
     let mut b = Builder {
-        s: Schedule { thunks: vec![], arena_bytes: 0, inputs: vec![], outputs: vec![], weights: vec![], states: vec![], consts: vec![], arena: ArenaSummary::default() },
+        s: Schedule {
+            thunks: vec![],
+            arena_bytes: 0,
+            inputs: vec![],
+            outputs: vec![],
+            weights: vec![],
+            states: vec![],
+            consts: vec![],
+            arena: ArenaSummary::default(),
+        },
         store: WeightStore::new(),
         seed: 7,
     };
@@ -97,9 +114,37 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
     let g = b.weight("emb_ln_g", &[h], 1.0);
     let be = b.weight("emb_ln_b", &[h], 0.1);
     let mut x = b.scratch(rows * h);
-    b.s.thunks.push(Thunk::Norm { rms: false, dtype: dt, rows, cols: h, eps: 1e-12, x: e1, residual: None, gamma: g, beta: Some(be), out: x });
+    b.s.thunks.push(Thunk::Norm {
+        rms: false,
+        dtype: dt,
+        rows,
+        cols: h,
+        eps: 1e-12,
+        x: e1,
+        residual: None,
+        gamma: g,
+        beta: Some(be),
+        out: x,
+    });
     let mm = |a, w, bias, act, residual, out, n: usize, k: usize| {
-        Thunk::MatMul(MatMulThunk { dtype: dt, batch: 1, m: rows, n, k, a, lda: k as u64, a_batch_stride: (rows * k) as u64, b: w, b_trans: false, ldb: n as u64, b_batch_stride: 0, bias, act, residual, out })
+        Thunk::MatMul(MatMulThunk {
+            dtype: dt,
+            batch: 1,
+            m: rows,
+            n,
+            k,
+            a,
+            lda: k as u64,
+            a_batch_stride: (rows * k) as u64,
+            b: w,
+            b_trans: false,
+            ldb: n as u64,
+            b_batch_stride: 0,
+            bias,
+            act,
+            residual,
+            out,
+        })
     };
     let ws = 1.0 / (h as f32).sqrt();
     for l in 0..m.layers {
@@ -108,7 +153,11 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
         let bqkv = b.weight(&p("bqkv"), &[3 * h], 0.1);
         let qkv = b.scratch(rows * 3 * h);
         b.s.thunks.push(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
-        let view = |off: usize| SeqView { buf: BufRef { offset: qkv.offset + (off * 2) as u64, bytes: qkv.bytes - (off * 2) as u64, ..qkv }, batch_stride: (seq * 3 * h) as u64, row_stride: (3 * h) as u64 };
+        let view = |off: usize| SeqView {
+            buf: BufRef { offset: qkv.offset + (off * 2) as u64, bytes: qkv.bytes - (off * 2) as u64, ..qkv },
+            batch_stride: (seq * 3 * h) as u64,
+            row_stride: (3 * h) as u64,
+        };
         let att = b.scratch(rows * h);
         b.s.thunks.push(Thunk::Attention(AttentionThunk {
             dtype: dt,
@@ -134,7 +183,18 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
         b.s.thunks.push(mm(att, wo, Some(bo), None, Some(x), proj, h, h));
         let (g1, b1) = (b.weight(&p("ln1_g"), &[h], 1.0), b.weight(&p("ln1_b"), &[h], 0.1));
         let n1 = b.scratch(rows * h);
-        b.s.thunks.push(Thunk::Norm { rms: false, dtype: dt, rows, cols: h, eps: 1e-12, x: proj, residual: None, gamma: g1, beta: Some(b1), out: n1 });
+        b.s.thunks.push(Thunk::Norm {
+            rms: false,
+            dtype: dt,
+            rows,
+            cols: h,
+            eps: 1e-12,
+            x: proj,
+            residual: None,
+            gamma: g1,
+            beta: Some(b1),
+            out: n1,
+        });
         let (w1, bias1) = (b.weight(&p("w1"), &[h, m.ffn], ws), b.weight(&p("b1"), &[m.ffn], 0.1));
         let f1 = b.scratch(rows * m.ffn);
         b.s.thunks.push(mm(n1, w1, Some(bias1), Some(Activation::Gelu), None, f1, m.ffn, h));
@@ -143,12 +203,28 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
         b.s.thunks.push(mm(f1, w2, Some(bias2), None, Some(n1), f2, h, m.ffn));
         let (g2, b2) = (b.weight(&p("ln2_g"), &[h], 1.0), b.weight(&p("ln2_b"), &[h], 0.1));
         let out = b.scratch(rows * h);
-        b.s.thunks.push(Thunk::Norm { rms: false, dtype: dt, rows, cols: h, eps: 1e-12, x: f2, residual: None, gamma: g2, beta: Some(b2), out });
+        b.s.thunks.push(Thunk::Norm {
+            rms: false,
+            dtype: dt,
+            rows,
+            cols: h,
+            eps: 1e-12,
+            x: f2,
+            residual: None,
+            gamma: g2,
+            beta: Some(b2),
+            out,
+        });
         x = out;
     }
     if small_out {
         // First token's hidden state only: a pooled-size copy-out.
-        b.s.outputs.push(TensorSlot { name: "hidden".into(), shape: Shape(vec![1, h]), dtype: dt, buf: BufRef { bytes: (h * 2) as u64, ..x } });
+        b.s.outputs.push(TensorSlot {
+            name: "hidden".into(),
+            shape: Shape(vec![1, h]),
+            dtype: dt,
+            buf: BufRef { bytes: (h * 2) as u64, ..x },
+        });
     } else {
         b.s.outputs.push(TensorSlot { name: "hidden".into(), shape: Shape(vec![batch, seq, h]), dtype: dt, buf: x });
     }
@@ -238,7 +314,9 @@ fn host_experiment(g: &CudaBackend, runs: usize) {
             for (variant, io, poll) in [("default", "1", "0"), ("io outside graph", "0", "0"), ("polling wait", "1", "1")] {
                 std::env::set_var("RLX_GRAPH_IO", io);
                 std::env::set_var("RLX_WAIT_POLL", poll);
-                let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
+                let mut e = g
+                    .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false })
+                    .unwrap_or_else(|e| fail(&e.to_string()));
                 for _ in 0..10 {
                     e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
                 }
@@ -275,7 +353,12 @@ fn host_experiment(g: &CudaBackend, runs: usize) {
                         e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
                     }
                     let m: Vec<String> = ph.into_iter().map(|v| format!("{:.1}", us(median(v)))).collect();
-                    println!("| {batch}x{seq} | {} {} | {variant} | {cond} | {} |", model.name, if small { "1 row" } else { "hidden" }, m.join(" | "));
+                    println!(
+                        "| {batch}x{seq} | {} {} | {variant} | {cond} | {} |",
+                        model.name,
+                        if small { "1 row" } else { "hidden" },
+                        m.join(" | ")
+                    );
                 }
             }
         }
@@ -298,14 +381,20 @@ fn main() {
     println!("fp16, seeded random weights, median of {runs} calls after 20 warm-up calls; latency = submit + wait (inputs staged, outputs copied back); host time = median submit() with the previous call still running\n");
     println!("| model | batch x seq | RLX replay (us) | RLX eager (us) | eager / replay | replay, 2 in flight (us/call) | host time per replayed submit (us) | kernels per forward |");
     println!("|---|---|---|---|---|---|---|---|");
-    let models = [Model { name: "all-MiniLM-L6-v2 shape", h: 384, heads: 12, layers: 6, ffn: 1536 }, Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 }];
+    let models = [
+        Model { name: "all-MiniLM-L6-v2 shape", h: 384, heads: 12, layers: 6, ffn: 1536 },
+        Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 },
+    ];
     for m in &models {
         for (batch, seq) in [(1usize, 128usize), (32, 128)] {
             let (s, w) = build(m, batch, seq, false);
             let (ids, mask) = inputs_for(batch, seq);
             let inputs = [("ids", &ids), ("mask", &mask)];
-            let mut rep = g.prepare(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
-            let mut eag = g.prepare(s, w, &PrepareOptions { slots: 2, replay: false, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
+            let mut rep = g
+                .prepare(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false })
+                .unwrap_or_else(|e| fail(&e.to_string()));
+            let mut eag =
+                g.prepare(s, w, &PrepareOptions { slots: 2, replay: false, allow_tf32: false }).unwrap_or_else(|e| fail(&e.to_string()));
             let r = measure(&mut rep, &inputs, runs);
             let e = measure(&mut eag, &inputs, runs);
             if r.out != e.out {

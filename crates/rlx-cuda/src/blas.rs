@@ -134,7 +134,10 @@ pub(crate) fn folded(t: &MatMulThunk) -> (usize, usize) {
 }
 
 unsafe fn set_desc<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
-    lt_check(lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()), "cublasLtMatmulDescSetAttribute")
+    lt_check(
+        lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()),
+        "cublasLtMatmulDescSetAttribute",
+    )
 }
 
 unsafe fn layout(dt: lt::cudaDataType, rows: u64, cols: u64, ld: u64, batch: usize, stride: u64) -> Result<lt::cublasLtMatrixLayout_t> {
@@ -146,7 +149,10 @@ unsafe fn layout(dt: lt::cudaDataType, rows: u64, cols: u64, ld: u64, batch: usi
         let a = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT;
         lt_check(lt::cublasLtMatrixLayoutSetAttribute(l, a, &count as *const i32 as *const c_void, 4), "cublasLtMatrixLayoutSetAttribute")?;
         let a = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET;
-        lt_check(lt::cublasLtMatrixLayoutSetAttribute(l, a, &stride as *const i64 as *const c_void, 8), "cublasLtMatrixLayoutSetAttribute")?;
+        lt_check(
+            lt::cublasLtMatrixLayoutSetAttribute(l, a, &stride as *const i64 as *const c_void, 8),
+            "cublasLtMatrixLayoutSetAttribute",
+        )?;
     }
     Ok(l)
 }
@@ -204,7 +210,10 @@ impl MatMulPlan {
             let mut pref = std::ptr::null_mut();
             lt_check(lt::cublasLtMatmulPreferenceCreate(&mut pref), "cublasLtMatmulPreferenceCreate")?;
             let set_pref = |attr: lt::cublasLtMatmulPreferenceAttributes_t, v: u64, size: usize| {
-                lt_check(lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, &v as *const u64 as *const c_void, size), "cublasLtMatmulPreferenceSetAttribute")
+                lt_check(
+                    lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, &v as *const u64 as *const c_void, size),
+                    "cublasLtMatmulPreferenceSetAttribute",
+                )
             };
             use lt::cublasLtMatmulPreferenceAttributes_t as P;
             let mut res = set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, 8);

@@ -299,7 +299,10 @@ impl GraphExec {
     pub fn capture(s: &Stream, body: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
         // SAFETY: live stream; capture is always ended below, even if body fails.
         unsafe {
-            check(sys::cuStreamBeginCapture_v2(s.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")?;
+            check(
+                sys::cuStreamBeginCapture_v2(s.0, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture",
+            )?;
             let res = body();
             let mut graph = std::ptr::null_mut();
             let end = sys::cuStreamEndCapture(s.0, &mut graph);

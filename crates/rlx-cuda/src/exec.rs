@@ -88,7 +88,14 @@ fn layout(sizes: impl Iterator<Item = usize>) -> (Vec<(usize, usize)>, usize) {
     (v, off)
 }
 
-fn check_buf(what: &str, b: &rlx_compile::BufRef, arena: u64, weights: &[Arc<DeviceBuffer>], states: &[DeviceBuffer], consts: &[DeviceBuffer]) -> Result<()> {
+fn check_buf(
+    what: &str,
+    b: &rlx_compile::BufRef,
+    arena: u64,
+    weights: &[Arc<DeviceBuffer>],
+    states: &[DeviceBuffer],
+    consts: &[DeviceBuffer],
+) -> Result<()> {
     let cap = match b.space {
         Space::Arena => Some(arena),
         Space::Weight(i) => weights.get(i as usize).map(|w| w.bytes),
@@ -103,7 +110,13 @@ fn check_buf(what: &str, b: &rlx_compile::BufRef, arena: u64, weights: &[Arc<Dev
 }
 
 impl CudaExecutable {
-    pub(crate) fn new(dev: Arc<Device>, kernels: &Kernels, schedule: Arc<Schedule>, store: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
+    pub(crate) fn new(
+        dev: Arc<Device>,
+        kernels: &Kernels,
+        schedule: Arc<Schedule>,
+        store: Arc<WeightStore>,
+        opts: &PrepareOptions,
+    ) -> Result<CudaExecutable> {
         dev.bind()?;
         let replay = opts.replay && env_flag("RLX_REPLAY") != Some(false);
         let trace = env_flag("RLX_TRACE") == Some(true);
@@ -189,7 +202,17 @@ impl CudaExecutable {
             steps.push(Step { op: Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, host: false, kind: "io" });
             let segments = if replay { record(&stream, &steps, graph_io)? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
-            slots.push(Slot { _arena: arena, _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
+            slots.push(Slot {
+                _arena: arena,
+                _err: errbuf,
+                pin_in,
+                pin_out,
+                steps,
+                segments,
+                done: Event::new(false)?,
+                prof,
+                pending: None,
+            });
         }
         let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel()).count()).unwrap_or(0);
         // RLX_PROFILE times every step with events, which needs eager launches.
@@ -357,12 +380,19 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
     match t {
         Thunk::MatMul(m) => [Some(&m.a), Some(&m.b), m.bias.as_ref(), m.residual.as_ref(), Some(&m.out)].into_iter().flatten().collect(),
         Thunk::Binary { a, b, out, .. } => vec![a, b, out],
-        Thunk::Activation { x, out, .. } | Thunk::Softmax { x, out, .. } | Thunk::Reduce { x, out, .. } | Thunk::ArgMax { x, out, .. } => vec![x, out],
-        Thunk::Norm { x, residual, gamma, beta, out, .. } => [Some(x), residual.as_ref(), Some(gamma), beta.as_ref(), Some(out)].into_iter().flatten().collect(),
+        Thunk::Activation { x, out, .. } | Thunk::Softmax { x, out, .. } | Thunk::Reduce { x, out, .. } | Thunk::ArgMax { x, out, .. } => {
+            vec![x, out]
+        }
+        Thunk::Norm { x, residual, gamma, beta, out, .. } => {
+            [Some(x), residual.as_ref(), Some(gamma), beta.as_ref(), Some(out)].into_iter().flatten().collect()
+        }
         Thunk::TopK { x, values, indices, .. } => [Some(x), values.as_ref(), indices.as_ref()].into_iter().flatten().collect(),
         Thunk::Gather { table, ids, out, .. } => vec![table, ids, out],
         Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => vec![src, dst],
-        Thunk::Attention(a) => [Some(&a.q.buf), Some(&a.k.buf), Some(&a.v.buf), a.mask.as_ref(), a.valid_len.as_ref(), Some(&a.out)].into_iter().flatten().collect(),
+        Thunk::Attention(a) => [Some(&a.q.buf), Some(&a.k.buf), Some(&a.v.buf), a.mask.as_ref(), a.valid_len.as_ref(), Some(&a.out)]
+            .into_iter()
+            .flatten()
+            .collect(),
         Thunk::Rope { x, positions, out, .. } => vec![&x.buf, positions, out],
         Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
@@ -499,4 +529,3 @@ impl Drop for CudaExecutable {
         let _ = self.stream.synchronize();
     }
 }
-

@@ -41,7 +41,14 @@ impl HostTask {
     /// (x, x bytes, values, values bytes, indices, indices bytes).
     pub fn buffers(&self) -> (*mut u8, usize, *const u8, usize, *const u8, usize) {
         let es = self.dtype.size();
-        (self.x.as_ptr(), self.rows * self.len * es, self.values.as_ptr(), self.rows * self.k * es, self.indices.as_ptr(), self.rows * self.k * 4)
+        (
+            self.x.as_ptr(),
+            self.rows * self.len * es,
+            self.values.as_ptr(),
+            self.rows * self.k * es,
+            self.indices.as_ptr(),
+            self.rows * self.k * 4,
+        )
     }
 
     fn load(&self, i: usize) -> f32 {

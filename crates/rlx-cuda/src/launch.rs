@@ -75,11 +75,28 @@ impl Args {
 
 /// One thing to enqueue on the stream.
 pub(crate) enum Op {
-    Kernel { func: Func, grid: [u32; 3], block: u32, args: Vec<u64> },
+    Kernel {
+        func: Func,
+        grid: [u32; 3],
+        block: u32,
+        args: Vec<u64>,
+    },
     MatMul(MatMulCall),
-    Memset32 { ptr: u64, value: u32, n: usize },
-    HtoD { dst: u64, src: *const u8, bytes: usize },
-    DtoH { dst: *mut u8, src: u64, bytes: usize },
+    Memset32 {
+        ptr: u64,
+        value: u32,
+        n: usize,
+    },
+    HtoD {
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+    },
+    DtoH {
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+    },
     /// Runs on the host (through the stream); never recorded in a graph.
     Host(Box<HostTask>),
 }
@@ -445,7 +462,14 @@ pub(crate) fn lower(
         }
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let n = (rows * cols) as u64;
-            let args = Args::default().p(b.ptr(&gate.buf)?).p(b.ptr(&up.buf)?).p(b.ptr(out)?).i(*rows).i(*cols).p(gate.row_stride).p(up.row_stride);
+            let args = Args::default()
+                .p(b.ptr(&gate.buf)?)
+                .p(b.ptr(&up.buf)?)
+                .p(b.ptr(out)?)
+                .i(*rows)
+                .i(*cols)
+                .p(gate.row_stride)
+                .p(up.row_stride);
             steps.push(k.flat(k.typed("swiglu", *dtype)?, n, args, kind));
         }
         Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => {
@@ -473,11 +497,17 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
     match t {
         Thunk::MatMul(m) if !float(&m.dtype) => Some(format!("matmul dtype {}", m.dtype)),
         Thunk::MatMul(m) if m.batch == 0 || m.m == 0 || m.n == 0 || m.k == 0 => Some("matmul with an empty dimension".into()),
-        Thunk::MatMul(m) if m.lda < m.k as u64 || m.ldb < if m.b_trans { m.k } else { m.n } as u64 => Some("matmul leading dimension smaller than the row".into()),
-        Thunk::Binary { out_shape, a_strides, b_strides, .. } if out_shape.len() > MAX_RANK || a_strides.len() != out_shape.len() || b_strides.len() != out_shape.len() => {
+        Thunk::MatMul(m) if m.lda < m.k as u64 || m.ldb < if m.b_trans { m.k } else { m.n } as u64 => {
+            Some("matmul leading dimension smaller than the row".into())
+        }
+        Thunk::Binary { out_shape, a_strides, b_strides, .. }
+            if out_shape.len() > MAX_RANK || a_strides.len() != out_shape.len() || b_strides.len() != out_shape.len() =>
+        {
             Some(format!("binary of rank {} (at most {MAX_RANK}, strides per dim)", out_shape.len()))
         }
-        Thunk::Copy { shape, src_strides, dst_strides, .. } if shape.len() > MAX_RANK || src_strides.len() != shape.len() || dst_strides.len() != shape.len() => {
+        Thunk::Copy { shape, src_strides, dst_strides, .. }
+            if shape.len() > MAX_RANK || src_strides.len() != shape.len() || dst_strides.len() != shape.len() =>
+        {
             Some(format!("copy of rank {} (at most {MAX_RANK}, strides per dim)", shape.len()))
         }
         Thunk::Copy { dtype, .. } if ![2, 4, 8].contains(&dtype.size()) => Some(format!("copy of {dtype}")),
@@ -496,7 +526,9 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         }
         Thunk::Gather { id_dtype, .. } if !matches!(id_dtype, DType::I32 | DType::I64) => Some(format!("gather with {id_dtype} ids")),
         Thunk::Attention(a) if a.head_dim == 0 || a.head_dim > 128 => Some(format!("attention head_dim {} (1..=128)", a.head_dim)),
-        Thunk::Attention(a) if a.kv_heads == 0 || a.heads % a.kv_heads != 0 => Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads)),
+        Thunk::Attention(a) if a.kv_heads == 0 || a.heads % a.kv_heads != 0 => {
+            Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads))
+        }
         Thunk::Attention(a) if !float(&a.dtype) || a.batch > 65535 || a.heads > 65535 => Some("attention dtype or grid".into()),
         Thunk::Rope { head_dim, .. } if head_dim % 2 != 0 => Some(format!("rope with odd head_dim {head_dim}")),
         Thunk::TopK { k, len, .. } if *k > *len || *k == 0 => Some(format!("topk k={k} of len {len}")),
@@ -530,10 +562,10 @@ mod tests {
         // (shape, a strides, b strides, expected rank)
         type Case<'a> = (&'a [usize], &'a [u64], &'a [u64], usize);
         let cases: &[Case] = &[
-            (&[32, 128, 768], &[98304, 768, 1], &[0, 768, 1], 2), // x + position embeddings
+            (&[32, 128, 768], &[98304, 768, 1], &[0, 768, 1], 2),     // x + position embeddings
             (&[32, 128, 768], &[98304, 768, 1], &[98304, 768, 1], 1), // same-shape add
-            (&[32, 128, 768], &[98304, 768, 1], &[128, 1, 0], 2), // hidden * mask[.., None]
-            (&[32, 768], &[768, 1], &[1, 0], 2),                  // sum / count
+            (&[32, 128, 768], &[98304, 768, 1], &[128, 1, 0], 2),     // hidden * mask[.., None]
+            (&[32, 768], &[768, 1], &[1, 0], 2),                      // sum / count
             (&[3, 1, 7], &[7, 7, 1], &[0, 0, 1], 2),
             (&[1, 1], &[1, 1], &[0, 0], 1),
             (&[], &[], &[], 1),

@@ -46,13 +46,25 @@ fn missing_lib(lib: &str, file: &str, hint: &str) -> RuntimeError {
 fn probe_libraries() -> Result<()> {
     // SAFETY: only tries to dlopen candidate names.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(missing_lib("the CUDA driver", "libcuda.so.1", "install the NVIDIA driver (usually /usr/lib/x86_64-linux-gnu or /usr/local/nvidia/lib64)"));
+        return Err(missing_lib(
+            "the CUDA driver",
+            "libcuda.so.1",
+            "install the NVIDIA driver (usually /usr/lib/x86_64-linux-gnu or /usr/local/nvidia/lib64)",
+        ));
     }
     if !nvrtc::nvrtc_present() {
-        return Err(missing_lib("NVRTC", "libnvrtc.so.13", "install the CUDA 13 toolkit or the pip wheel nvidia-cuda-nvrtc (e.g. /usr/local/cuda/lib64)"));
+        return Err(missing_lib(
+            "NVRTC",
+            "libnvrtc.so.13",
+            "install the CUDA 13 toolkit or the pip wheel nvidia-cuda-nvrtc (e.g. /usr/local/cuda/lib64)",
+        ));
     }
     if !blas::cublaslt_present() {
-        return Err(missing_lib("cuBLASLt", "libcublasLt.so.13", "install the CUDA 13 toolkit or the pip wheel nvidia-cublas (e.g. /usr/local/cuda/lib64)"));
+        return Err(missing_lib(
+            "cuBLASLt",
+            "libcublasLt.so.13",
+            "install the CUDA 13 toolkit or the pip wheel nvidia-cublas (e.g. /usr/local/cuda/lib64)",
+        ));
     }
     Ok(())
 }
@@ -177,8 +189,14 @@ pub fn doctor() -> String {
                 for i in 0..n {
                     match guarded("device", || Device::open(i)) {
                         Ok(d) => {
-                            let mem = d.mem_info().map(|(f, t)| format!("{:.1} GiB total, {:.1} GiB free", t as f64 / 1073741824.0, f as f64 / 1073741824.0)).unwrap_or_else(|e| e.to_string());
-                            lines.push(format!("device {i}: {}, compute capability {}.{}, {} SMs, {mem}", d.name, d.cc.0, d.cc.1, d.sm_count));
+                            let mem = d
+                                .mem_info()
+                                .map(|(f, t)| format!("{:.1} GiB total, {:.1} GiB free", t as f64 / 1073741824.0, f as f64 / 1073741824.0))
+                                .unwrap_or_else(|e| e.to_string());
+                            lines.push(format!(
+                                "device {i}: {}, compute capability {}.{}, {} SMs, {mem}",
+                                d.name, d.cc.0, d.cc.1, d.sm_count
+                            ));
                         }
                         Err(e) => lines.push(format!("device {i}: {e}")),
                     }

@@ -35,7 +35,8 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     }
     let (mut a, mut b) = (0, 0);
     // SAFETY: out-pointers to locals; the library is present.
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { nv::nvrtcVersion(&mut a, &mut b) })).map_err(|_| err(missing_nvrtc()))?;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { nv::nvrtcVersion(&mut a, &mut b) }))
+        .map_err(|_| err(missing_nvrtc()))?;
     if r != nv::nvrtcResult::NVRTC_SUCCESS {
         return Err(err(format!("nvrtcVersion failed: {r:?}")));
     }
@@ -94,11 +95,7 @@ fn cache_dir() -> PathBuf {
 }
 
 fn options(arch: (i32, i32), include: &Path) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture=sm_{}{}", arch.0, arch.1),
-        format!("-I{}", include.display()),
-        "--std=c++17".into(),
-    ]
+    vec![format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), format!("-I{}", include.display()), "--std=c++17".into()]
 }
 
 /// Compiles (or loads from the disk cache) one source file to a CUBIN.
@@ -118,7 +115,8 @@ pub fn compile_cubin(file: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
             return Ok(bytes);
         }
     }
-    let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts))).map_err(|_| err(missing_nvrtc()))??;
+    let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts)))
+        .map_err(|_| err(missing_nvrtc()))??;
     // The cache is an optimisation: failing to write it is not an error.
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -136,7 +134,8 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
     let name = CString::new(file).map_err(|_| bad("name"))?;
     let hsrc = CString::new(HEADER.1).map_err(|_| bad("header"))?;
     let hname = CString::new(HEADER.0).map_err(|_| bad("header name"))?;
-    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str())).collect::<std::result::Result<_, _>>().map_err(|_| bad("an option"))?;
+    let copts: Vec<CString> =
+        opts.iter().map(|o| CString::new(o.as_str())).collect::<std::result::Result<_, _>>().map_err(|_| bad("an option"))?;
     let opt_ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
     let headers = [hsrc.as_ptr()];
     let names = [hname.as_ptr()];
@@ -159,7 +158,10 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
             let mut n = 0usize;
             let r = nv::nvrtcGetCUBINSize(prog, &mut n);
             let mut bin = vec![0u8; n];
-            if r == nv::nvrtcResult::NVRTC_SUCCESS && n > 0 && nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char) == nv::nvrtcResult::NVRTC_SUCCESS {
+            if r == nv::nvrtcResult::NVRTC_SUCCESS
+                && n > 0
+                && nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char) == nv::nvrtcResult::NVRTC_SUCCESS
+            {
                 Ok(bin)
             } else {
                 Err(err(format!("{file}: NVRTC produced no CUBIN ({r:?})")))

@@ -85,7 +85,11 @@ impl DeviceWeights {
             if t.bytes().len() as u64 != buf.bytes {
                 return Err(RuntimeError::Weight {
                     name: slot.name.clone(),
-                    detail: format!("now {} bytes, the device copy holds {}: weights may change values, not sizes", t.bytes().len(), buf.bytes),
+                    detail: format!(
+                        "now {} bytes, the device copy holds {}: weights may change values, not sizes",
+                        t.bytes().len(),
+                        buf.bytes
+                    ),
                 });
             }
             buf.upload(0, t.bytes())?;

@@ -24,7 +24,24 @@ fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64)
     let bqkv = sb.weight("bqkv", &[3 * h], dt, &mut r);
     let qkv = sb.scratch((rows * 3 * h * dt.size()) as u64);
     let mm = |a, b, bias, act, residual, out, n, k| {
-        Thunk::MatMul(MatMulThunk { dtype: dt, batch: 1, m: rows, n, k, a, lda: k as u64, a_batch_stride: (rows * k) as u64, b, b_trans: false, ldb: n as u64, b_batch_stride: 0, bias, act, residual, out })
+        Thunk::MatMul(MatMulThunk {
+            dtype: dt,
+            batch: 1,
+            m: rows,
+            n,
+            k,
+            a,
+            lda: k as u64,
+            a_batch_stride: (rows * k) as u64,
+            b,
+            b_trans: false,
+            ldb: n as u64,
+            b_batch_stride: 0,
+            bias,
+            act,
+            residual,
+            out,
+        })
     };
     sb.thunk(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
     let att = sb.scratch((rows * h * dt.size()) as u64);
@@ -68,7 +85,16 @@ fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64)
     sb.thunk(mm(f1, w2, None, None, None, f2, h, 4 * h));
     let out = sb.output("out", &[batch, seq, h], dt);
     let st = vec![(seq * h) as u64, h as u64, 1];
-    sb.thunk(Thunk::Binary { op: BinaryOp::Add, dtype: dt, out_shape: vec![batch, seq, h], a: f2, a_strides: st.clone(), b: n1, b_strides: st, out });
+    sb.thunk(Thunk::Binary {
+        op: BinaryOp::Add,
+        dtype: dt,
+        out_shape: vec![batch, seq, h],
+        a: f2,
+        a_strides: st.clone(),
+        b: n1,
+        b_strides: st,
+        out,
+    });
     sb
 }
 
@@ -80,7 +106,10 @@ fn layer_inputs(dt: DType, batch: usize, seq: usize, h: usize, seed: u64) -> Vec
             mask[b * seq + j] = 0;
         }
     }
-    named(vec![("x", rand_tensor(&mut r, &[batch, seq, h], dt)), ("mask", Tensor::from_i32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}")))])
+    named(vec![
+        ("x", rand_tensor(&mut r, &[batch, seq, h], dt)),
+        ("mask", Tensor::from_i32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}"))),
+    ])
 }
 
 #[test]
@@ -124,7 +153,24 @@ fn pipelining_stress_10000_calls() {
     let x = sb.input("x", &[m, k], dt);
     let wb = sb.weight("w", &[k, n], dt, &mut r);
     let out = sb.output("out", &[m, n], dt);
-    sb.thunk(Thunk::MatMul(MatMulThunk { dtype: dt, batch: 1, m, n, k, a: x, lda: k as u64, a_batch_stride: (m * k) as u64, b: wb, b_trans: false, ldb: n as u64, b_batch_stride: 0, bias: None, act: Some(Activation::Relu), residual: None, out }));
+    sb.thunk(Thunk::MatMul(MatMulThunk {
+        dtype: dt,
+        batch: 1,
+        m,
+        n,
+        k,
+        a: x,
+        lda: k as u64,
+        a_batch_stride: (m * k) as u64,
+        b: wb,
+        b_trans: false,
+        ldb: n as u64,
+        b_batch_stride: 0,
+        bias: None,
+        act: Some(Activation::Relu),
+        residual: None,
+        out,
+    }));
     let (s, w) = sb.finish();
     let wt = w.get("w").unwrap_or_else(|| panic!("weight"));
     let wv = wt.to_f32();
@@ -172,7 +218,10 @@ fn pipelining_stress_10000_calls() {
     assert_eq!(checked, total);
     let (free1, _) = g.memory_info().unwrap_or_else(|e| panic!("{e}"));
     let drift = free0 as i64 - free1 as i64;
-    eprintln!("pipelining: {total} calls checked; device free memory drift {drift} bytes; host time of last submit {:?}", e.stats().last_host_time);
+    eprintln!(
+        "pipelining: {total} calls checked; device free memory drift {drift} bytes; host time of last submit {:?}",
+        e.stats().last_host_time
+    );
     assert!(drift.abs() < 8 << 20, "device memory not flat: {drift} bytes");
 }
 

@@ -17,10 +17,13 @@ fn bytes(shape: &[usize], dt: DType) -> u64 {
 fn matmul_epilogues_and_layouts() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(1);
-    let acts = [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu), Some(Activation::Tanh)];
+    let acts =
+        [None, Some(Activation::Gelu), Some(Activation::GeluTanh), Some(Activation::Silu), Some(Activation::Relu), Some(Activation::Tanh)];
     let mut case = 0;
     for dt in FLOATS {
-        for (batch, m, n, k, b_trans, shared_b) in [(1, 7, 33, 19, false, true), (3, 13, 65, 70, true, true), (2, 5, 17, 40, false, false), (2, 9, 24, 31, true, false)] {
+        for (batch, m, n, k, b_trans, shared_b) in
+            [(1, 7, 33, 19, false, true), (3, 13, 65, 70, true, true), (2, 5, 17, 40, false, false), (2, 9, 24, 31, true, false)]
+        {
             for (ai, act) in acts.iter().enumerate() {
                 case += 1;
                 let bias = (case % 2) == 0 || ai > 0;
@@ -63,7 +66,8 @@ fn matmul_epilogues_and_layouts() {
                     inputs.push(("res", rand_tensor(&mut r, &[batch, m, n], dt)));
                 }
                 let (s, w) = sb.finish();
-                let what = format!("matmul {dt} b{batch} {m}x{n}x{k} trans={b_trans} shared={shared_b} act={act:?} bias={bias} res={residual}");
+                let what =
+                    format!("matmul {dt} b{batch} {m}x{n}x{k} trans={b_trans} shared={shared_b} act={act:?} bias={bias} res={residual}");
                 check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
             }
         }
@@ -75,7 +79,9 @@ fn binary_broadcast() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(2);
     for dt in FLOATS {
-        for (op, shape) in [(BinaryOp::Add, [3usize, 5, 7]), (BinaryOp::Sub, [2, 1, 33]), (BinaryOp::Mul, [4, 9, 1]), (BinaryOp::Div, [1, 3, 129])] {
+        for (op, shape) in
+            [(BinaryOp::Add, [3usize, 5, 7]), (BinaryOp::Sub, [2, 1, 33]), (BinaryOp::Mul, [4, 9, 1]), (BinaryOp::Div, [1, 3, 129])]
+        {
             let mut sb = Sb::new();
             let n: usize = shape.iter().product();
             let a = sb.input("a", &shape, dt);
@@ -93,7 +99,14 @@ fn binary_broadcast() {
                 bt = Tensor::from_f32(bshape.to_vec(), &v).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
             }
             let (s, w) = sb.finish();
-            check(&format!("binary {op:?} {dt} {shape:?} ({n})"), &g, &s, &w, &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]), 1.0);
+            check(
+                &format!("binary {op:?} {dt} {shape:?} ({n})"),
+                &g,
+                &s,
+                &w,
+                &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]),
+                1.0,
+            );
         }
     }
 }
@@ -130,7 +143,14 @@ fn binary_bert_broadcasts() {
                 bt = Tensor::from_f32(bshape.to_vec(), &v).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
             }
             let (sch, w) = sb.finish();
-            check(&format!("binary {op:?} {dt} {shape:?} by {bshape:?}"), &g, &sch, &w, &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]), 1.0);
+            check(
+                &format!("binary {op:?} {dt} {shape:?} by {bshape:?}"),
+                &g,
+                &sch,
+                &w,
+                &named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", bt)]),
+                1.0,
+            );
         }
     }
 }
@@ -221,7 +241,14 @@ fn norms_softmax_reduce_argmax() {
             sb.thunk(Thunk::Reduce { op: ReduceOp::Max, dtype: dt, outer, len, inner, x, out: max });
             sb.thunk(Thunk::ArgMax { dtype: dt, outer, len, inner, x, out: am });
             let (s, w) = sb.finish();
-            check(&format!("softmax/reduce/argmax {dt} {shape:?}"), &g, &s, &w, &named(vec![("x", rand_tensor(&mut r, &shape, dt))]), (len as f64).sqrt());
+            check(
+                &format!("softmax/reduce/argmax {dt} {shape:?}"),
+                &g,
+                &s,
+                &w,
+                &named(vec![("x", rand_tensor(&mut r, &shape, dt))]),
+                (len as f64).sqrt(),
+            );
         }
     }
 }
@@ -292,8 +319,17 @@ fn gather_copy_cast() {
         sb.thunk(Thunk::Cast { from: DType::I64, to: dt, n, src: ints, dst: back });
         let iv: Vec<i64> = (0..n).map(|_| r.random_range(-100..100)).collect();
         let (s, w) = sb.finish();
-        let xt = Tensor::from_f32(vec![a0, a1, a2], &(0..n).map(|_| r.random_range(-9.0f32..9.0)).collect::<Vec<_>>()).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
-        check(&format!("copy/cast {dt}"), &g, &s, &w, &named(vec![("x", xt), ("ints", Tensor::from_i64(vec![n], &iv).unwrap_or_else(|e| panic!("{e}")))]), 1.0);
+        let xt = Tensor::from_f32(vec![a0, a1, a2], &(0..n).map(|_| r.random_range(-9.0f32..9.0)).collect::<Vec<_>>())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_dtype(dt);
+        check(
+            &format!("copy/cast {dt}"),
+            &g,
+            &s,
+            &w,
+            &named(vec![("x", xt), ("ints", Tensor::from_i64(vec![n], &iv).unwrap_or_else(|e| panic!("{e}")))]),
+            1.0,
+        );
     }
 }
 
@@ -326,7 +362,10 @@ fn rope_both_modes() {
             });
             let pv: Vec<i32> = (0..pshape.iter().product::<usize>()).map(|_| r.random_range(0..200)).collect();
             let (s, w) = sb.finish();
-            let inputs = vec![("qkv", rand_tensor(&mut r, &[batch, seq, 3 * width], dt)), ("pos", Tensor::from_i32(pshape.clone(), &pv).unwrap_or_else(|e| panic!("{e}")))];
+            let inputs = vec![
+                ("qkv", rand_tensor(&mut r, &[batch, seq, 3 * width], dt)),
+                ("pos", Tensor::from_i32(pshape.clone(), &pv).unwrap_or_else(|e| panic!("{e}"))),
+            ];
             check(&format!("rope {mode:?} {dt}"), &g, &s, &w, &named(inputs), 2.0);
         }
     }
@@ -334,7 +373,20 @@ fn rope_both_modes() {
 
 /// Attention with Q, K, V read out of one fused QKV tensor through strides.
 #[allow(clippy::too_many_arguments)]
-fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng, dt: DType, batch: usize, heads: usize, kv_heads: usize, hd: usize, q_len: usize, kv_len: usize, causal: bool, mask: bool, valid: Option<i32>) {
+fn attention_case(
+    g: &Option<rlx_cuda::CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    dt: DType,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    q_len: usize,
+    kv_len: usize,
+    causal: bool,
+    mask: bool,
+    valid: Option<i32>,
+) {
     attention_case_at(g, r, dt, batch, heads, kv_heads, hd, q_len, kv_len, causal, mask, valid, 0)
 }
 
@@ -342,7 +394,21 @@ fn attention_case(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng,
 /// `shift` elements into rows `shift` elements wider, so the kernels' aligned
 /// 16-byte paths must not be taken.
 #[allow(clippy::too_many_arguments)]
-fn attention_case_at(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdRng, dt: DType, batch: usize, heads: usize, kv_heads: usize, hd: usize, q_len: usize, kv_len: usize, causal: bool, mask: bool, valid: Option<i32>, shift: usize) {
+fn attention_case_at(
+    g: &Option<rlx_cuda::CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    dt: DType,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    q_len: usize,
+    kv_len: usize,
+    causal: bool,
+    mask: bool,
+    valid: Option<i32>,
+    shift: usize,
+) {
     let qw = heads * hd;
     let kw = kv_heads * hd;
     let row = if q_len == kv_len { qw + 2 * kw + shift } else { 0 };
@@ -410,7 +476,9 @@ fn attention_case_at(g: &Option<rlx_cuda::CudaBackend>, r: &mut rand::rngs::StdR
         out,
     }));
     let (s, w) = sb.finish();
-    let what = format!("attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift}");
+    let what = format!(
+        "attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift}"
+    );
     check(&what, g, &s, &w, &named(inputs), 1.0);
 }
 
@@ -453,7 +521,14 @@ fn write_state_then_read() {
         let state = sb.state("cache", &[batch, max_rows, width], dt);
         sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos });
         let out = sb.output("out", &[batch, max_rows, width], dt);
-        sb.thunk(Thunk::Copy { dtype: dt, shape: vec![batch * max_rows * width], src: state, src_strides: vec![1], dst: out, dst_strides: vec![1] });
+        sb.thunk(Thunk::Copy {
+            dtype: dt,
+            shape: vec![batch * max_rows * width],
+            src: state,
+            src_strides: vec![1],
+            dst: out,
+            dst_strides: vec![1],
+        });
         let (s, w) = sb.finish();
         let v = rand_tensor(&mut r, &[batch, new_rows, width], dt);
         let p = Tensor::from_i32(vec![1], &[4]).unwrap_or_else(|e| panic!("{e}"));

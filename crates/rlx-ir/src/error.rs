@@ -15,7 +15,12 @@ pub enum IrError {
     #[error("invalid graph: {0}")]
     Invalid(String),
     #[error("node {node} ({op}): {source}")]
-    AtNode { node: usize, op: String, #[source] source: Box<IrError> },
+    AtNode {
+        node: usize,
+        op: String,
+        #[source]
+        source: Box<IrError>,
+    },
 }
 
 impl IrError {

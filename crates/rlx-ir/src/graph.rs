@@ -84,10 +84,7 @@ impl Graph {
 
     /// Name of an output: the node's name, or `output{i}`.
     pub fn output_name(&self, i: usize) -> String {
-        self.outputs
-            .get(i)
-            .and_then(|id| self.nodes[id.0].name.clone())
-            .unwrap_or_else(|| format!("output{i}"))
+        self.outputs.get(i).and_then(|id| self.nodes[id.0].name.clone()).unwrap_or_else(|| format!("output{i}"))
     }
 
     /// Number of users of every node (outputs count as a use).

@@ -6,7 +6,13 @@ fn attrs(op: &Op) -> String {
     match op {
         Op::Input { name } | Op::Param { name } | Op::State { name } => format!("\"{name}\""),
         Op::Constant { data } => format!("{} bytes", data.len()),
-        Op::MatMul { transpose_rhs } => if *transpose_rhs { "rhsᵀ".into() } else { String::new() },
+        Op::MatMul { transpose_rhs } => {
+            if *transpose_rhs {
+                "rhsᵀ".into()
+            } else {
+                String::new()
+            }
+        }
         Op::MatMulFused { transpose_rhs, bias, act, residual } => {
             let mut s = vec![];
             if *transpose_rhs {

@@ -25,11 +25,7 @@ fn int(op: &str, d: DType, what: &str) -> Result<()> {
 
 fn arity(op: &str, n: usize, want: std::ops::RangeInclusive<usize>) -> Result<()> {
     if !want.contains(&n) {
-        return Err(IrError::Invalid(format!(
-            "{op}: expected {}..={} inputs, found {n}",
-            want.start(),
-            want.end()
-        )));
+        return Err(IrError::Invalid(format!("{op}: expected {}..={} inputs, found {n}", want.start(), want.end())));
     }
     Ok(())
 }
@@ -39,11 +35,7 @@ fn matmul_shape(op: &str, a: &Shape, b: &Shape, transpose_rhs: bool) -> Result<S
         return Err(IrError::shape(op, format!("matmul needs rank >= 2 operands, found {a} and {b}")));
     }
     let (m, k) = (a.0[a.rank() - 2], a.0[a.rank() - 1]);
-    let (kb, n) = if transpose_rhs {
-        (b.0[b.rank() - 1], b.0[b.rank() - 2])
-    } else {
-        (b.0[b.rank() - 2], b.0[b.rank() - 1])
-    };
+    let (kb, n) = if transpose_rhs { (b.0[b.rank() - 1], b.0[b.rank() - 2]) } else { (b.0[b.rank() - 2], b.0[b.rank() - 1]) };
     if k != kb {
         let how = if transpose_rhs { " (rhs transposed)" } else { "" };
         return Err(IrError::shape(op, format!("cannot multiply {a} by {b}{how}: inner dimensions {k} and {kb} differ")));
@@ -66,11 +58,8 @@ fn last_dim_vec(op: &str, what: &str, x: &Shape, v: &Shape) -> Result<()> {
 /// shape/dtype given by the caller for ops that cannot infer them.
 pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, DType)>) -> Result<(Shape, DType)> {
     let name = op.name();
-    let need_declared = || {
-        declared
-            .map(|(s, d)| (s.clone(), d))
-            .ok_or_else(|| IrError::Invalid(format!("{name}: output shape/dtype must be given")))
-    };
+    let need_declared =
+        || declared.map(|(s, d)| (s.clone(), d)).ok_or_else(|| IrError::Invalid(format!("{name}: output shape/dtype must be given")));
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::State { .. } => {
             arity(name, ins.len(), 0..=0)?;
@@ -80,10 +69,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             arity(name, ins.len(), 0..=0)?;
             let (s, d) = need_declared()?;
             if !Op::const_dtype_ok(data, d, s.numel()) {
-                return Err(IrError::shape(
-                    name,
-                    format!("{} bytes of data for {s} {d} (expected {})", data.len(), s.numel() * d.size()),
-                ));
+                return Err(IrError::shape(name, format!("{} bytes of data for {s} {d} (expected {})", data.len(), s.numel() * d.size())));
             }
             Ok((s, d))
         }
@@ -188,10 +174,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             arity(name, ins.len(), 1..=1)?;
             let s = ins[0].0;
             if *axis >= s.rank() || start + len > s.0[*axis] || *len == 0 {
-                return Err(IrError::attr(
-                    name,
-                    format!("cannot take {len} elements from {start} on axis {axis} of {s}"),
-                ));
+                return Err(IrError::attr(name, format!("cannot take {len} elements from {start} on axis {axis} of {s}")));
             }
             let mut out = s.0.clone();
             out[*axis] = *len;
@@ -201,7 +184,10 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             arity(name, ins.len(), 1..=1)?;
             let (s, _) = need_declared()?;
             if s.numel() != ins[0].0.numel() {
-                return Err(IrError::shape(name, format!("cannot reshape {} ({} elements) to {s} ({} elements)", ins[0].0, ins[0].0.numel(), s.numel())));
+                return Err(IrError::shape(
+                    name,
+                    format!("cannot reshape {} ({} elements) to {s} ({} elements)", ins[0].0, ins[0].0.numel(), s.numel()),
+                ));
             }
             Ok((s, ins[0].1))
         }
@@ -372,10 +358,7 @@ impl Graph {
             let ins: Vec<(&Shape, DType)> = n.inputs.iter().map(|j| (&self.nodes[j.0].shape, self.nodes[j.0].dtype)).collect();
             let (s, d) = infer(&n.op, &ins, Some((&n.shape, n.dtype))).map_err(at)?;
             if s != n.shape || d != n.dtype {
-                return Err(at(IrError::Invalid(format!(
-                    "node records {} {} but its inputs give {s} {d}",
-                    n.shape, n.dtype
-                ))));
+                return Err(at(IrError::Invalid(format!("node records {} {} but its inputs give {s} {d}", n.shape, n.dtype))));
             }
             if matches!(n.op, Op::WriteState) && !matches!(self.nodes[n.inputs[0].0].op, Op::State { .. } | Op::WriteState) {
                 return Err(at(IrError::Invalid("write_state must write a state tensor".into())));

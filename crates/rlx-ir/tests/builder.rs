@@ -90,7 +90,13 @@ fn verifier_rejects_broken_graphs() {
 
     // A forward reference.
     let mut bad = g.clone();
-    bad.nodes[0] = Node { op: Op::Activation(rlx_ir::Activation::Relu), inputs: vec![NodeId(1)], shape: Shape::new([2, 3]), dtype: DType::F32, name: None };
+    bad.nodes[0] = Node {
+        op: Op::Activation(rlx_ir::Activation::Relu),
+        inputs: vec![NodeId(1)],
+        shape: Shape::new([2, 3]),
+        dtype: DType::F32,
+        name: None,
+    };
     assert!(bad.verify().is_err());
 
     // Duplicate input names and no outputs.

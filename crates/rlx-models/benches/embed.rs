@@ -121,7 +121,8 @@ fn main() -> Result<(), String> {
     let e2e_rounds = env_usize("RLX_BENCH_E2E_ROUNDS", 5);
     let threads = env_usize("RLX_BENCH_THREADS", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
 
-    let load = |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
+    let load =
+        |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
     let engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?), ("rlx_bf16", load(DType::BF16)?)];
 
     let mut peer_engines: Vec<&str> = vec![];
@@ -142,7 +143,10 @@ fn main() -> Result<(), String> {
         .ok()
         .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
         .unwrap_or_default();
-    println!("cpu {cpu:?}; threads {threads}, rlx-cpu on {} rayon threads; forward: median of {rounds} alternating runs after 3 warm-ups", rayon_threads());
+    println!(
+        "cpu {cpu:?}; threads {threads}, rlx-cpu on {} rayon threads; forward: median of {rounds} alternating runs after 3 warm-ups",
+        rayon_threads()
+    );
 
     let mut table: Vec<(String, Vec<f64>)> = vec![];
     let mut table_min: Vec<(String, Vec<f64>)> = vec![];
@@ -165,7 +169,8 @@ fn main() -> Result<(), String> {
                 } else {
                     let p = peer.as_mut().ok_or("no peer")?;
                     let r = p.ask(json!({"cmd": "fwd", "engine": names[i], "batch": b, "seq": s}))?;
-                    let v = r["row0"].as_array().map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect()).unwrap_or_default();
+                    let v =
+                        r["row0"].as_array().map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect()).unwrap_or_default();
                     (r["ms"].as_f64().unwrap_or(f64::NAN), v)
                 };
                 if round >= 3 {

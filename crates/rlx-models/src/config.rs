@@ -111,7 +111,10 @@ impl BertConfig {
             "silu" | "swish" => Activation::Silu,
             "tanh" => Activation::Tanh,
             other => {
-                return Err(ModelError::format(path, format!("hidden_act '{other}' is not supported: expected gelu, gelu_new, relu, silu or tanh")))
+                return Err(ModelError::format(
+                    path,
+                    format!("hidden_act '{other}' is not supported: expected gelu, gelu_new, relu, silu or tanh"),
+                ))
             }
         };
         let cfg = BertConfig {
@@ -197,11 +200,18 @@ impl SentenceConfig {
                 (m, c) => {
                     return Err(ModelError::format(
                         &pooling,
-                        format!("pooling mean={m} cls={c}: exactly one of pooling_mode_mean_tokens and pooling_mode_cls_token must be true"),
+                        format!(
+                            "pooling mean={m} cls={c}: exactly one of pooling_mode_mean_tokens and pooling_mode_cls_token must be true"
+                        ),
                     ))
                 }
             };
-            for k in ["pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken"] {
+            for k in [
+                "pooling_mode_max_tokens",
+                "pooling_mode_mean_sqrt_len_tokens",
+                "pooling_mode_weightedmean_tokens",
+                "pooling_mode_lasttoken",
+            ] {
                 if on(k) {
                     return Err(ModelError::format(&pooling, format!("{k} is not supported (only mean and CLS pooling)")));
                 }

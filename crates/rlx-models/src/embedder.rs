@@ -156,7 +156,10 @@ impl SentenceEmbedder {
                 return Err(ModelError::Input(format!("text {i}: {} tokens, the model takes at most {max}", row.len())));
             }
             if let Some(bad) = row.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return Err(ModelError::Input(format!("text {i}: token id {bad} is outside the vocabulary (size {})", self.config.vocab_size)));
+                return Err(ModelError::Input(format!(
+                    "text {i}: token id {bad} is outside the vocabulary (size {})",
+                    self.config.vocab_size
+                )));
             }
         }
         // Sorting by length keeps the padding inside each batch small.

@@ -139,19 +139,22 @@ impl SafetensorsFile {
 fn parse_header(path: &Path, map: &[u8]) -> Result<(usize, BTreeMap<String, TensorInfo>)> {
     let file_len = map.len() as u64;
     if file_len < 8 {
-        return Err(ModelError::format(path, format!("truncated: {file_len} bytes, a safetensors file starts with an 8-byte header length")));
+        return Err(ModelError::format(
+            path,
+            format!("truncated: {file_len} bytes, a safetensors file starts with an 8-byte header length"),
+        ));
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&map[..8]);
     let header_len = u64::from_le_bytes(len8);
     if header_len > MAX_HEADER {
-        return Err(ModelError::format(path, format!("header length field says {header_len} bytes (more than the {MAX_HEADER} allowed): not a safetensors file or corrupt")));
-    }
-    if 8 + header_len > file_len {
         return Err(ModelError::format(
             path,
-            format!("truncated: the header needs {} bytes, the file has {file_len}", 8 + header_len),
+            format!("header length field says {header_len} bytes (more than the {MAX_HEADER} allowed): not a safetensors file or corrupt"),
         ));
+    }
+    if 8 + header_len > file_len {
+        return Err(ModelError::format(path, format!("truncated: the header needs {} bytes, the file has {file_len}", 8 + header_len)));
     }
     let data_start = 8 + header_len as usize;
     let header = std::str::from_utf8(&map[8..data_start]).map_err(|e| ModelError::format(path, format!("header is not UTF-8: {e}")))?;
@@ -198,7 +201,10 @@ fn parse_header(path: &Path, map: &[u8]) -> Result<(usize, BTreeMap<String, Tens
             return Err(ModelError::tensor(
                 path,
                 w[1].0,
-                format!("bytes [{}, {}] overlap tensor '{}' at [{}, {}]: the header lies", w[1].1.start, w[1].1.end, w[0].0, w[0].1.start, w[0].1.end),
+                format!(
+                    "bytes [{}, {}] overlap tensor '{}' at [{}, {}]: the header lies",
+                    w[1].1.start, w[1].1.end, w[0].0, w[0].1.start, w[0].1.end
+                ),
             ));
         }
     }
@@ -218,10 +224,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()>
             DType::I64 => "I64",
         };
         let n = t.bytes().len();
-        header.insert(
-            name.to_string(),
-            serde_json::json!({"dtype": dtype, "shape": t.dims(), "data_offsets": [offset, offset + n]}),
-        );
+        header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": t.dims(), "data_offsets": [offset, offset + n]}));
         offset += n;
     }
     let mut h = serde_json::Value::Object(header).to_string().into_bytes();

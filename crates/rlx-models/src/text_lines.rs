@@ -43,10 +43,8 @@ impl<R: BufRead> TextLines<R> {
             return Ok(None);
         }
         self.buf.clear();
-        let n = self
-            .reader
-            .read_until(b'\n', &mut self.buf)
-            .map_err(|e| ModelError::Io { path: PathBuf::from(&self.source), source: e })?;
+        let n =
+            self.reader.read_until(b'\n', &mut self.buf).map_err(|e| ModelError::Io { path: PathBuf::from(&self.source), source: e })?;
         if n == 0 {
             self.done = true;
             return Ok(None);

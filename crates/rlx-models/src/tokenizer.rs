@@ -45,10 +45,10 @@ impl TextTokenizer {
 
     /// Token ids of many texts (tokenised in parallel), in input order.
     pub fn encode_batch(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
-        let encs = self
-            .inner
-            .encode_batch_fast(texts.to_vec(), true)
-            .map_err(|e| ModelError::Tokenizer { path: self.path.clone(), detail: format!("encoding a batch of {} texts: {e}", texts.len()) })?;
+        let encs = self.inner.encode_batch_fast(texts.to_vec(), true).map_err(|e| ModelError::Tokenizer {
+            path: self.path.clone(),
+            detail: format!("encoding a batch of {} texts: {e}", texts.len()),
+        })?;
         Ok(encs.iter().map(|e| e.get_ids().to_vec()).collect())
     }
 

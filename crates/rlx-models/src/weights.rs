@@ -46,9 +46,7 @@ pub fn bert_weight_specs(cfg: &BertConfig) -> Vec<(String, Vec<usize>)> {
 /// Tensors a BertModel checkpoint may carry that the encoder does not use:
 /// buffers, the pooler head and pre-training heads.
 fn ignorable(name: &str) -> bool {
-    matches!(name, "embeddings.position_ids" | "embeddings.token_type_ids")
-        || name.starts_with("pooler.")
-        || name.starts_with("cls.")
+    matches!(name, "embeddings.position_ids" | "embeddings.token_type_ids") || name.starts_with("pooler.") || name.starts_with("cls.")
 }
 
 /// Old checkpoints name LayerNorm parameters gamma/beta.
@@ -107,11 +105,7 @@ pub fn load_bert_weights(path: &Path, cfg: &BertConfig, dtype: DType, store: &We
         let stored = &by_name[name];
         let info = file.info(stored).ok_or_else(|| ModelError::tensor(path, stored, "vanished from the header"))?;
         if &info.shape != shape {
-            return Err(ModelError::tensor(
-                path,
-                stored,
-                format!("shape {:?} in the file, but config.json needs {shape:?}", info.shape),
-            ));
+            return Err(ModelError::tensor(path, stored, format!("shape {:?} in the file, but config.json needs {shape:?}", info.shape)));
         }
         let t = file.tensor(stored)?;
         let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype) };

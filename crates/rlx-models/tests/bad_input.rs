@@ -174,7 +174,10 @@ fn missing_extra_and_misshaped_tensors_are_named() {
     t.push(("bert.pooler.dense.bias".into(), Tensor::from_f32([8], &[0.1; 8]).expect("t")));
     write(&path, &t);
     load(&path).expect("buffers and pooler are ignored");
-    assert_eq!(SafetensorsFile::open(&path).expect("open").info("bert.embeddings.position_ids").map(|i| i.shape.clone()), Some(vec![1, 32]));
+    assert_eq!(
+        SafetensorsFile::open(&path).expect("open").info("bert.embeddings.position_ids").map(|i| i.shape.clone()),
+        Some(vec![1, 32])
+    );
 }
 
 fn write_config(dir: &Path, patch: impl Fn(&mut serde_json::Value)) -> PathBuf {

@@ -9,7 +9,6 @@ use common::gpu;
 use rlx::{CompileOptions, DType, Device, PrepareOptions, Session, Tensor};
 use rlx_models::{build_bert_graph, random_weights, BertConfig, BertGraphOptions};
 
-
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
     let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
@@ -53,7 +52,9 @@ fn bert_base_random_weights_cuda_vs_cpu_replay_vs_eager() {
         assert_eq!(outs[0].bytes(), outs[1].bytes(), "{precision:?}: replay and eager outputs are not bit-identical");
         let got = outs[0].to_f32();
         let worst = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
-        let cos = (0..b).map(|r| cosine(&got[r * cfg.hidden_size..(r + 1) * cfg.hidden_size], &want[r * cfg.hidden_size..(r + 1) * cfg.hidden_size])).fold(1f64, f64::min);
+        let cos = (0..b)
+            .map(|r| cosine(&got[r * cfg.hidden_size..(r + 1) * cfg.hidden_size], &want[r * cfg.hidden_size..(r + 1) * cfg.hidden_size]))
+            .fold(1f64, f64::min);
         eprintln!("bert-base {b}x{s} cuda {precision:?} vs cpu f32: max abs {worst:.3e}, worst cosine {cos:.7}");
         assert!(cos >= min_cos && worst <= max_abs, "{precision:?}: cosine {cos} (need >= {min_cos}), max abs {worst} (need <= {max_abs})");
     }

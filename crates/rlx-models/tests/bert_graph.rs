@@ -8,8 +8,8 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng};
 use rlx::{Activation, DType, Device, Session, Tensor, WeightStore};
 use rlx_models::{
-    build_bert_graph, random_weights, BertConfig, BertGraphOptions, EmbedderOptions, Pooling, SentenceConfig, SentenceEmbedder, ATTENTION_MASK,
-    INPUT_IDS, TOKEN_TYPE_IDS,
+    build_bert_graph, random_weights, BertConfig, BertGraphOptions, EmbedderOptions, Pooling, SentenceConfig, SentenceEmbedder,
+    ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS,
 };
 
 fn small(act: Activation) -> BertConfig {
@@ -85,7 +85,11 @@ fn linear(x: &[f64], w: &[f64], b: &[f64], d_in: usize) -> Vec<f64> {
 /// Hidden states of one unpadded sequence: embeddings LN, then each layer.
 fn reference(cfg: &BertConfig, w: &W, ids: &[u32], types: &[u32]) -> Vec<Vec<f64>> {
     let (h, s) = (cfg.hidden_size, ids.len());
-    let (word, pos, tt) = (w.get("embeddings.word_embeddings.weight"), w.get("embeddings.position_embeddings.weight"), w.get("embeddings.token_type_embeddings.weight"));
+    let (word, pos, tt) = (
+        w.get("embeddings.word_embeddings.weight"),
+        w.get("embeddings.position_embeddings.weight"),
+        w.get("embeddings.token_type_embeddings.weight"),
+    );
     let mut x = vec![0.0; s * h];
     for t in 0..s {
         for j in 0..h {
@@ -103,8 +107,9 @@ fn reference(cfg: &BertConfig, w: &W, ids: &[u32], types: &[u32]) -> Vec<Vec<f64
         let mut ctx = vec![0.0; s * h];
         for hd in 0..heads {
             for i in 0..s {
-                let scores: Vec<f64> =
-                    (0..s).map(|j| (0..d).map(|c| q[i * h + hd * d + c] * k[j * h + hd * d + c]).sum::<f64>() / (d as f64).sqrt()).collect();
+                let scores: Vec<f64> = (0..s)
+                    .map(|j| (0..d).map(|c| q[i * h + hd * d + c] * k[j * h + hd * d + c]).sum::<f64>() / (d as f64).sqrt())
+                    .collect();
                 let m = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|z| (z - m).exp()).collect();
                 let z: f64 = e.iter().sum();

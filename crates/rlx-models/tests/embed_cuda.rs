@@ -10,8 +10,7 @@ use std::path::PathBuf;
 
 use common::{f32s, gpu, reference};
 use rlx::{DType, Device};
-use rlx_models::{cosine, random_weights, BertConfig, EmbedderOptions, SentenceConfig, SentenceEmbedder, Pooling};
-
+use rlx_models::{cosine, random_weights, BertConfig, EmbedderOptions, Pooling, SentenceConfig, SentenceEmbedder};
 
 fn lengths_ids(cfg: &BertConfig) -> Vec<Vec<u32>> {
     // Mixed lengths across several buckets; ids spread over the vocabulary.
@@ -32,10 +31,12 @@ fn cuda_matches_cpu_on_random_minilm_weights() {
     let store = random_weights(&cfg, 42, DType::F32).expect("weights");
     let ids = lengths_ids(&cfg);
     let opts = |dtype| EmbedderOptions { dtype, batch_size: 4 };
-    let cpu = SentenceEmbedder::from_weights(cfg.clone(), sentence.clone(), None, store.clone(), Device::Cpu, opts(DType::F32)).expect("cpu");
+    let cpu =
+        SentenceEmbedder::from_weights(cfg.clone(), sentence.clone(), None, store.clone(), Device::Cpu, opts(DType::F32)).expect("cpu");
     let want = cpu.embed_ids(&ids).expect("cpu embed");
     for (dtype, min_cos) in [(DType::F32, 0.99999), (DType::F16, 0.999), (DType::BF16, 0.995)] {
-        let gpu = SentenceEmbedder::from_weights(cfg.clone(), sentence.clone(), None, store.clone(), Device::Cuda(0), opts(dtype)).expect("cuda");
+        let gpu =
+            SentenceEmbedder::from_weights(cfg.clone(), sentence.clone(), None, store.clone(), Device::Cuda(0), opts(dtype)).expect("cuda");
         let got = gpu.embed_ids(&ids).expect("cuda embed");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let c = cosine(g, w);
@@ -52,7 +53,9 @@ fn cuda_matches_sentence_transformers_on_the_real_model() {
         return;
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models");
-    let Some(dir) = ["all-MiniLM-L6-v2", "all-MiniLM-L6-v2-f16"].iter().map(|d| root.join(d)).find(|d| d.join("model.safetensors").is_file()) else {
+    let Some(dir) =
+        ["all-MiniLM-L6-v2", "all-MiniLM-L6-v2-f16"].iter().map(|d| root.join(d)).find(|d| d.join("model.safetensors").is_file())
+    else {
         if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
             panic!("no MiniLM under {}: run scripts/fetch-models", root.display());
         }

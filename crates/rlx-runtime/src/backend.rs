@@ -109,7 +109,10 @@ pub fn check_inputs<'a>(schedule: &Schedule, inputs: &[(&str, &'a Tensor)]) -> R
         }
         if !schedule.inputs.iter().any(|s| s.name == *name) {
             let known: Vec<&str> = schedule.inputs.iter().map(|s| s.name.as_str()).collect();
-            return Err(RuntimeError::Input { name: name.to_string(), detail: format!("not an input of this graph (inputs: {})", known.join(", ")) });
+            return Err(RuntimeError::Input {
+                name: name.to_string(),
+                detail: format!("not an input of this graph (inputs: {})", known.join(", ")),
+            });
         }
     }
     let mut out = Vec::with_capacity(schedule.inputs.len());
@@ -119,10 +122,16 @@ pub fn check_inputs<'a>(schedule: &Schedule, inputs: &[(&str, &'a Tensor)]) -> R
             detail: format!("missing: expected a {} {} tensor", slot.shape, slot.dtype),
         })?;
         if t.shape() != &slot.shape {
-            return Err(RuntimeError::Input { name: slot.name.clone(), detail: format!("expected shape {}, found {}", slot.shape, t.shape()) });
+            return Err(RuntimeError::Input {
+                name: slot.name.clone(),
+                detail: format!("expected shape {}, found {}", slot.shape, t.shape()),
+            });
         }
         if t.dtype() != slot.dtype {
-            return Err(RuntimeError::Input { name: slot.name.clone(), detail: format!("expected dtype {}, found {}", slot.dtype, t.dtype()) });
+            return Err(RuntimeError::Input {
+                name: slot.name.clone(),
+                detail: format!("expected dtype {}, found {}", slot.dtype, t.dtype()),
+            });
         }
         out.push(*t);
     }

@@ -32,10 +32,7 @@ impl Tensor {
         let shape = shape.into();
         let want = shape.numel() * dtype.size();
         if data.len() != want {
-            return Err(RuntimeError::Tensor(format!(
-                "{} bytes given for a {shape} {dtype} tensor (expected {want})",
-                data.len()
-            )));
+            return Err(RuntimeError::Tensor(format!("{} bytes given for a {shape} {dtype} tensor (expected {want})", data.len())));
         }
         Ok(Tensor { shape, dtype, data })
     }
@@ -91,10 +88,7 @@ impl Tensor {
             DType::F16 => d.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DType::BF16 => d.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DType::I32 => d.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
-            DType::I64 => d
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-                .collect(),
+            DType::I64 => d.chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32).collect(),
         }
     }
 
@@ -105,8 +99,12 @@ impl Tensor {
             return self.clone();
         }
         let data: Vec<u8> = match (self.dtype, to) {
-            (DType::I64, DType::I32) => self.data.chunks_exact(8).flat_map(|c| (i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as i32).to_le_bytes()).collect(),
-            (DType::I32, DType::I64) => self.data.chunks_exact(4).flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64).to_le_bytes()).collect(),
+            (DType::I64, DType::I32) => {
+                self.data.chunks_exact(8).flat_map(|c| (i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as i32).to_le_bytes()).collect()
+            }
+            (DType::I32, DType::I64) => {
+                self.data.chunks_exact(4).flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64).to_le_bytes()).collect()
+            }
             _ => {
                 let v = self.to_f32();
                 match to {

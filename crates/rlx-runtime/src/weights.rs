@@ -58,7 +58,10 @@ impl WeightStore {
     /// data may come in another float dtype; it is converted where used).
     pub fn set(&self, name: &str, tensor: Tensor) -> Result<()> {
         if !tensor.dtype().is_float() {
-            return Err(RuntimeError::Weight { name: name.into(), detail: format!("weights must be f32, f16 or bf16, found {}", tensor.dtype()) });
+            return Err(RuntimeError::Weight {
+                name: name.into(),
+                detail: format!("weights must be f32, f16 or bf16, found {}", tensor.dtype()),
+            });
         }
         let mut g = self.inner.write().map_err(poisoned)?;
         if let Some((old, _)) = g.params.get(name) {
@@ -154,7 +157,10 @@ fn build(slot: &WeightSlot, parts: &[Arc<Tensor>]) -> Result<Tensor> {
     for (p, t) in slot.parts.iter().zip(parts) {
         let s = t.shape();
         if s.rank() != first.rank() || (0..s.rank()).any(|i| i != axis && s.dims()[i] != first.dims()[i]) {
-            return Err(RuntimeError::Weight { name: p.clone(), detail: format!("shape {s} cannot be concatenated with {first} on axis {axis}") });
+            return Err(RuntimeError::Weight {
+                name: p.clone(),
+                detail: format!("shape {s} cannot be concatenated with {first} on axis {axis}"),
+            });
         }
         total[axis] += s.dims()[axis];
     }

@@ -206,7 +206,12 @@ fn layer_norm_and_rms_norm() {
             g.output(y).unwrap();
             let want = norm_ref(&x, &gamma, if rms { None } else { Some(&beta) }, cols, if rms { 1e-6 } else { 1e-5 });
             for (prec, tol, _) in precisions() {
-                let got = run(&g, prec, &[("g", t(&[cols], &gamma)), ("b", t(&[cols], &beta))][..if rms { 1 } else { 2 }], &[("x", t(&shape, &x))]);
+                let got = run(
+                    &g,
+                    prec,
+                    &[("g", t(&[cols], &gamma)), ("b", t(&[cols], &beta))][..if rms { 1 } else { 2 }],
+                    &[("x", t(&shape, &x))],
+                );
                 assert_close(&format!("case {case} rms={rms} {shape:?} {prec:?}"), &got[0].to_f32(), &want, tol * 4.0);
             }
         }
@@ -370,7 +375,21 @@ fn argmax_and_topk() {
 
 /// Attention reference over [B, S, H*D] tensors.
 #[allow(clippy::too_many_arguments)]
-fn attention_ref(q: &[f32], k: &[f32], v: &[f32], b: usize, sq: usize, skv: usize, h: usize, kvh: usize, d: usize, scale: f64, causal: bool, mask: Option<&[f32]>, valid: usize) -> Vec<f64> {
+fn attention_ref(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    b: usize,
+    sq: usize,
+    skv: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    scale: f64,
+    causal: bool,
+    mask: Option<&[f32]>,
+    valid: usize,
+) -> Vec<f64> {
     let mut out = vec![0f64; b * sq * h * d];
     for bi in 0..b {
         for hi in 0..h {
@@ -444,7 +463,8 @@ fn attention_masks_gqa_and_fused_qkv_views() {
         let spec = AttentionSpec { heads: h, kv_heads: kvh, head_dim: d, scale, causal, mask: false, valid_len: false };
         let o = g.attention(spec, q, k, v, m, None).unwrap();
         g.output(o).unwrap();
-        let split = |off: usize, w: usize| -> Vec<f32> { (0..b * s).flat_map(|row| qkv[row * wq + off..row * wq + off + w].to_vec()).collect() };
+        let split =
+            |off: usize, w: usize| -> Vec<f32> { (0..b * s).flat_map(|row| qkv[row * wq + off..row * wq + off + w].to_vec()).collect() };
         let (qv, kv, vv) = (split(0, h * d), split(h * d, kvh * d), split((h + kvh) * d, kvh * d));
         let want = attention_ref(&qv, &kv, &vv, b, s, s, h, kvh, d, scale as f64, causal, if use_mask { Some(&mask) } else { None }, s);
         for (prec, _, tol) in precisions() {
@@ -453,7 +473,12 @@ fn attention_masks_gqa_and_fused_qkv_views() {
                 inputs.push(("mask", t(&[b, s], &mask)));
             }
             let got = run(&g, prec, &[], &inputs);
-            assert_close(&format!("case {case} b{b} s{s} h{h}/{kvh} d{d} causal={causal} mask={use_mask} {prec:?}"), &got[0].to_f32(), &want, tol);
+            assert_close(
+                &format!("case {case} b{b} s{s} h{h}/{kvh} d{d} causal={causal} mask={use_mask} {prec:?}"),
+                &got[0].to_f32(),
+                &want,
+                tol,
+            );
         }
     }
 }
@@ -509,7 +534,10 @@ fn swiglu_from_fused_projection() {
     let up = g.narrow(i, 1, cols, cols).unwrap();
     let y = g.swiglu(gate, up).unwrap();
     g.output(y).unwrap();
-    let want: Vec<f64> = (0..rows).flat_map(|rw| (0..cols).map(move |c| (rw, c))).map(|(rw, c)| silu(x[rw * 2 * cols + c] as f64) * x[rw * 2 * cols + cols + c] as f64).collect();
+    let want: Vec<f64> = (0..rows)
+        .flat_map(|rw| (0..cols).map(move |c| (rw, c)))
+        .map(|(rw, c)| silu(x[rw * 2 * cols + c] as f64) * x[rw * 2 * cols + cols + c] as f64)
+        .collect();
     for (prec, tol, _) in precisions() {
         let got = run(&g, prec, &[], &[("x", t(&[rows, 2 * cols], &x))]);
         assert_close(&format!("swiglu {prec:?}"), &got[0].to_f32(), &want, tol);

@@ -134,7 +134,8 @@ fn llama_block() -> Graph {
     let v = linear(&mut g, n0, "v", 2 * hd, h, false);
     let q = g.rope(q, pos, hd, 10000.0, rlx::RopeMode::RotateHalf).unwrap();
     let k = g.rope(k, pos, hd, 10000.0, rlx::RopeMode::RotateHalf).unwrap();
-    let spec = AttentionSpec { heads: 4, kv_heads: 2, head_dim: hd, scale: (hd as f32).powf(-0.5), causal: true, mask: false, valid_len: false };
+    let spec =
+        AttentionSpec { heads: 4, kv_heads: 2, head_dim: hd, scale: (hd as f32).powf(-0.5), causal: true, mask: false, valid_len: false };
     let a = g.attention(spec, q, k, v, None, None).unwrap();
     let o = linear(&mut g, a, "o", h, h, false);
     let r = g.input("r", [b, s, h], DType::F32).unwrap();

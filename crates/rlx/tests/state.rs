@@ -55,7 +55,12 @@ fn incremental_decode_equals_recompute() {
     let k = randn(&mut r, total * KVH * D);
     let v = randn(&mut r, total * KVH * D);
     let s = Session::new(Device::Cpu).unwrap();
-    let want = s.compile(&full_graph(total)).unwrap().run(&[("q", &rows(&q, H * D, 0, total)), ("k", &rows(&k, KVH * D, 0, total)), ("v", &rows(&v, KVH * D, 0, total))]).unwrap()[0].to_f32();
+    let want = s
+        .compile(&full_graph(total))
+        .unwrap()
+        .run(&[("q", &rows(&q, H * D, 0, total)), ("k", &rows(&k, KVH * D, 0, total)), ("v", &rows(&v, KVH * D, 0, total))])
+        .unwrap()[0]
+        .to_f32();
 
     // A 5-token prefill then one token at a time: one executable per step
     // size, each with its own state — so prefill on the decode executable:
@@ -67,7 +72,13 @@ fn incremental_decode_equals_recompute() {
         let pos = Tensor::from_i32([1], &[p as i32]).unwrap();
         let len = Tensor::from_i32([1], &[p as i32 + 1]).unwrap();
         let out = step
-            .run(&[("q", &rows(&q, H * D, p, 1)), ("k", &rows(&k, KVH * D, p, 1)), ("v", &rows(&v, KVH * D, p, 1)), ("pos", &pos), ("len", &len)])
+            .run(&[
+                ("q", &rows(&q, H * D, p, 1)),
+                ("k", &rows(&k, KVH * D, p, 1)),
+                ("v", &rows(&v, KVH * D, p, 1)),
+                ("pos", &pos),
+                ("len", &len),
+            ])
             .unwrap();
         got.extend(out[0].to_f32());
     }
@@ -82,7 +93,13 @@ fn incremental_decode_equals_recompute() {
     // Writing past the capacity is an error, not a silent overwrite.
     let pos = Tensor::from_i32([1], &[MAX as i32]).unwrap();
     let len = Tensor::from_i32([1], &[MAX as i32]).unwrap();
-    let err = step.run(&[("q", &rows(&q, H * D, 0, 1)), ("k", &rows(&k, KVH * D, 0, 1)), ("v", &rows(&v, KVH * D, 0, 1)), ("pos", &pos), ("len", &len)]);
+    let err = step.run(&[
+        ("q", &rows(&q, H * D, 0, 1)),
+        ("k", &rows(&k, KVH * D, 0, 1)),
+        ("v", &rows(&v, KVH * D, 0, 1)),
+        ("pos", &pos),
+        ("len", &len),
+    ]);
     assert!(err.is_err(), "a write at position {MAX} of a {MAX}-row state must fail");
 
     // reset_state zeroes the cache.
@@ -98,17 +115,40 @@ fn prefill_then_decode() {
     let k = randn(&mut r, total * KVH * D);
     let v = randn(&mut r, total * KVH * D);
     let s = Session::new(Device::Cpu).unwrap();
-    let want = s.compile(&full_graph(total)).unwrap().run(&[("q", &rows(&q, H * D, 0, total)), ("k", &rows(&k, KVH * D, 0, total)), ("v", &rows(&v, KVH * D, 0, total))]).unwrap()[0].to_f32();
+    let want = s
+        .compile(&full_graph(total))
+        .unwrap()
+        .run(&[("q", &rows(&q, H * D, 0, total)), ("k", &rows(&k, KVH * D, 0, total)), ("v", &rows(&v, KVH * D, 0, total))])
+        .unwrap()[0]
+        .to_f32();
     // One executable with a 6-row step writes the prefix, then (a second call
     // on the same state) the 6-row window ending at the last token.
     let mut exe = s.compile(&step_graph(prefill)).unwrap();
     let p0 = Tensor::from_i32([1], &[0]).unwrap();
     let l0 = Tensor::from_i32([1], &[prefill as i32]).unwrap();
-    let a = exe.run(&[("q", &rows(&q, H * D, 0, prefill)), ("k", &rows(&k, KVH * D, 0, prefill)), ("v", &rows(&v, KVH * D, 0, prefill)), ("pos", &p0), ("len", &l0)]).unwrap()[0].to_f32();
+    let a = exe
+        .run(&[
+            ("q", &rows(&q, H * D, 0, prefill)),
+            ("k", &rows(&k, KVH * D, 0, prefill)),
+            ("v", &rows(&v, KVH * D, 0, prefill)),
+            ("pos", &p0),
+            ("len", &l0),
+        ])
+        .unwrap()[0]
+        .to_f32();
     let start = total - prefill;
     let p1 = Tensor::from_i32([1], &[start as i32]).unwrap();
     let l1 = Tensor::from_i32([1], &[total as i32]).unwrap();
-    let b = exe.run(&[("q", &rows(&q, H * D, start, prefill)), ("k", &rows(&k, KVH * D, start, prefill)), ("v", &rows(&v, KVH * D, start, prefill)), ("pos", &p1), ("len", &l1)]).unwrap()[0].to_f32();
+    let b = exe
+        .run(&[
+            ("q", &rows(&q, H * D, start, prefill)),
+            ("k", &rows(&k, KVH * D, start, prefill)),
+            ("v", &rows(&v, KVH * D, start, prefill)),
+            ("pos", &p1),
+            ("len", &l1),
+        ])
+        .unwrap()[0]
+        .to_f32();
     let w = |from: usize, n: usize| -> Vec<f64> { want[from * H * D..(from + n) * H * D].iter().map(|&x| x as f64).collect() };
     assert_close("prefill", &a, &w(0, prefill), 1e-5);
     assert_close("second window", &b, &w(start, prefill), 1e-5);

@@ -58,7 +58,10 @@ pub struct PeerCommand<'a> {
 /// go to stderr as results arrive; the peer's own stderr passes through.
 pub fn run(cmd: &PeerCommand, jobs: &[PeerJob], dir: &Path) -> PeerOutcome {
     if !cmd.script.is_file() {
-        return PeerOutcome::Unavailable(format!("peer script {} not found (run from the repository root or pass --peer-script)", cmd.script.display()));
+        return PeerOutcome::Unavailable(format!(
+            "peer script {} not found (run from the repository root or pass --peer-script)",
+            cmd.script.display()
+        ));
     }
     let list: Vec<Value> = jobs
         .iter()
@@ -140,7 +143,11 @@ fn parse_line(line: &str) -> Line {
             None => Line::Other(line.chars().take(200).collect()),
         };
     };
-    let mut r = PeerResult { eager_us: v.get("eager_us").and_then(Value::as_f64), graph_us: v.get("graph_us").and_then(Value::as_f64), ..Default::default() };
+    let mut r = PeerResult {
+        eager_us: v.get("eager_us").and_then(Value::as_f64),
+        graph_us: v.get("graph_us").and_then(Value::as_f64),
+        ..Default::default()
+    };
     r.hidden = s("hidden_out").map(PathBuf::from);
     if let Some(e) = s("error") {
         r.notes.push(format!("PyTorch failed: {e}"));
@@ -178,10 +185,21 @@ pub fn read_f32(path: &Path, count: usize) -> Result<Vec<f32>, String> {
 /// Max abs difference between RLX's pooled output `[batch, hidden]` and
 /// PyTorch's last hidden state mean-pooled over the mask (L2-normalised too
 /// when `normalized`), with the largest magnitude of the latter.
-pub fn compare_pooled(rlx: &[f32], torch_hidden: &[f32], batch: usize, seq: usize, mask: &[i64], normalized: bool) -> Result<(f64, f64), String> {
+pub fn compare_pooled(
+    rlx: &[f32],
+    torch_hidden: &[f32],
+    batch: usize,
+    seq: usize,
+    mask: &[i64],
+    normalized: bool,
+) -> Result<(f64, f64), String> {
     let bs = batch * seq;
     if bs == 0 || mask.len() != bs || torch_hidden.len() != bs * (torch_hidden.len() / bs) {
-        return Err(format!("PyTorch hidden state of {} values does not fit batch {batch} × seq {seq} (mask {})", torch_hidden.len(), mask.len()));
+        return Err(format!(
+            "PyTorch hidden state of {} values does not fit batch {batch} × seq {seq} (mask {})",
+            torch_hidden.len(),
+            mask.len()
+        ));
     }
     let h = torch_hidden.len() / bs;
     if rlx.len() != batch * h {

@@ -157,7 +157,11 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
             diff
         );
     }
-    let torch_timing = if ctx.gpu { "CUDA-event spans of the forward pass alone (inputs already on the device)" } else { "wall clock of the forward pass" };
+    let torch_timing = if ctx.gpu {
+        "CUDA-event spans of the forward pass alone (inputs already on the device)"
+    } else {
+        "wall clock of the forward pass"
+    };
     let _ = writeln!(
         s,
         "\nRLX times are wall clock around `run` (submit + wait, copy-in and copy-out included); PyTorch times are \
@@ -171,7 +175,8 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
             let _ = writeln!(s, "- {c}");
         }
     }
-    let notes: Vec<String> = ctx.notes.iter().cloned().chain(rows.iter().flat_map(|r| r.notes.iter().map(move |n| format!("{}: {n}", r.label())))).collect();
+    let notes: Vec<String> =
+        ctx.notes.iter().cloned().chain(rows.iter().flat_map(|r| r.notes.iter().map(move |n| format!("{}: {n}", r.label())))).collect();
     if !notes.is_empty() {
         s.push_str("\nNotes:\n");
         for n in notes {
@@ -189,7 +194,11 @@ pub fn targets(rows: &[Row]) -> Vec<String> {
     let mut out = Vec::new();
     for r in rows {
         if let (Some(ratio), Some(rlx), Some(pt)) = (r.ratio(), r.rlx_replay_us, r.torch_graph_us) {
-            out.push(format!("{} {}: RLX replay {rlx:.0} µs vs PyTorch graph {pt:.0} µs (ratio {ratio:.2})", verdict(ratio < 1.0), r.label()));
+            out.push(format!(
+                "{} {}: RLX replay {rlx:.0} µs vs PyTorch graph {pt:.0} µs (ratio {ratio:.2})",
+                verdict(ratio < 1.0),
+                r.label()
+            ));
         }
         if let Some(h) = r.host_submit_us {
             out.push(format!("{} {}: host time per replayed call {h:.1} µs (≤ 10)", verdict(h <= 10.0), r.label()));
@@ -254,7 +263,8 @@ pub fn plot_svg(path: &Path, ctx: &Context, rows: &[Row]) -> Result<(), String> 
         .map_err(|e| err(e.to_string()))?;
     let bar = 0.8 / SERIES.len() as f64;
     for (k, (name, color)) in SERIES.iter().enumerate() {
-        let bars: Vec<(f64, f64)> = rows.iter().enumerate().filter_map(|(i, r)| values(r)[k].map(|v| (i as f64 + 0.1 + k as f64 * bar, v))).collect();
+        let bars: Vec<(f64, f64)> =
+            rows.iter().enumerate().filter_map(|(i, r)| values(r)[k].map(|v| (i as f64 + 0.1 + k as f64 * bar, v))).collect();
         let color = *color;
         chart
             .draw_series(bars.iter().map(|&(x, v)| Rectangle::new([(x, y_lo), (x + bar * 0.9, v)], color.filled())))
@@ -323,7 +333,14 @@ mod tests {
             max_abs_diff: Some((0.004, 4.1)),
             notes: vec!["replay and eager outputs bit-identical".into()],
         };
-        let b = Row { model: "bert-base".into(), batch: 32, rlx_replay_us: Some(1400.0), torch_graph_us: None, torch_eager_us: None, ..a.clone() };
+        let b = Row {
+            model: "bert-base".into(),
+            batch: 32,
+            rlx_replay_us: Some(1400.0),
+            torch_graph_us: None,
+            torch_eager_us: None,
+            ..a.clone()
+        };
         (ctx, vec![a, b])
     }
 
@@ -351,7 +368,11 @@ mod tests {
             host_submit_us: Some(host),
             ..Row::default()
         };
-        let t = targets(&[row("bert-base", 1, 250.0, 782.0, 12.0), row("MiniLM-L6", 1, 79.0, 325.0, 3.0), row("bert-base", 32, 2300.0, 2221.0, 5.0)]);
+        let t = targets(&[
+            row("bert-base", 1, 250.0, 782.0, 12.0),
+            row("MiniLM-L6", 1, 79.0, 325.0, 3.0),
+            row("bert-base", 32, 2300.0, 2221.0, 5.0),
+        ]);
         let has = |s: &str| t.iter().any(|l| l.starts_with(s));
         assert!(has("PASS bert-base f16 1x128: RLX replay 250 µs vs"));
         assert!(has("FAIL bert-base f16 1x128: host time per replayed call 12.0"));
@@ -369,7 +390,9 @@ mod tests {
         plot_svg(&path, &ctx, &rows).map_err(|e| e.to_string()).unwrap_or_else(|e| panic!("{e}"));
         // Text content sits on its own line in plotters' SVG: compare without whitespace.
         let svg: String = std::fs::read_to_string(&path).unwrap_or_default().split_whitespace().collect::<Vec<_>>().join(" ");
-        if std::env::var_os("KEEP_SVG").is_none() { let _ = std::fs::remove_file(&path); }
+        if std::env::var_os("KEEP_SVG").is_none() {
+            let _ = std::fs::remove_file(&path);
+        }
         for want in ["<svg", "RLX replay", "PyTorch CUDA graph", "minilm f16 1x128", "bert-base f16 32x128", "> 325 <", "> 1400 <"] {
             assert!(svg.contains(want), "SVG lacks {want}");
         }

@@ -29,9 +29,10 @@ pub(crate) fn map_ids(map: &[Option<NodeId>], inputs: &[NodeId], pass: &str, at:
     inputs
         .iter()
         .map(|x| {
-            map.get(x.0).copied().flatten().ok_or_else(|| {
-                IrError::Invalid(format!("{pass}: node {at} reads %{} which the pass removed", x.0))
-            })
+            map.get(x.0)
+                .copied()
+                .flatten()
+                .ok_or_else(|| IrError::Invalid(format!("{pass}: node {at} reads %{} which the pass removed", x.0)))
         })
         .collect()
 }

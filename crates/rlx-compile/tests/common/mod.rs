@@ -39,7 +39,11 @@ fn unravel(mut i: usize, dims: &[usize]) -> Vec<usize> {
 pub fn erf(x: f64) -> f64 {
     let t = 1.0 / (1.0 + 0.3275911 * x.abs());
     let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * (-x * x).exp();
-    if x >= 0.0 { y } else { -y }
+    if x >= 0.0 {
+        y
+    } else {
+        -y
+    }
 }
 
 pub fn act(a: Activation, x: f64) -> f64 {
@@ -69,7 +73,12 @@ fn broadcast(op: BinaryOp, a: &T, b: &T, out: &[usize]) -> T {
         (0..t.dims.len()).map(|j| if t.dims[j] == 1 { 0 } else { idx[j + pad] * s[j] }).sum::<usize>()
     };
     let n: usize = out.iter().product();
-    let v = (0..n).map(|i| { let idx = unravel(i, out); bin(op, a.v[at(a, &idx)], b.v[at(b, &idx)]) }).collect();
+    let v = (0..n)
+        .map(|i| {
+            let idx = unravel(i, out);
+            bin(op, a.v[at(a, &idx)], b.v[at(b, &idx)])
+        })
+        .collect();
     T { dims: out.to_vec(), v }
 }
 
@@ -124,7 +133,12 @@ fn permute(x: &T, perm: &[usize]) -> T {
     let out: Vec<usize> = perm.iter().map(|&p| x.dims[p]).collect();
     let s = strides(&x.dims);
     let n = x.v.len();
-    let v = (0..n).map(|i| { let idx = unravel(i, &out); x.v[(0..out.len()).map(|j| idx[j] * s[perm[j]]).sum::<usize>()] }).collect();
+    let v = (0..n)
+        .map(|i| {
+            let idx = unravel(i, &out);
+            x.v[(0..out.len()).map(|j| idx[j] * s[perm[j]]).sum::<usize>()]
+        })
+        .collect();
     T { dims: out, v }
 }
 
@@ -137,7 +151,9 @@ pub fn eval(g: &Graph, inputs: &HashMap<String, T>, params: &HashMap<String, T>)
         let t = match &n.op {
             Op::Input { name } => inputs[name].clone(),
             Op::Param { name } => params[name].clone(),
-            Op::Constant { data } => T { dims: out.to_vec(), v: data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect() },
+            Op::Constant { data } => {
+                T { dims: out.to_vec(), v: data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64).collect() }
+            }
             Op::MatMul { transpose_rhs } => matmul(x(0), x(1), *transpose_rhs, out),
             Op::MatMulFused { transpose_rhs, bias, act: a, residual } => {
                 let mut y = matmul(x(0), x(1), *transpose_rhs, out);
@@ -166,7 +182,13 @@ pub fn eval(g: &Graph, inputs: &HashMap<String, T>, params: &HashMap<String, T>)
             Op::Narrow { axis, start, .. } => {
                 let src = x(0);
                 let s = strides(&src.dims);
-                let v = (0..n.shape.numel()).map(|i| { let mut idx = unravel(i, out); idx[*axis] += start; src.v[(0..idx.len()).map(|j| idx[j] * s[j]).sum::<usize>()] }).collect();
+                let v = (0..n.shape.numel())
+                    .map(|i| {
+                        let mut idx = unravel(i, out);
+                        idx[*axis] += start;
+                        src.v[(0..idx.len()).map(|j| idx[j] * s[j]).sum::<usize>()]
+                    })
+                    .collect();
                 T { dims: out.to_vec(), v }
             }
             Op::Concat { axis } => {
@@ -249,7 +271,8 @@ fn resolve(slot: &rlx_compile::WeightSlot, params: &HashMap<String, T>) -> Vec<f
 impl<'a> Interp<'a> {
     pub fn new(s: &'a Schedule, params: &HashMap<String, T>) -> Self {
         let weights = s.weights.iter().map(|w| resolve(w, params)).collect();
-        let consts = s.consts.iter().map(|c| c.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()).collect();
+        let consts =
+            s.consts.iter().map(|c| c.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()).collect();
         Interp { s, arena: vec![f32::NAN; (s.arena_bytes / 4) as usize], weights, consts }
     }
 
@@ -330,7 +353,8 @@ impl<'a> Interp<'a> {
             Thunk::SwiGlu { rows, cols, gate, up, out, .. } => {
                 for r in 0..*rows as u64 {
                     for c in 0..*cols as u64 {
-                        let v = act(Activation::Silu, self.get(&gate.buf, r * gate.row_stride + c)) * self.get(&up.buf, r * up.row_stride + c);
+                        let v =
+                            act(Activation::Silu, self.get(&gate.buf, r * gate.row_stride + c)) * self.get(&up.buf, r * up.row_stride + c);
                         self.set(out, r * *cols as u64 + c, v);
                     }
                 }
@@ -351,7 +375,8 @@ impl<'a> Interp<'a> {
             Thunk::Norm { rms, rows, cols, eps, x, residual, gamma, beta, out, .. } => {
                 let c = *cols as u64;
                 for r in 0..*rows as u64 {
-                    let row: Vec<f64> = (0..c).map(|j| self.get(x, r * c + j) + residual.as_ref().map_or(0.0, |b| self.get(b, r * c + j))).collect();
+                    let row: Vec<f64> =
+                        (0..c).map(|j| self.get(x, r * c + j) + residual.as_ref().map_or(0.0, |b| self.get(b, r * c + j))).collect();
                     let t = T { dims: vec![1, *cols], v: row };
                     let g = T { dims: vec![*cols], v: (0..c).map(|j| self.get(gamma, j)).collect() };
                     let b = beta.as_ref().map(|b| T { dims: vec![*cols], v: (0..c).map(|j| self.get(b, j)).collect() });
@@ -448,7 +473,8 @@ pub fn bert_layer(attention: bool) -> Graph {
     let v = lin(&mut g, x, "v", h, h);
     let a = if attention {
         let mask = g.input("mask", [b, s], DType::F32).unwrap();
-        let spec = rlx_ir::AttentionSpec { heads: 2, kv_heads: 2, head_dim: h / 2, scale: 0.25, causal: false, mask: true, valid_len: false };
+        let spec =
+            rlx_ir::AttentionSpec { heads: 2, kv_heads: 2, head_dim: h / 2, scale: 0.25, causal: false, mask: true, valid_len: false };
         g.attention(spec, q, k, v, Some(mask), None).unwrap()
     } else {
         let kv = g.mul(k, v).unwrap();

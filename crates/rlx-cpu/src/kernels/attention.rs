@@ -99,7 +99,16 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
                 softmax_rows(t, valid, q0, qn, &mut buf.scores, &buf.keep);
                 let ss = Src::from_slice(&buf.scores[..qn * valid]);
                 let vm = MatRef { src: &vf, offset: b * t.v.batch_stride as usize + g * hd, rs: va, cs: 1 };
-                gemm_f32(&of, (b * t.q_len + q0) * out_w + h * hd, out_w, false, MatRef { src: &ss, offset: 0, rs: valid, cs: 1 }, vm, (qn, hd, valid), none);
+                gemm_f32(
+                    &of,
+                    (b * t.q_len + q0) * out_w + h * hd,
+                    out_w,
+                    false,
+                    MatRef { src: &ss, offset: 0, rs: valid, cs: 1 },
+                    vm,
+                    (qn, hd, valid),
+                    none,
+                );
                 return;
             }
             // Half precision: this head's keys and values, contiguous in f32.
@@ -115,12 +124,31 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             // scores[qn, valid] = scale · Q Kᵀ
             let (qs, ks, vs) = (Src::from_slice(&buf.q), Src::from_slice(&buf.k), Src::from_slice(&buf.v));
             let sd = Dst::from_slice(&mut buf.scores);
-            gemm_f32_scaled(&sd, 0, valid, false, MatRef { src: &qs, offset: 0, rs: hd, cs: 1 }, MatRef { src: &ks, offset: 0, rs: 1, cs: hd }, (qn, valid, hd), t.scale, none);
+            gemm_f32_scaled(
+                &sd,
+                0,
+                valid,
+                false,
+                MatRef { src: &qs, offset: 0, rs: hd, cs: 1 },
+                MatRef { src: &ks, offset: 0, rs: 1, cs: hd },
+                (qn, valid, hd),
+                t.scale,
+                none,
+            );
             softmax_rows(t, valid, q0, qn, &mut buf.scores, &buf.keep);
             // out[qn, hd] = P V
             let ss = Src::from_slice(&buf.scores);
             let od = Dst::from_slice(&mut buf.out);
-            gemm_f32(&od, 0, hd, false, MatRef { src: &ss, offset: 0, rs: valid, cs: 1 }, MatRef { src: &vs, offset: 0, rs: hd, cs: 1 }, (qn, hd, valid), none);
+            gemm_f32(
+                &od,
+                0,
+                hd,
+                false,
+                MatRef { src: &ss, offset: 0, rs: valid, cs: 1 },
+                MatRef { src: &vs, offset: 0, rs: hd, cs: 1 },
+                (qn, hd, valid),
+                none,
+            );
             for i in 0..qn {
                 out.store((b * t.q_len + q0 + i) * out_w + h * hd, &buf.out[i * hd..(i + 1) * hd]);
             }

@@ -26,7 +26,13 @@ fn coalesce(shape: &[usize], strides: &[&[u64]]) -> (Vec<usize>, Vec<Vec<u64>>) 
             continue;
         }
         let merge = match dims.last() {
-            Some(&ld) => strides.iter().enumerate().all(|(j, s)| st[j].last().copied() == Some(s[i] * d as u64) || (st[j].last() == Some(&0) && s[i] == 0)) && ld > 0,
+            Some(&ld) => {
+                strides
+                    .iter()
+                    .enumerate()
+                    .all(|(j, s)| st[j].last().copied() == Some(s[i] * d as u64) || (st[j].last() == Some(&0) && s[i] == 0))
+                    && ld > 0
+            }
             None => false,
         };
         if merge {
@@ -81,7 +87,17 @@ fn load_line<T: Elem>(src: &Src<T>, start: usize, stride: usize, out: &mut [f32]
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn binary(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &BufRef, a_strides: &[u64], b: &BufRef, b_strides: &[u64], out: &BufRef, mem: &Mem) -> Result<()> {
+pub fn binary(
+    op: BinaryOp,
+    dtype: DType,
+    out_shape: &[usize],
+    a: &BufRef,
+    a_strides: &[u64],
+    b: &BufRef,
+    b_strides: &[u64],
+    out: &BufRef,
+    mem: &Mem,
+) -> Result<()> {
     if dtype.is_int() {
         let (a, b, out) = (mem.src::<u8>(a).map_err(exec_err)?, mem.src::<u8>(b).map_err(exec_err)?, mem.dst::<u8>(out).map_err(exec_err)?);
         return binary_int(op, dtype, out_shape, &a, a_strides, &b, b_strides, &out);
@@ -89,7 +105,15 @@ pub fn binary(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &BufRef, a_str
     with_float!(dtype, T => binary_t::<T>(op, out_shape, mem.src::<T>(a).map_err(exec_err)?, a_strides, mem.src::<T>(b).map_err(exec_err)?, b_strides, mem.dst::<T>(out).map_err(exec_err)?))
 }
 
-fn binary_t<T: Elem>(op: BinaryOp, out_shape: &[usize], a: Src<T>, a_strides: &[u64], b: Src<T>, b_strides: &[u64], out: Dst<T>) -> Result<()> {
+fn binary_t<T: Elem>(
+    op: BinaryOp,
+    out_shape: &[usize],
+    a: Src<T>,
+    a_strides: &[u64],
+    b: Src<T>,
+    b_strides: &[u64],
+    out: Dst<T>,
+) -> Result<()> {
     let total: usize = out_shape.iter().product();
     if total == 0 {
         return Ok(());
@@ -135,7 +159,16 @@ fn binary_t<T: Elem>(op: BinaryOp, out_shape: &[usize], a: Src<T>, a_strides: &[
 /// i64, which for i32 gives the same bits as wrapping i32 arithmetic;
 /// division truncates toward zero and dividing by zero is an error.
 #[allow(clippy::too_many_arguments)]
-fn binary_int(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &Src<u8>, a_strides: &[u64], b: &Src<u8>, b_strides: &[u64], out: &Dst<u8>) -> Result<()> {
+fn binary_int(
+    op: BinaryOp,
+    dtype: DType,
+    out_shape: &[usize],
+    a: &Src<u8>,
+    a_strides: &[u64],
+    b: &Src<u8>,
+    b_strides: &[u64],
+    out: &Dst<u8>,
+) -> Result<()> {
     let total: usize = out_shape.iter().product();
     let es = dtype.size();
     for i in 0..total {
@@ -151,7 +184,9 @@ fn binary_int(op: BinaryOp, dtype: DType, out_shape: &[usize], a: &Src<u8>, a_st
             BinaryOp::Add => x.wrapping_add(y),
             BinaryOp::Sub => x.wrapping_sub(y),
             BinaryOp::Mul => x.wrapping_mul(y),
-            BinaryOp::Div if y == 0 => return Err(exec_err(format!("binary div: integer division by zero at element {i} of {out_shape:?}"))),
+            BinaryOp::Div if y == 0 => {
+                return Err(exec_err(format!("binary div: integer division by zero at element {i} of {out_shape:?}")))
+            }
             BinaryOp::Div => x.wrapping_div(y),
         };
         let row = out.row_mut(i * es, es);

@@ -250,7 +250,14 @@ mod avx512 {
 
     /// s[r][t] = Σ_k a[r][k] · b[t][k] for the first R a rows.
     #[inline(always)]
-    unsafe fn tile<const R: usize, const PF: bool>(ap: &[*const f32; MR], bp: &[*const f32; NR], k: usize, s: &mut [[f32; NR]; MR], pf: &mut Prefetch, per: usize) {
+    unsafe fn tile<const R: usize, const PF: bool>(
+        ap: &[*const f32; MR],
+        bp: &[*const f32; NR],
+        k: usize,
+        s: &mut [[f32; NR]; MR],
+        pf: &mut Prefetch,
+        per: usize,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); NR]; R];
         let mut kk = 0;
         while kk + 16 <= k {

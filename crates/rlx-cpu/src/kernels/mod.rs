@@ -29,7 +29,18 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f3
         }
         Thunk::Activation { act, dtype, n, x, out } => elementwise::activation(*act, *dtype, *n, x, out, mem),
         Thunk::Norm { rms, dtype, rows, cols, eps, x, residual, gamma, beta, out } => norm::run(
-            &norm::NormArgs { rms: *rms, dtype: *dtype, rows: *rows, cols: *cols, eps: *eps, x, residual: residual.as_ref(), gamma, beta: beta.as_ref(), out },
+            &norm::NormArgs {
+                rms: *rms,
+                dtype: *dtype,
+                rows: *rows,
+                cols: *cols,
+                eps: *eps,
+                x,
+                residual: residual.as_ref(),
+                gamma,
+                beta: beta.as_ref(),
+                out,
+            },
             mem,
         ),
         Thunk::Softmax { dtype, outer, len, inner, x, out } => softmax::run(*dtype, *outer, *len, *inner, x, out, mem),
@@ -39,11 +50,12 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f3
             &topk::TopKArgs { dtype: *dtype, rows: *rows, len: *len, k: *k, x, values: values.as_ref(), indices: indices.as_ref() },
             mem,
         ),
-        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => gather::run(
-            &gather::GatherArgs { dtype: *dtype, id_dtype: *id_dtype, n: *n, dim: *dim, vocab: *vocab, table, ids, out },
-            mem,
-        ),
-        Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => copy::run(*dtype, shape, src, src_strides, dst, dst_strides, mem),
+        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
+            gather::run(&gather::GatherArgs { dtype: *dtype, id_dtype: *id_dtype, n: *n, dim: *dim, vocab: *vocab, table, ids, out }, mem)
+        }
+        Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
+            copy::run(*dtype, shape, src, src_strides, dst, dst_strides, mem)
+        }
         Thunk::Cast { from, to, n, src, dst } => elementwise::cast(*from, *to, *n, src, dst, mem),
         Thunk::Attention(a) => attention::run(a, mem),
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => rope::run(
@@ -64,7 +76,16 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f3
         ),
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => elementwise::swiglu(*dtype, *rows, *cols, gate, up, out, mem),
         Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => state::run(
-            &state::WriteStateArgs { dtype: *dtype, batch: *batch, max_rows: *max_rows, new_rows: *new_rows, width: *width, state, value, position },
+            &state::WriteStateArgs {
+                dtype: *dtype,
+                batch: *batch,
+                max_rows: *max_rows,
+                new_rows: *new_rows,
+                width: *width,
+                state,
+                value,
+                position,
+            },
             mem,
         ),
     }

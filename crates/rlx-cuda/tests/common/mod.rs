@@ -94,7 +94,13 @@ impl Sb {
         let t = rand_tensor(r, shape, DType::F32);
         self.store.set(name, t).expect("test weight");
         let i = self.s.weights.len() as u32;
-        self.s.weights.push(WeightSlot { name: name.into(), parts: vec![name.into()], concat_axis: 0, shape: Shape(shape.to_vec()), dtype: dt });
+        self.s.weights.push(WeightSlot {
+            name: name.into(),
+            parts: vec![name.into()],
+            concat_axis: 0,
+            shape: Shape(shape.to_vec()),
+            dtype: dt,
+        });
         BufRef { space: Space::Weight(i), offset: 0, bytes: (shape.iter().product::<usize>() * dt.size()) as u64 }
     }
     pub fn state(&mut self, name: &str, shape: &[usize], dt: DType) -> BufRef {
@@ -148,7 +154,13 @@ pub fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, scale: f64) {
     eprintln!("{what}: ok, {} elements, max |diff| {:e}", g.len(), worst.0);
 }
 
-pub fn run(b: &dyn Backend, s: &Arc<Schedule>, w: &Arc<WeightStore>, inputs: &[(String, Tensor)], replay: bool) -> Result<Vec<Tensor>, rlx_runtime::RuntimeError> {
+pub fn run(
+    b: &dyn Backend,
+    s: &Arc<Schedule>,
+    w: &Arc<WeightStore>,
+    inputs: &[(String, Tensor)],
+    replay: bool,
+) -> Result<Vec<Tensor>, rlx_runtime::RuntimeError> {
     let opts = PrepareOptions { slots: 2, replay, allow_tf32: false };
     let mut e = b.prepare(s.clone(), w.clone(), &opts)?;
     let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
