@@ -70,6 +70,10 @@ struct Worker {
     b_cache: Vec<Option<Vec<f32>>>,
     scratch: Scratch,
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// Set when rebinding changed weights failed, so the next call tries
+    /// again instead of running on the old binding because the store's
+    /// version already looked seen.
+    rebind_failed: Arc<AtomicBool>,
 }
 
 fn alloc(bytes: u64, what: &str) -> Result<AlignedBuf> {
@@ -92,8 +96,17 @@ impl Worker {
             .enumerate()
             .map(|(i, c)| AlignedBuf::from_bytes(&c.data).ok_or_else(|| exec_err(format!("out of memory for const {i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let mut w =
-            Worker { schedule, arenas, states, consts, weights: Vec::new(), b_cache: Vec::new(), scratch: Scratch::default(), pool };
+        let mut w = Worker {
+            schedule,
+            arenas,
+            states,
+            consts,
+            weights: Vec::new(),
+            b_cache: Vec::new(),
+            scratch: Scratch::default(),
+            pool,
+            rebind_failed: Arc::new(AtomicBool::new(false)),
+        };
         w.bind_weights(resolve_all(&w.schedule, store)?)?;
         w.validate_slots()?;
         Ok(w)
@@ -213,7 +226,10 @@ impl Worker {
     /// Rebinds the weights when given, then runs one call.
     fn call(&mut self, slot: usize, inputs: &[&Tensor], weights: Option<Vec<Arc<Tensor>>>) -> Result<Vec<Tensor>> {
         if let Some(w) = weights {
-            self.bind_weights(w)?;
+            if let Err(e) = self.bind_weights(w) {
+                self.rebind_failed.store(true, Ordering::Release);
+                return Err(e);
+            }
         }
         self.run(slot, inputs)
     }
@@ -265,6 +281,7 @@ pub struct CpuExecutable {
     schedule: Arc<Schedule>,
     store: Arc<WeightStore>,
     weight_version: u64,
+    rebind_failed: Arc<AtomicBool>,
     slots: Vec<SlotState>,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
@@ -284,7 +301,9 @@ impl CpuExecutable {
         pool: Option<Arc<rayon::ThreadPool>>,
     ) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let shared = Arc::new(Mutex::new(Worker::new(schedule.clone(), &store, slots, pool)?));
+        let worker = Worker::new(schedule.clone(), &store, slots, pool)?;
+        let rebind_failed = worker.rebind_failed.clone();
+        let shared = Arc::new(Mutex::new(worker));
         let (job_tx, job_rx) = channel();
         let (done_tx, done_rx) = channel();
         let for_thread = shared.clone();
@@ -304,6 +323,7 @@ impl CpuExecutable {
             schedule,
             store,
             weight_version,
+            rebind_failed,
             slots: (0..slots).map(|_| SlotState::Free).collect(),
             jobs: Some(job_tx),
             done: done_rx,
@@ -321,7 +341,7 @@ impl CpuExecutable {
     /// The weights to rebind before the next call, if the store changed.
     fn changed_weights(&mut self) -> Result<Option<Vec<Arc<Tensor>>>> {
         let version = self.store.version();
-        if version == self.weight_version {
+        if version == self.weight_version && !self.rebind_failed.swap(false, Ordering::AcqRel) {
             return Ok(None);
         }
         let w = resolve_all(&self.schedule, &self.store)?;

@@ -165,13 +165,23 @@ impl SentenceConfig {
 
         let sbert = dir.join("sentence_bert_config.json");
         if let Some(v) = read_json_if_present(&sbert)? {
-            if let Some(n) = v.get("max_seq_length").and_then(Value::as_u64) {
-                cfg.max_seq_length = (n as usize).min(model.max_position_embeddings);
+            match v.get("max_seq_length") {
+                None | Some(Value::Null) => {}
+                Some(x) => {
+                    let n = x
+                        .as_u64()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| ModelError::format(&sbert, format!("max_seq_length must be a positive integer, found {x}")))?;
+                    cfg.max_seq_length = (n as usize).min(model.max_position_embeddings);
+                }
             }
         }
 
         let modules = dir.join("modules.json");
         let mut pooling_dir = dir.join("1_Pooling");
+        // A Pooling module that modules.json names must have its config: a
+        // silent fallback to mean pooling would give a CLS model wrong vectors.
+        let mut pooling_named = false;
         if let Some(v) = read_json_if_present(&modules)? {
             let list = v.as_array().ok_or_else(|| ModelError::format(&modules, "expected a JSON list of modules"))?;
             for m in list {
@@ -179,7 +189,10 @@ impl SentenceConfig {
                 let sub = m.get("path").and_then(Value::as_str).unwrap_or("");
                 match ty.rsplit('.').next().unwrap_or("") {
                     "Normalize" => cfg.normalize = true,
-                    "Pooling" => pooling_dir = dir.join(sub),
+                    "Pooling" => {
+                        pooling_dir = dir.join(sub);
+                        pooling_named = true;
+                    }
                     "Transformer" => {}
                     other => {
                         return Err(ModelError::format(
@@ -192,6 +205,9 @@ impl SentenceConfig {
         }
 
         let pooling = pooling_dir.join("config.json");
+        if pooling_named && !pooling.is_file() {
+            return Err(ModelError::format(&modules, format!("names a Pooling module but {} is missing", pooling.display())));
+        }
         if let Some(v) = read_json_if_present(&pooling)? {
             let on = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
             cfg.pooling = match (on("pooling_mode_mean_tokens"), on("pooling_mode_cls_token")) {

@@ -146,9 +146,11 @@ impl SentenceEmbedder {
         self.embed_ids_with_progress(ids, &mut |_| {})
     }
 
-    fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
+    /// Every id sequence must be non-empty, fit the longest bucket and stay
+    /// inside the vocabulary.
+    fn check_ids<'a>(&self, ids: impl Iterator<Item = &'a [u32]>) -> Result<()> {
         let max = self.seq_buckets.last().copied().unwrap_or(0);
-        for (i, row) in ids.iter().enumerate() {
+        for (i, row) in ids.enumerate() {
             if row.is_empty() {
                 return Err(ModelError::Input(format!("text {i}: no tokens (expected at least [CLS] and [SEP])")));
             }
@@ -162,6 +164,11 @@ impl SentenceEmbedder {
                 )));
             }
         }
+        Ok(())
+    }
+
+    fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
+        self.check_ids(ids.iter().map(|r| r.as_slice()))?;
         // Sorting by length keeps the padding inside each batch small.
         let mut order: Vec<usize> = (0..ids.len()).collect();
         order.sort_by_key(|&i| ids[i].len());
@@ -169,7 +176,12 @@ impl SentenceEmbedder {
         for group in order.chunks(self.options.batch_size) {
             let rows: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
             let pooled = self.forward(&rows, false)?;
-            for (&i, v) in group.iter().zip(pooled.into_iter().next().unwrap_or_default()) {
+            let pooled =
+                pooled.into_iter().next().ok_or_else(|| ModelError::Input("the compiled graph returned no pooled output".into()))?;
+            if pooled.len() < group.len() {
+                return Err(ModelError::Input(format!("the compiled graph returned {} rows for {} texts", pooled.len(), group.len())));
+            }
+            for (&i, v) in group.iter().zip(pooled) {
                 out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
             }
             progress(group.len());
@@ -181,9 +193,18 @@ impl SentenceEmbedder {
     /// then each layer's output, each `[len][hidden]` row-major (padding
     /// rows removed).
     pub fn hidden_states(&self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.check_ids(std::iter::once(ids))?;
         let outs = self.forward(&[ids], true)?;
         let width = ids.len() * self.dim();
-        Ok(outs.into_iter().skip(1).map(|mut rows| rows.swap_remove(0).into_iter().take(width).collect()).collect())
+        outs.into_iter()
+            .skip(1)
+            .map(|rows| {
+                rows.into_iter()
+                    .next()
+                    .map(|row| row.into_iter().take(width).collect())
+                    .ok_or_else(|| ModelError::Input("the compiled graph returned an empty hidden-state output".into()))
+            })
+            .collect()
     }
 
     /// The smallest sequence bucket that holds `len` tokens.

@@ -317,3 +317,22 @@ fn npy_and_jsonl_to_a_stream() {
     w.finish().expect("finish");
     assert_eq!(String::from_utf8(sink.0.lock().expect("lock").clone()).expect("utf-8"), "{\"index\":0,\"embedding\":[0.25]}\n");
 }
+
+#[test]
+fn a_named_pooling_module_without_its_config_is_refused() {
+    let dir = temp_dir("pooling");
+    let modules = r#"[{"idx":0,"name":"0","path":"","type":"sentence_transformers.models.Transformer"},
+                      {"idx":1,"name":"1","path":"1_Pooling","type":"sentence_transformers.models.Pooling"}]"#;
+    std::fs::write(dir.join("modules.json"), modules).unwrap();
+    let err = rlx_models::SentenceConfig::from_dir(&dir, &tiny()).unwrap_err().to_string();
+    assert!(err.contains("Pooling") && err.contains("1_Pooling"), "{err}");
+    // With the config present, CLS pooling is read from it.
+    std::fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+    std::fs::write(dir.join("1_Pooling/config.json"), r#"{"pooling_mode_cls_token": true, "pooling_mode_mean_tokens": false}"#).unwrap();
+    let cfg = rlx_models::SentenceConfig::from_dir(&dir, &tiny()).unwrap();
+    assert_eq!(cfg.pooling, rlx_models::Pooling::Cls);
+    // A max_seq_length that is not a positive integer is an error, not ignored.
+    std::fs::write(dir.join("sentence_bert_config.json"), r#"{"max_seq_length": "long"}"#).unwrap();
+    let err = rlx_models::SentenceConfig::from_dir(&dir, &tiny()).unwrap_err().to_string();
+    assert!(err.contains("max_seq_length"), "{err}");
+}

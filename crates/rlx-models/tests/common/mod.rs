@@ -37,7 +37,8 @@ pub fn u32s(v: &Value) -> Vec<u32> {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    // A NaN counts as an infinite difference (f32::max would drop it).
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).map(|d| if d.is_nan() { f32::INFINITY } else { d }).fold(0.0, f32::max)
 }
 
 /// Whether a CUDA device is usable. Without one the test prints why and is
