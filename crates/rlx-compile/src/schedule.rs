@@ -94,7 +94,8 @@ pub struct AttentionThunk {
     pub mask_dtype: DType,
     /// i32 device scalar: keys `>= valid_len` are ignored; with `causal`,
     /// query i is at position `valid_len - q_len + i`. Without it valid_len
-    /// is kv_len.
+    /// is kv_len. A value outside `0..=kv_len` is an error (CPU) or is
+    /// clamped and raises the backend's error flag (GPU).
     pub valid_len: Option<BufRef>,
     pub out: BufRef,
 }

@@ -30,6 +30,7 @@ typedef long long i64;
 // Bits of the per-slot device error flag (see src/exec.rs).
 #define ERR_GATHER_ID 1
 #define ERR_STATE_OVERFLOW 2
+#define ERR_VALID_LEN 4
 
 #define MAX_RANK 8
 

@@ -486,6 +486,9 @@ impl Executable for CudaExecutable {
             if flag & 2 != 0 {
                 why.push("a state write ran past the state's capacity (position + new rows > max rows; nothing was written)");
             }
+            if flag & 4 != 0 {
+                why.push("an attention valid_len was outside 0..=kv_len (it was clamped)");
+            }
             return Err(RuntimeError::backend("cuda", format!("call {id}: {}", why.join("; "))));
         }
         Ok(outs)

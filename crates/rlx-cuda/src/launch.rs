@@ -427,7 +427,8 @@ pub(crate) fn lower(
                 .p(a.k.row_stride)
                 .p(a.v.batch_stride)
                 .p(a.v.row_stride)
-                .f(a.scale as f64);
+                .f(a.scale as f64)
+                .p(b.err);
             // Tensor cores for f16/bf16 with head_dim a multiple of 16 and at
             // least one full 16-row fragment of queries; the scalar kernel otherwise.
             // ... and only when its 64-row blocks fill the GPU: at batch 1 the

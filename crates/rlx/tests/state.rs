@@ -153,3 +153,45 @@ fn prefill_then_decode() {
     assert_close("prefill", &a, &w(0, prefill), 1e-5);
     assert_close("second window", &b, &w(start, prefill), 1e-5);
 }
+
+/// A valid_len outside 0..=kv_len is an error on every backend, and the
+/// executable stays usable; on CUDA (when present) the same as on the CPU.
+#[test]
+fn valid_len_out_of_range_is_an_error_on_every_backend() {
+    let mut devices = vec![Device::Cpu];
+    match Session::new(Device::Cuda(0)) {
+        Ok(_) => devices.push(Device::Cuda(0)),
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => eprintln!("SKIPPED the CUDA half: no CUDA device ({e})"),
+    }
+    let mut r = rng(23);
+    let q = randn(&mut r, H * D);
+    let k = randn(&mut r, KVH * D);
+    let v = randn(&mut r, KVH * D);
+    for device in devices {
+        let s = Session::new(device).unwrap();
+        let mut exe = s.compile(&step_graph(1)).unwrap();
+        let pos = Tensor::from_i32([1], &[0]).unwrap();
+        let run = |exe: &mut rlx::CompiledGraph, len: i32| {
+            let len = Tensor::from_i32([1], &[len]).unwrap();
+            exe.run(&[
+                ("q", &rows(&q, H * D, 0, 1)),
+                ("k", &rows(&k, KVH * D, 0, 1)),
+                ("v", &rows(&v, KVH * D, 0, 1)),
+                ("pos", &pos),
+                ("len", &len),
+            ])
+        };
+        for bad in [MAX as i32 + 1, -1] {
+            let err = run(&mut exe, bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains("valid_len"), "{device}: valid_len {bad} must be an error, got '{err}'");
+        }
+        // Still usable: one key, so the output is v's head for each query head.
+        let out = run(&mut exe, 1).unwrap()[0].to_f32();
+        for h in 0..H {
+            let kh = h / (H / KVH);
+            let want: Vec<f64> = v[kh * D..(kh + 1) * D].iter().map(|&x| x as f64).collect();
+            assert_close(&format!("{device} head {h}"), &out[h * D..(h + 1) * D], &want, 1e-5);
+        }
+    }
+}
