@@ -29,6 +29,12 @@ pub fn extent(dims: &[usize], strides: &[u64]) -> u64 {
     dims.iter().zip(strides).fold(1u64, |acc, (&d, &s)| acc.saturating_add((d as u64 - 1).saturating_mul(s)))
 }
 
+/// Product of dims, saturating: a schedule whose sizes overflow asks for
+/// usize::MAX bytes and fails validation instead of wrapping to a small size.
+fn prod(dims: &[usize]) -> usize {
+    dims.iter().fold(1usize, |acc, &d| acc.saturating_mul(d))
+}
+
 fn n_bytes(elems: usize, dtype: DType) -> u64 {
     (elems as u64).saturating_mul(dtype.size() as u64)
 }
@@ -127,13 +133,13 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             let mut v = vec![
                 Operand { what: "a", buf: mm.a, need: a.saturating_mul(es), align: mm.dtype.size(), write: false },
                 Operand { what: "b", buf: mm.b, need: b.saturating_mul(es), align: mm.dtype.size(), write: false },
-                wr("out", mm.out, mm.batch * mm.m * mm.n, mm.dtype),
+                wr("out", mm.out, prod(&[mm.batch, mm.m, mm.n]), mm.dtype),
             ];
             if let Some(bias) = mm.bias {
                 v.push(rd("bias", bias, mm.n, mm.dtype));
             }
             if let Some(r) = mm.residual {
-                v.push(rd("residual", r, mm.batch * mm.m * mm.n, mm.dtype));
+                v.push(rd("residual", r, prod(&[mm.batch, mm.m, mm.n]), mm.dtype));
             }
             v
         }
@@ -142,14 +148,18 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             vec![
                 Operand { what: "a", buf: *a, need: extent(out_shape, a_strides).saturating_mul(es), align: dtype.size(), write: false },
                 Operand { what: "b", buf: *b, need: extent(out_shape, b_strides).saturating_mul(es), align: dtype.size(), write: false },
-                wr("out", *out, out_shape.iter().product(), *dtype),
+                wr("out", *out, prod(out_shape), *dtype),
             ]
         }
         Thunk::Activation { dtype, n, x, out, .. } => vec![rd("x", *x, *n, *dtype), wr("out", *out, *n, *dtype)],
         Thunk::Norm { dtype, rows, cols, x, residual, gamma, beta, out, .. } => {
-            let mut v = vec![rd("x", *x, rows * cols, *dtype), rd("gamma", *gamma, *cols, *dtype), wr("out", *out, rows * cols, *dtype)];
+            let mut v = vec![
+                rd("x", *x, prod(&[*rows, *cols]), *dtype),
+                rd("gamma", *gamma, *cols, *dtype),
+                wr("out", *out, prod(&[*rows, *cols]), *dtype),
+            ];
             if let Some(r) = residual {
-                v.push(rd("residual", *r, rows * cols, *dtype));
+                v.push(rd("residual", *r, prod(&[*rows, *cols]), *dtype));
             }
             if let Some(b) = beta {
                 v.push(rd("beta", *b, *cols, *dtype));
@@ -157,26 +167,30 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             v
         }
         Thunk::Softmax { dtype, outer, len, inner, x, out } => {
-            vec![rd("x", *x, outer * len * inner, *dtype), wr("out", *out, outer * len * inner, *dtype)]
+            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *len, *inner]), *dtype)]
         }
         Thunk::Reduce { dtype, outer, len, inner, x, out, .. } => {
-            vec![rd("x", *x, outer * len * inner, *dtype), wr("out", *out, outer * inner, *dtype)]
+            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *inner]), *dtype)]
         }
         Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
-            vec![rd("x", *x, outer * len * inner, *dtype), wr("out", *out, outer * inner, DType::I32)]
+            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *inner]), DType::I32)]
         }
         Thunk::TopK { dtype, rows, len, k, x, values, indices } => {
-            let mut v = vec![rd("x", *x, rows * len, *dtype)];
+            let mut v = vec![rd("x", *x, prod(&[*rows, *len]), *dtype)];
             if let Some(b) = values {
-                v.push(wr("values", *b, rows * k, *dtype));
+                v.push(wr("values", *b, prod(&[*rows, *k]), *dtype));
             }
             if let Some(b) = indices {
-                v.push(wr("indices", *b, rows * k, DType::I32));
+                v.push(wr("indices", *b, prod(&[*rows, *k]), DType::I32));
             }
             v
         }
         Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
-            vec![rd("table", *table, vocab * dim, *dtype), rd("ids", *ids, *n, *id_dtype), wr("out", *out, n * dim, *dtype)]
+            vec![
+                rd("table", *table, prod(&[*vocab, *dim]), *dtype),
+                rd("ids", *ids, *n, *id_dtype),
+                wr("out", *out, prod(&[*n, *dim]), *dtype),
+            ]
         }
         Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
             let es = dtype.size() as u64;
@@ -187,16 +201,16 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
         }
         Thunk::Cast { from, to, n, src, dst } => vec![rd("src", *src, *n, *from), wr("dst", *dst, *n, *to)],
         Thunk::Attention(a) => {
-            let qw = a.heads * a.head_dim;
-            let kw = a.kv_heads * a.head_dim;
+            let qw = prod(&[a.heads, a.head_dim]);
+            let kw = prod(&[a.kv_heads, a.head_dim]);
             let mut v = vec![
                 seq(&a.q, a.batch, a.q_len, qw, a.dtype, "q"),
                 seq(&a.k, a.batch, a.kv_len, kw, a.dtype, "k"),
                 seq(&a.v, a.batch, a.kv_len, kw, a.dtype, "v"),
-                wr("out", a.out, a.batch * a.q_len * qw, a.dtype),
+                wr("out", a.out, prod(&[a.batch, a.q_len, qw]), a.dtype),
             ];
             if let Some(m) = a.mask {
-                v.push(rd("mask", m, a.batch * a.kv_len, a.mask_dtype));
+                v.push(rd("mask", m, prod(&[a.batch, a.kv_len]), a.mask_dtype));
             }
             if let Some(l) = a.valid_len {
                 v.push(rd("valid_len", l, 1, DType::I32));
@@ -204,9 +218,13 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             v
         }
         Thunk::Rope { dtype, batch, seq: s, heads, head_dim, x, positions, positions_per_batch, out, .. } => {
-            let w = heads * head_dim;
-            let np = if *positions_per_batch { batch * s } else { *s };
-            vec![seq(x, *batch, *s, w, *dtype, "x"), rd("positions", *positions, np, DType::I32), wr("out", *out, batch * s * w, *dtype)]
+            let w = prod(&[*heads, *head_dim]);
+            let np = if *positions_per_batch { prod(&[*batch, *s]) } else { *s };
+            vec![
+                seq(x, *batch, *s, w, *dtype, "x"),
+                rd("positions", *positions, np, DType::I32),
+                wr("out", *out, prod(&[*batch, *s, w]), *dtype),
+            ]
         }
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let es = dtype.size() as u64;
@@ -225,19 +243,19 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                     align: dtype.size(),
                     write: false,
                 },
-                wr("out", *out, rows * cols, *dtype),
+                wr("out", *out, prod(&[*rows, *cols]), *dtype),
             ]
         }
         Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => vec![
-            wr("state", *state, batch * max_rows * width, *dtype),
-            rd("value", *value, batch * new_rows * width, *dtype),
+            wr("state", *state, prod(&[*batch, *max_rows, *width]), *dtype),
+            rd("value", *value, prod(&[*batch, *new_rows, *width]), *dtype),
             rd("position", *position, 1, DType::I32),
         ],
     }
 }
 
 fn overlaps(a: &BufRef, b: &BufRef) -> bool {
-    a.space == b.space && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes
+    a.space == b.space && a.offset < b.offset.saturating_add(b.bytes) && b.offset < a.offset.saturating_add(a.bytes)
 }
 
 /// Structural checks plus bounds of every operand against `mem`'s layout.

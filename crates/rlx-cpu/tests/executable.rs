@@ -110,6 +110,17 @@ fn out_of_bounds_buffer_is_a_prepare_error() {
     }
     let err = p.prepare(1).err().expect("extent error");
     assert!(err.to_string().contains("touches"), "{err}");
+
+    // Dims whose product overflows (a malformed or hand-made schedule) must
+    // not wrap to a small size that passes the check.
+    let mut p = scale_plan(&[1.0; 4]);
+    if let Thunk::Binary { out_shape, a_strides, b_strides, .. } = &mut p.thunks[0] {
+        *out_shape = vec![1 << 33, 1 << 31, 4];
+        *a_strides = vec![0, 0, 1];
+        *b_strides = vec![0, 0, 0];
+    }
+    let err = p.prepare(1).err().expect("overflow error");
+    assert!(err.to_string().contains("touches"), "{err}");
 }
 
 #[test]
