@@ -7,6 +7,7 @@
 
 pub mod layout;
 mod lower;
+pub mod operands;
 pub mod passes;
 pub mod plan;
 mod print;

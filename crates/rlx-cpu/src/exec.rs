@@ -70,6 +70,8 @@ struct Worker {
     b_cache: Vec<Option<Vec<f32>>>,
     scratch: Scratch,
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// RLX_PROFILE: print host time per thunk kind after every call.
+    profile: bool,
     /// Set when rebinding changed weights failed, so the next call tries
     /// again instead of running on the old binding because the store's
     /// version already looked seen.
@@ -105,6 +107,7 @@ impl Worker {
             b_cache: Vec::new(),
             scratch: Scratch::default(),
             pool,
+            profile: std::env::var("RLX_PROFILE").map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no")).unwrap_or(false),
             rebind_failed: Arc::new(AtomicBool::new(false)),
         };
         w.bind_weights(resolve_all(&w.schedule, store)?)?;
@@ -194,15 +197,29 @@ impl Worker {
         }
         let threads = self.pool.as_ref().map(|p| p.current_num_threads()).unwrap_or_else(rayon::current_num_threads);
         let (schedule, scratch, cache) = (&self.schedule, &mut self.scratch, &self.b_cache);
+        let profile = self.profile;
         let mut body = || -> Result<()> {
+            let mut per: std::collections::BTreeMap<&str, (Duration, usize)> = Default::default();
+            let start = Instant::now();
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let b = cache.get(i).and_then(|c| c.as_deref());
-                kernels::run(t, &mem, scratch, b, threads).map_err(|e| match e {
+                let t0 = profile.then(Instant::now);
+                let r = kernels::run(t, &mem, scratch, b, threads);
+                if let Some(t0) = t0 {
+                    let e = per.entry(t.kind()).or_default();
+                    e.0 += t0.elapsed();
+                    e.1 += 1;
+                }
+                r.map_err(|e| match e {
                     RuntimeError::Backend { backend, detail } => {
                         RuntimeError::Backend { backend, detail: format!("thunk #{i} ({}): {detail}", t.kind()) }
                     }
                     other => other,
                 })?;
+            }
+            if profile {
+                let list: Vec<String> = per.iter().map(|(k, (d, n))| format!("{k} {:.1}us/{n}", d.as_secs_f64() * 1e6)).collect();
+                eprintln!("rlx-cpu profile: total {:.1}us: {}", start.elapsed().as_secs_f64() * 1e6, list.join(", "));
             }
             Ok(())
         };

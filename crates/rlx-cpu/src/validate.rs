@@ -3,41 +3,11 @@
 //! operand's `BufRef`, which stays inside its memory space. After this the
 //! kernels can trust the schedule.
 
-use rlx_compile::{BufRef, SeqView, Thunk};
+use rlx_compile::operands::{check_operands, operands};
+use rlx_compile::Thunk;
 use rlx_ir::DType;
 
 use crate::memory::Mem;
-
-/// One operand of a thunk as the kernel will touch it.
-pub struct Operand {
-    pub what: &'static str,
-    pub buf: BufRef,
-    /// Bytes the kernel reads or writes from `buf.offset`.
-    pub need: u64,
-    /// Alignment of the element type the kernel views it as.
-    pub align: usize,
-    pub write: bool,
-}
-
-/// Elements spanned by a strided view: 1 + Σ (dim - 1) * stride, or 0 for
-/// an empty view. Saturates rather than overflowing, so a huge stride fails
-/// the bounds check instead of wrapping.
-pub fn extent(dims: &[usize], strides: &[u64]) -> u64 {
-    if dims.contains(&0) {
-        return 0;
-    }
-    dims.iter().zip(strides).fold(1u64, |acc, (&d, &s)| acc.saturating_add((d as u64 - 1).saturating_mul(s)))
-}
-
-/// Product of dims, saturating: a schedule whose sizes overflow asks for
-/// usize::MAX bytes and fails validation instead of wrapping to a small size.
-fn prod(dims: &[usize]) -> usize {
-    dims.iter().fold(1usize, |acc, &d| acc.saturating_mul(d))
-}
-
-fn n_bytes(elems: usize, dtype: DType) -> u64 {
-    (elems as u64).saturating_mul(dtype.size() as u64)
-}
 
 fn float(dtype: DType, what: &str) -> Result<(), String> {
     if dtype.is_float() {
@@ -45,19 +15,6 @@ fn float(dtype: DType, what: &str) -> Result<(), String> {
     } else {
         Err(format!("{what} must be f32, f16 or bf16, found {dtype}"))
     }
-}
-
-fn seq(view: &SeqView, batch: usize, rows: usize, width: usize, dtype: DType, what: &'static str) -> Operand {
-    let e = extent(&[batch, rows, width], &[view.batch_stride, view.row_stride, 1]);
-    Operand { what, buf: view.buf, need: e.saturating_mul(dtype.size() as u64), align: dtype.size(), write: false }
-}
-
-fn rd(what: &'static str, buf: BufRef, elems: usize, dtype: DType) -> Operand {
-    Operand { what, buf, need: n_bytes(elems, dtype), align: dtype.size(), write: false }
-}
-
-fn wr(what: &'static str, buf: BufRef, elems: usize, dtype: DType) -> Operand {
-    Operand { what, buf, need: n_bytes(elems, dtype), align: dtype.size(), write: true }
 }
 
 /// The structural checks (dtypes, dims) that decide `Backend::supports`.
@@ -119,175 +76,13 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
     }
 }
 
-/// Every operand of a thunk with the bytes its kernel touches.
-pub fn operands(t: &Thunk) -> Vec<Operand> {
-    match t {
-        Thunk::MatMul(mm) => {
-            let es = mm.dtype.size() as u64;
-            let a = extent(&[mm.batch, mm.m, mm.k], &[mm.a_batch_stride, mm.lda, 1]);
-            let b = if mm.b_trans {
-                extent(&[mm.batch, mm.n, mm.k], &[mm.b_batch_stride, mm.ldb, 1])
-            } else {
-                extent(&[mm.batch, mm.k, mm.n], &[mm.b_batch_stride, mm.ldb, 1])
-            };
-            let mut v = vec![
-                Operand { what: "a", buf: mm.a, need: a.saturating_mul(es), align: mm.dtype.size(), write: false },
-                Operand { what: "b", buf: mm.b, need: b.saturating_mul(es), align: mm.dtype.size(), write: false },
-                wr("out", mm.out, prod(&[mm.batch, mm.m, mm.n]), mm.dtype),
-            ];
-            if let Some(bias) = mm.bias {
-                v.push(rd("bias", bias, mm.n, mm.dtype));
-            }
-            if let Some(r) = mm.residual {
-                v.push(rd("residual", r, prod(&[mm.batch, mm.m, mm.n]), mm.dtype));
-            }
-            v
-        }
-        Thunk::Binary { dtype, out_shape, a, a_strides, b, b_strides, out, .. } => {
-            let es = dtype.size() as u64;
-            vec![
-                Operand { what: "a", buf: *a, need: extent(out_shape, a_strides).saturating_mul(es), align: dtype.size(), write: false },
-                Operand { what: "b", buf: *b, need: extent(out_shape, b_strides).saturating_mul(es), align: dtype.size(), write: false },
-                wr("out", *out, prod(out_shape), *dtype),
-            ]
-        }
-        Thunk::Activation { dtype, n, x, out, .. } => vec![rd("x", *x, *n, *dtype), wr("out", *out, *n, *dtype)],
-        Thunk::Norm { dtype, rows, cols, x, residual, gamma, beta, out, .. } => {
-            let mut v = vec![
-                rd("x", *x, prod(&[*rows, *cols]), *dtype),
-                rd("gamma", *gamma, *cols, *dtype),
-                wr("out", *out, prod(&[*rows, *cols]), *dtype),
-            ];
-            if let Some(r) = residual {
-                v.push(rd("residual", *r, prod(&[*rows, *cols]), *dtype));
-            }
-            if let Some(b) = beta {
-                v.push(rd("beta", *b, *cols, *dtype));
-            }
-            v
-        }
-        Thunk::Softmax { dtype, outer, len, inner, x, out } => {
-            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *len, *inner]), *dtype)]
-        }
-        Thunk::Reduce { dtype, outer, len, inner, x, out, .. } => {
-            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *inner]), *dtype)]
-        }
-        Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
-            vec![rd("x", *x, prod(&[*outer, *len, *inner]), *dtype), wr("out", *out, prod(&[*outer, *inner]), DType::I32)]
-        }
-        Thunk::TopK { dtype, rows, len, k, x, values, indices } => {
-            let mut v = vec![rd("x", *x, prod(&[*rows, *len]), *dtype)];
-            if let Some(b) = values {
-                v.push(wr("values", *b, prod(&[*rows, *k]), *dtype));
-            }
-            if let Some(b) = indices {
-                v.push(wr("indices", *b, prod(&[*rows, *k]), DType::I32));
-            }
-            v
-        }
-        Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
-            vec![
-                rd("table", *table, prod(&[*vocab, *dim]), *dtype),
-                rd("ids", *ids, *n, *id_dtype),
-                wr("out", *out, prod(&[*n, *dim]), *dtype),
-            ]
-        }
-        Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
-            let es = dtype.size() as u64;
-            vec![
-                Operand { what: "src", buf: *src, need: extent(shape, src_strides).saturating_mul(es), align: dtype.size(), write: false },
-                Operand { what: "dst", buf: *dst, need: extent(shape, dst_strides).saturating_mul(es), align: dtype.size(), write: true },
-            ]
-        }
-        Thunk::Cast { from, to, n, src, dst } => vec![rd("src", *src, *n, *from), wr("dst", *dst, *n, *to)],
-        Thunk::Attention(a) => {
-            let qw = prod(&[a.heads, a.head_dim]);
-            let kw = prod(&[a.kv_heads, a.head_dim]);
-            let mut v = vec![
-                seq(&a.q, a.batch, a.q_len, qw, a.dtype, "q"),
-                seq(&a.k, a.batch, a.kv_len, kw, a.dtype, "k"),
-                seq(&a.v, a.batch, a.kv_len, kw, a.dtype, "v"),
-                wr("out", a.out, prod(&[a.batch, a.q_len, qw]), a.dtype),
-            ];
-            if let Some(m) = a.mask {
-                v.push(rd("mask", m, prod(&[a.batch, a.kv_len]), a.mask_dtype));
-            }
-            if let Some(l) = a.valid_len {
-                v.push(rd("valid_len", l, 1, DType::I32));
-            }
-            v
-        }
-        Thunk::Rope { dtype, batch, seq: s, heads, head_dim, x, positions, positions_per_batch, out, .. } => {
-            let w = prod(&[*heads, *head_dim]);
-            let np = if *positions_per_batch { prod(&[*batch, *s]) } else { *s };
-            vec![
-                seq(x, *batch, *s, w, *dtype, "x"),
-                rd("positions", *positions, np, DType::I32),
-                wr("out", *out, prod(&[*batch, *s, w]), *dtype),
-            ]
-        }
-        Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
-            let es = dtype.size() as u64;
-            vec![
-                Operand {
-                    what: "gate",
-                    buf: gate.buf,
-                    need: extent(&[*rows, *cols], &[gate.row_stride, 1]).saturating_mul(es),
-                    align: dtype.size(),
-                    write: false,
-                },
-                Operand {
-                    what: "up",
-                    buf: up.buf,
-                    need: extent(&[*rows, *cols], &[up.row_stride, 1]).saturating_mul(es),
-                    align: dtype.size(),
-                    write: false,
-                },
-                wr("out", *out, prod(&[*rows, *cols]), *dtype),
-            ]
-        }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => vec![
-            wr("state", *state, prod(&[*batch, *max_rows, *width]), *dtype),
-            rd("value", *value, prod(&[*batch, *new_rows, *width]), *dtype),
-            rd("position", *position, 1, DType::I32),
-        ],
-    }
-}
-
-fn overlaps(a: &BufRef, b: &BufRef) -> bool {
-    a.space == b.space && a.offset < b.offset.saturating_add(b.bytes) && b.offset < a.offset.saturating_add(a.bytes)
-}
-
-/// Structural checks plus bounds of every operand against `mem`'s layout.
+/// Structural checks, every operand inside its memory space and aligned
+/// for its element type, and the backend-neutral operand checks
+/// (`rlx_compile::operands`).
 pub fn validate_thunk(t: &Thunk, mem: &Mem) -> Result<(), String> {
     check_thunk(t)?;
     for op in operands(t) {
         mem.check(&op.buf, op.align).map_err(|e| format!("operand {}: {e}", op.what))?;
-        if op.need > op.buf.bytes {
-            return Err(format!("operand {}: the kernel touches {} bytes but the buffer holds {}", op.what, op.need, op.buf.bytes));
-        }
-        if op.write && matches!(op.buf.space, rlx_compile::Space::Weight(_) | rlx_compile::Space::Const(_)) {
-            return Err(format!("operand {} writes to read-only {:?}", op.what, op.buf.space));
-        }
     }
-    // Attention tasks read every key and value row while others write
-    // their output rows, so the output must not share bytes with q, k or v.
-    if let Thunk::Attention(a) = t {
-        if [a.q.buf, a.k.buf, a.v.buf].iter().any(|b| overlaps(&a.out, b)) {
-            return Err("attention output overlaps q, k or v".into());
-        }
-    }
-    // gemm reads its operands while it writes the output, so they must not
-    // share bytes (elementwise kernels may run in place; a matmul cannot).
-    if let Thunk::MatMul(mm) = t {
-        if overlaps(&mm.out, &mm.a) || overlaps(&mm.out, &mm.b) {
-            return Err("matmul output overlaps an operand (a or b)".into());
-        }
-        if let Some(r) = mm.residual {
-            if overlaps(&mm.out, &r) && r != mm.out {
-                return Err("matmul residual partly overlaps the output (it must be the same buffer or disjoint)".into());
-            }
-        }
-    }
-    Ok(())
+    check_operands(t)
 }

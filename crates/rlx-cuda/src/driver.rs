@@ -185,14 +185,29 @@ impl PinnedBuffer {
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
-    pub fn slice(&self, off: usize, len: usize) -> &[u8] {
-        // SAFETY: callers stay inside the allocation (offsets come from our own layout).
-        unsafe { std::slice::from_raw_parts(self.ptr.add(off), len.min(self.len - off.min(self.len))) }
+    /// Bytes off..off + len, or `None` when that range is not all inside
+    /// the buffer (never a silently shorter slice).
+    pub fn slice(&self, off: usize, len: usize) -> Option<&[u8]> {
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: off..end lies inside the allocation (checked above).
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(off), len) })
     }
-    pub fn write(&mut self, off: usize, data: &[u8]) {
-        let n = data.len().min(self.len.saturating_sub(off));
-        // SAFETY: bounded by the allocation length.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), n) };
+    /// Copies data to off; an error when it would not fit (nothing written).
+    pub fn write(&mut self, off: usize, data: &[u8]) -> Result<()> {
+        match off.checked_add(data.len()) {
+            Some(end) if end <= self.len => {
+                // SAFETY: off..end lies inside the allocation (checked above).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) };
+                Ok(())
+            }
+            _ => Err(RuntimeError::backend(
+                "cuda",
+                format!("staging write of {} bytes at offset {off} overruns the {}-byte pinned buffer", data.len(), self.len),
+            )),
+        }
     }
 }
 

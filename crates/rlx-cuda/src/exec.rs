@@ -103,8 +103,9 @@ fn check_buf(
         Space::Const(i) => consts.get(i as usize).map(|w| w.bytes),
     };
     match cap {
-        Some(c) if b.offset + b.bytes <= c => Ok(()),
-        Some(c) => Err(err(format!("{what}: bytes {}..{} of {:?} overrun its {c} bytes", b.offset, b.offset + b.bytes, b.space))),
+        // checked_add: a lying schedule must fail here, not wrap.
+        Some(c) if b.offset.checked_add(b.bytes).is_some_and(|end| end <= c) => Ok(()),
+        Some(c) => Err(err(format!("{what}: {} bytes at offset {} of {:?} overrun its {c} bytes", b.bytes, b.offset, b.space))),
         None => Err(err(format!("{what}: {:?} does not exist in this schedule", b.space))),
     }
 }
@@ -151,6 +152,9 @@ impl CudaExecutable {
             for b in thunk_bufs(t) {
                 check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &states, &consts)?;
             }
+            // Dims × strides of every operand inside its BufRef, the same
+            // check the CPU backend makes, so the kernels can trust them.
+            rlx_compile::operands::check_operands(t).map_err(|e| err(format!("thunk {i} ({}): {e}", t.kind())))?;
         }
         for s in schedule.inputs.iter().chain(&schedule.outputs) {
             check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &states, &consts)?;
@@ -415,7 +419,7 @@ impl Executable for CudaExecutable {
         {
             let slot = &mut self.slots[si];
             for (t, (off, _)) in tensors.iter().zip(&self.in_layout) {
-                slot.pin_in.write(*off, t.bytes());
+                slot.pin_in.write(*off, t.bytes())?;
             }
         }
         let t_launch = Instant::now();
@@ -466,10 +470,11 @@ impl Executable for CudaExecutable {
         let t1 = Instant::now();
         let mut outs = Vec::with_capacity(self.out_layout.len());
         for (s, (off, bytes)) in self.schedule.outputs.iter().zip(&self.out_layout) {
-            outs.push(Tensor::from_bytes(s.shape.clone(), s.dtype, slot.pin_out.slice(*off, *bytes).to_vec())?);
+            let b = slot.pin_out.slice(*off, *bytes).ok_or_else(|| err(format!("output '{}' lies outside the staging buffer", s.name)))?;
+            outs.push(Tensor::from_bytes(s.shape.clone(), s.dtype, b.to_vec())?);
         }
         let flag = match slot.pin_out.slice(self.flag_off, 4) {
-            [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]),
+            Some([a, b, c, d]) => u32::from_le_bytes([*a, *b, *c, *d]),
             _ => return Err(err("error flag missing from the staging buffer")),
         };
         if self.trace {

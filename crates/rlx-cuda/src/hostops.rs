@@ -54,7 +54,7 @@ impl HostTask {
     fn load(&self, i: usize) -> f32 {
         let es = self.dtype.size();
         let b = self.x.slice(i * es, es);
-        match (self.dtype, b) {
+        match (self.dtype, b.unwrap_or_default()) {
             (DType::F16, [a, c]) => f16::from_le_bytes([*a, *c]).to_f32(),
             (DType::BF16, [a, c]) => bf16::from_le_bytes([*a, *c]).to_f32(),
             (_, [a, c, d, e]) => f32::from_le_bytes([*a, *c, *d, *e]),
@@ -88,7 +88,11 @@ impl HostTask {
             }
             order.sort_by(key);
             for (i, &j) in order.iter().take(self.k).enumerate() {
-                vals[i * es..(i + 1) * es].copy_from_slice(self.x.slice((r * self.len + j) * es, es));
+                // x holds rows × len values (sized at prepare); a missing
+                // value would leave zeros rather than panic in a callback.
+                if let Some(v) = self.x.slice((r * self.len + j) * es, es) {
+                    vals[i * es..(i + 1) * es].copy_from_slice(v);
+                }
                 idx[i * 4..i * 4 + 4].copy_from_slice(&(j as i32).to_le_bytes());
             }
             write_pinned(&self.values, r * self.k * es, &vals);

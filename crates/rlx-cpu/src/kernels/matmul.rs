@@ -12,8 +12,8 @@ use rlx_ir::DType;
 use crate::elem::{with_float, Elem};
 use crate::kernels::matmul_small::{self, SmallArgs};
 use crate::memory::{gemm_f32, Dst, MatRef, Mem, Src};
-use crate::validate::extent;
 use crate::{act, exec_err, Result, Scratch};
+use rlx_compile::operands::extent;
 
 /// An f32 operand: a view plus its batch stride, row and column strides.
 struct Operand<'a> {
