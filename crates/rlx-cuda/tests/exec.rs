@@ -341,3 +341,28 @@ fn missing_device_is_an_error() {
     assert!(d.contains("CUDA driver") && d.contains("NVRTC"), "{d}");
     eprintln!("{d}");
 }
+
+#[test]
+fn a_schedule_whose_strides_overrun_a_buffer_is_refused_at_prepare() {
+    let Some(g) = gpu() else { return };
+    let mut sb = Sb::new();
+    let x = sb.input("x", &[2, 3], DType::F32);
+    let y = sb.input("y", &[2, 3], DType::F32);
+    let out = sb.output("out", &[2, 3], DType::F32);
+    // Row stride 4 over 24-byte inputs: the kernel would read 28 bytes.
+    sb.thunk(Thunk::Binary {
+        op: BinaryOp::Add,
+        dtype: DType::F32,
+        out_shape: vec![2, 3],
+        a: x,
+        a_strides: vec![4, 1],
+        b: y,
+        b_strides: vec![3, 1],
+        out,
+    });
+    let (s, w) = sb.finish();
+    match g.prepare(s, w, &PrepareOptions::default()) {
+        Err(e) => assert!(e.to_string().contains("operand a") && e.to_string().contains("28"), "{e}"),
+        Ok(_) => panic!("a read past the input buffer was accepted"),
+    }
+}
