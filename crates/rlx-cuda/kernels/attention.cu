@@ -135,9 +135,9 @@ __device__ void attention_body(const AttnP& p) {
 
 // attention_<HDP>_<RPW>_<dtype>
 #define RLX_ATTN(HDP, RPW)                                                                                              \
-    extern "C" __global__ void attention_##HDP##_##RPW##_f32(const AttnP p) { attention_body<float, HDP, RPW>(p); }    \
-    extern "C" __global__ void attention_##HDP##_##RPW##_f16(const AttnP p) { attention_body<__half, HDP, RPW>(p); }   \
-    extern "C" __global__ void attention_##HDP##_##RPW##_bf16(const AttnP p) { attention_body<__nv_bfloat16, HDP, RPW>(p); }
+    extern "C" __global__ void attention_##HDP##_##RPW##_f32(const AttnP p) { pdl_enter(); attention_body<float, HDP, RPW>(p); }    \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f16(const AttnP p) { pdl_enter(); attention_body<__half, HDP, RPW>(p); }   \
+    extern "C" __global__ void attention_##HDP##_##RPW##_bf16(const AttnP p) { pdl_enter(); attention_body<__nv_bfloat16, HDP, RPW>(p); }
 RLX_ATTN(32, 1)
 RLX_ATTN(32, 4)
 RLX_ATTN(64, 1)

@@ -314,13 +314,253 @@ __device__ void attention_mma_body(const AttnP& p) {
     }
 }
 
+// Short sequences (the 64-row grid would leave SMs idle, e.g. batch 1 x 128
+// tokens x 12 heads = 24 blocks on 132 SMs): a block of 4 warps owns only 16
+// query rows of one (batch, head) and its warps split the keys instead.
+// Warp w takes key tiles w, w+4, w+8, ... of TKS keys into its own shared
+// buffers (cp.async on the aligned path) and keeps its own online softmax
+// over them; at the end the four partial (max, sum, output) triples are
+// merged through shared memory, which the K/V buffers no longer need.
+// Same masks, causal rule, valid_len and GQA mapping as attention_mma_body.
+template <typename T, int HDP>
+__device__ void attention_split_body(const AttnP& p) {
+    constexpr int TKS = HDP <= 64 ? 32 : 16;  // keys per warp tile: 4 warps' K+V fit in 48 KB
+    constexpr int KP = HDP + 8;
+    constexpr int CH = HDP / 8;
+    constexpr int OP = HDP + 4;  // f32 pitch of the merge buffer
+    constexpr int KV_BYTES = 4 * 2 * TKS * KP * 2;
+    constexpr int MERGE_BYTES = 4 * 16 * OP * 4;
+    constexpr int BYTES = KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES;
+    __shared__ __align__(16) unsigned char smem[BYTES];
+    __shared__ float sm_m[4][16], sm_l[4][16];
+    __shared__ unsigned char sok[4][TKS];
+    typedef unsigned short u16;
+    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
+    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * 16;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int hd = (int)p.hd;
+    const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
+
+    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
+    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+        atomicOr(p.err, ERR_VALID_LEN);
+    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
+    if (kv_end < 0) kv_end = 0;
+
+    const u16* qb = q + b * p.qbs + h * p.hd;
+    const u16* kb = k + b * p.kbs + kvh * p.hd;
+    const u16* vb = v + b * p.vbs + kvh * p.hd;
+    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
+                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
+
+    i64 last_row = r0 + 15 < p.q_len - 1 ? r0 + 15 : p.q_len - 1;
+    i64 tile_end = kv_end;
+    if (p.causal) {
+        i64 lim = valid - p.q_len + last_row + 1;
+        if (lim < tile_end) tile_end = lim;
+    }
+    const int ntiles = tile_end > 0 ? (int)((tile_end + TKS - 1) / TKS) : 0;
+
+    u16* sk = (u16*)smem + warp * 2 * TKS * KP;
+    u16* sv = sk + TKS * KP;
+    // This warp's first tile is in flight before the Q fragments load.
+    auto load_tile = [&](i64 t0) {
+        if (vec) {
+#pragma unroll
+            for (int it = 0; it < TKS * CH / 32; ++it) {
+                int e = lane + it * 32;
+                int j = e / CH, c = e % CH;
+                i64 key = t0 + j;
+                bool in = key < p.kv_len && c * 8 < hd;
+                cp_async16(sk + j * KP + c * 8, in ? kb + key * p.krs + c * 8 : kb, in);
+                cp_async16(sv + j * KP + c * 8, in ? vb + key * p.vrs + c * 8 : vb, in);
+            }
+        } else {
+#pragma unroll 4
+            for (int it = 0; it < TKS * HDP / 32; ++it) {
+                int e = lane + it * 32;
+                int j = e / HDP, d = e % HDP;
+                i64 key = t0 + j;
+                bool in = key < p.kv_len && d < hd;
+                sk[j * KP + d] = in ? kb[key * p.krs + d] : (u16)0;
+                sv[j * KP + d] = in ? vb[key * p.vrs + d] : (u16)0;
+            }
+        }
+        cp_async_commit();
+        if (lane < TKS) {
+            const i64 key = t0 + lane;
+            bool ok = key < kv_end;
+            if (ok && p.mask) ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+            sok[warp][lane] = ok;
+        }
+    };
+    if (warp < ntiles) load_tile((i64)warp * TKS);
+
+    const i64 wr = r0 + g;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len || d >= hd) return 0u;
+        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);
+        unsigned lo = qb[row * p.qrs + d];
+        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
+        return lo | (hi << 16);
+    };
+    unsigned qa[HDP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+
+    float o[HDP / 8][4];
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const int mi = lane >> 3, mr = lane & 7;
+
+    for (int ti = warp; ti < ntiles; ti += 4) {
+        const i64 t0 = (i64)ti * TKS;
+        cp_async_wait<0>();
+        __syncwarp();
+        float s[TKS / 8][4];
+#pragma unroll
+        for (int n = 0; n < TKS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < HDP / 16; ++ks) {
+#pragma unroll
+            for (int n = 0; n < TKS / 8; ++n) {
+                const u16* kr = sk + (n * 8 + g) * KP + ks * 16 + 2 * t;
+                Mma<T>::run(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < TKS / 8; ++n) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int j = n * 8 + 2 * t + c;
+                const bool ok = sok[warp][j] != 0;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    bool okr = ok && !(p.causal && t0 + j > valid - p.q_len + wr + 8 * half);
+                    float x = okr ? s[n][2 * half + c] * scale : -INFINITY;
+                    s[n][2 * half + c] = x;
+                    mx[half] = fmaxf(mx[half], x);
+                }
+            }
+        }
+        float corr[2], mu[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+            float mn = fmaxf(m[half], mx[half]);
+            mu[half] = mn == -INFINITY ? 0.0f : mn;
+            corr[half] = exp2f(m[half] - mu[half]);
+            m[half] = mn;
+        }
+        float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int n = 0; n < TKS / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pv = exp2f(s[n][e] - mu[e >> 1]);
+                s[n][e] = pv;
+                rs[e >> 1] += pv;
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 1);
+            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 2);
+            l[half] = l[half] * corr[half] + rs[half];
+        }
+#pragma unroll
+        for (int n = 0; n < HDP / 8; ++n) {
+            o[n][0] *= corr[0]; o[n][1] *= corr[0];
+            o[n][2] *= corr[1]; o[n][3] *= corr[1];
+        }
+#pragma unroll
+        for (int ks = 0; ks < TKS / 16; ++ks) {
+            unsigned pa[4];
+            pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+            pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+            pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+            const u16* vrow = sv + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
+#pragma unroll
+            for (int n = 0; n < HDP / 8; n += 2) {
+                unsigned vf[4];
+                ldsm_x4_trans(vf, vrow + n * 8);
+                Mma<T>::run(o[n], pa, vf[0], vf[1]);
+                Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
+            }
+        }
+        __syncwarp();  // every lane is done with this warp's buffers
+        if (ti + 4 < ntiles) load_tile(t0 + 4 * TKS);
+    }
+
+    // Merge: the K/V buffers become [warp][row][dim] partial outputs.
+    __syncthreads();
+    float* so = (float*)smem;
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) {
+        float* r_lo = so + (warp * 16 + g) * OP + n * 8 + 2 * t;
+        float* r_hi = r_lo + 8 * OP;
+        r_lo[0] = o[n][0]; r_lo[1] = o[n][1];
+        r_hi[0] = o[n][2]; r_hi[1] = o[n][3];
+    }
+    if (t == 0) {
+        sm_m[warp][g] = m[0]; sm_m[warp][g + 8] = m[1];
+        sm_l[warp][g] = l[0]; sm_l[warp][g + 8] = l[1];
+    }
+    __syncthreads();
+    // Thread -> row threadIdx.x / 8 and dim pairs (threadIdx.x % 8) * 2 + 16 i.
+    const int r = threadIdx.x >> 3, part = threadIdx.x & 7;
+    const i64 row = r0 + r;
+    if (row >= p.q_len) return;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mm = fmaxf(mm, sm_m[w][r]);
+    float f[4], lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        f[w] = mm == -INFINITY ? 0.0f : exp2f(sm_m[w][r] - mm);
+        lsum += f[w] * sm_l[w][r];
+    }
+    // A row that sees no key at all (fully masked) yields zeros.
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+    const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+#pragma unroll
+    for (int d = part * 2; d < HDP; d += 16) {
+        if (d >= hd) break;
+        float x0 = 0.0f, x1 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float* src = so + (w * 16 + r) * OP + d;
+            x0 += f[w] * src[0];
+            x1 += f[w] * src[1];
+        }
+        if (pairs) {
+            *(unsigned*)(orow + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+        } else {
+            st(orow, d, x0 * inv);
+            if (d + 1 < hd) st(orow, d + 1, x1 * inv);
+        }
+    }
+}
+
 // attention_mma_<HDP>_<dtype>. Head dims 32 and 64 are capped at 128
 // registers (__launch_bounds__(128, 4); ptxas -v: no spill at 64, 16 bytes at
 // 32) so 4 blocks share an SM instead of 3; 96 and 128 keep the compiler's
 // own allocation (a cap there spills, or costs blocks).
 #define RLX_ATTN_MMA(HDP, BOUNDS)                                                                                    \
-    extern "C" __global__ void BOUNDS attention_mma_##HDP##_f16(const AttnP p) { attention_mma_body<__half, HDP>(p); } \
+    extern "C" __global__ void BOUNDS attention_mma_##HDP##_f16(const AttnP p) { pdl_enter(); attention_mma_body<__half, HDP>(p); } \
     extern "C" __global__ void BOUNDS attention_mma_##HDP##_bf16(const AttnP p) {                                    \
+        pdl_enter();                                                                                                 \
         attention_mma_body<__nv_bfloat16, HDP>(p);                                                                   \
     }
 #define RLX_FOUR_PER_SM __launch_bounds__(128, 4)
@@ -329,3 +569,12 @@ RLX_ATTN_MMA(32, RLX_FOUR_PER_SM)
 RLX_ATTN_MMA(64, RLX_FOUR_PER_SM)
 RLX_ATTN_MMA(96, RLX_NO_BOUNDS)
 RLX_ATTN_MMA(128, RLX_NO_BOUNDS)
+
+// attention_split_<HDP>_<dtype>
+#define RLX_ATTN_SPLIT(HDP)                                                                                               \
+    extern "C" __global__ void attention_split_##HDP##_f16(const AttnP p) { pdl_enter(); attention_split_body<__half, HDP>(p); }      \
+    extern "C" __global__ void attention_split_##HDP##_bf16(const AttnP p) { pdl_enter(); attention_split_body<__nv_bfloat16, HDP>(p); }
+RLX_ATTN_SPLIT(32)
+RLX_ATTN_SPLIT(64)
+RLX_ATTN_SPLIT(96)
+RLX_ATTN_SPLIT(128)

@@ -64,13 +64,52 @@ __device__ void binary32_body(const BinaryP& p) {
 }
 RLX_FLOAT_KERNELS(binary32, BinaryP)
 
+// binary32 over 16-byte vectors: each thread takes E consecutive outputs.
+// The host checks that the innermost dim is a multiple of E, walked with
+// stride 1 by both operands, every other stride a multiple of E and every
+// pointer 16-byte aligned, so the E elements sit together in a, b and out.
+// Same float ops per element as `binary`, hence the same bits.
+template <typename T>
+__device__ void binary_vec_body(const BinaryP& p) {
+    constexpr int E = Vec16<T>::E;
+    const T* a = (const T*)p.a; const T* b = (const T*)p.b;
+    const unsigned nv = (unsigned)(p.n / E);
+    const int rank = (int)p.rank;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += gridDim.x * blockDim.x) {
+        unsigned rem = i * E, ai = 0, bi = 0;
+        for (int d = rank - 1; d > 0; --d) {
+            unsigned s = (unsigned)p.shape[d];
+            unsigned c = rem % s;
+            rem /= s;
+            ai += c * (unsigned)p.as[d];
+            bi += c * (unsigned)p.bs[d];
+        }
+        ai += rem * (unsigned)p.as[0];
+        bi += rem * (unsigned)p.bs[0];
+        float x[E], y[E];
+        Vec16<T>::load(*(const uint4*)(a + ai), x);
+        Vec16<T>::load(*(const uint4*)(b + bi), y);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            switch (p.op) {
+                case 0: x[e] = x[e] + y[e]; break;
+                case 1: x[e] = x[e] - y[e]; break;
+                case 2: x[e] = x[e] * y[e]; break;
+                default: x[e] = x[e] / y[e]; break;
+            }
+        }
+        ((uint4*)p.out)[i] = Vec16<T>::store(x);
+    }
+}
+RLX_FLOAT_KERNELS(binary_vec, BinaryP)
+
 struct ActP { const void* x; void* out; i64 n; i64 act; };
 
 template <typename T>
 __device__ void activation_body(const ActP& p) {
     const T* x = (const T*)p.x; T* out = (T*)p.out;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x)
-        st(out, i, act_apply(p.act, ld(x, i)));
+        st(out, i, act_t<T>(p.act, ld(x, i)));
 }
 RLX_FLOAT_KERNELS(activation, ActP)
 
@@ -82,7 +121,7 @@ template <typename T>
 __device__ void epilogue_body(const EpilogueP& p) {
     T* out = (T*)p.out; const T* res = (const T*)p.res;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
-        float v = act_apply(p.act, ld(out, i));
+        float v = act_t<T>(p.act, ld(out, i));
         if (res) v += ld(res, i);
         st(out, i, v);
     }
@@ -106,7 +145,7 @@ __device__ void epilogue_vec_body(const EpilogueP& p) {
         Vec16<T>::load(rr, r);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            v[e] = act_apply(p.act, v[e]);
+            v[e] = act_t<T>(p.act, v[e]);
             if (res) v[e] += r[e];
         }
         out[i] = Vec16<T>::store(v);
@@ -118,6 +157,7 @@ RLX_FLOAT_KERNELS(epilogue_vec, EpilogueP)
 struct CastP { const void* src; void* dst; i64 n; i64 from; i64 to; };
 
 extern "C" __global__ void cast_any(const CastP p) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
         double v = ld_any(p.src, i, p.from);
         switch (p.to) {
@@ -144,6 +184,7 @@ struct CopyP {
 };
 
 extern "C" __global__ void copy_strided(const CopyP p) {
+    pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {
         i64 rem = i, si = 0, di = 0;
         for (int d = (int)p.rank - 1; d >= 0; --d) {

@@ -22,6 +22,7 @@ __device__ __forceinline__ void zero_elem(void* dst, i64 di, i64 esize) {
 struct GatherP { const void* table; const void* ids; void* out; int* err; i64 n; i64 dim; i64 vocab; i64 id64; i64 esize; };
 
 extern "C" __global__ void gather(const GatherP p) {
+    pdl_enter();
     i64 total = p.n * p.dim;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         i64 row = i / p.dim, c = i % p.dim;
@@ -35,9 +36,30 @@ extern "C" __global__ void gather(const GatherP p) {
     }
 }
 
+// The same gather in 16-byte chunks when a row is whole chunks and the
+// table and output are 16-byte aligned (the host checks; ids as above).
+extern "C" __global__ void gather_vec(const GatherP p) {
+    pdl_enter();
+    const i64 cpr = p.dim * p.esize / 16;  // chunks per row
+    const i64 total = p.n * cpr;
+    const uint4* table = (const uint4*)p.table;
+    uint4* out = (uint4*)p.out;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        i64 row = i / cpr, c = i % cpr;
+        i64 id = p.id64 ? ((const long long*)p.ids)[row] : (i64)((const int*)p.ids)[row];
+        if (id < 0 || id >= p.vocab) {
+            out[i] = make_uint4(0, 0, 0, 0);
+            if (c == 0) atomicOr(p.err, ERR_GATHER_ID);
+        } else {
+            out[i] = table[id * cpr + c];
+        }
+    }
+}
+
 struct WriteStateP { void* state; const void* value; const int* pos; int* err; i64 batch; i64 max_rows; i64 new_rows; i64 width; i64 esize; };
 
 extern "C" __global__ void write_state(const WriteStateP p) {
+    pdl_enter();
     i64 pos = (i64)*p.pos;
     if (pos < 0 || pos + p.new_rows > p.max_rows) {
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);

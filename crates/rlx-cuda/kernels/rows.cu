@@ -149,9 +149,9 @@ __device__ void norm_warp_body(const NormP& p) {
 
 // norm_warp_<NV>_<dtype>
 #define RLX_NORM_WARP(NV)                                                                                        \
-    extern "C" __global__ void norm_warp_##NV##_f32(const NormP p) { norm_warp_body<float, NV>(p); }             \
-    extern "C" __global__ void norm_warp_##NV##_f16(const NormP p) { norm_warp_body<__half, NV>(p); }            \
-    extern "C" __global__ void norm_warp_##NV##_bf16(const NormP p) { norm_warp_body<__nv_bfloat16, NV>(p); }
+    extern "C" __global__ void norm_warp_##NV##_f32(const NormP p) { pdl_enter(); norm_warp_body<float, NV>(p); }             \
+    extern "C" __global__ void norm_warp_##NV##_f16(const NormP p) { pdl_enter(); norm_warp_body<__half, NV>(p); }            \
+    extern "C" __global__ void norm_warp_##NV##_bf16(const NormP p) { pdl_enter(); norm_warp_body<__nv_bfloat16, NV>(p); }
 RLX_NORM_WARP(1)
 RLX_NORM_WARP(2)
 RLX_NORM_WARP(3)

@@ -400,14 +400,40 @@ unsafe impl Sync for Func {}
 
 impl Func {
     /// Launches with a single by-value parameter struct made of 8-byte words.
-    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, args: &[u64]) -> Result<()> {
+    /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
+    /// while the previous kernel on the stream drains; every RLX kernel waits
+    /// for its predecessor first (`pdl_enter` in kernels/common.cuh). Stream
+    /// capture records it as a programmatic graph edge.
+    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, args: &[u64], pdl: bool) -> Result<()> {
         // The kernel's one parameter is the struct: kernelParams[0] points at it.
         let mut params = [args.as_ptr() as *mut c_void];
-        // SAFETY: args outlives the call (the driver copies parameters at launch).
-        let r = unsafe {
-            sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
+        if !pdl {
+            // SAFETY: args outlives the call (the driver copies parameters at launch).
+            let r = unsafe {
+                sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
+            };
+            return check(r, "cuLaunchKernel");
+        }
+        // SAFETY: an all-zero attribute is a valid value of the C union; the
+        // id and the one field it selects are set right after.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid[0],
+            gridDimY: grid[1],
+            gridDimZ: grid[2],
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: s.0,
+            attrs: &mut attr,
+            numAttrs: 1,
         };
-        check(r, "cuLaunchKernel")
+        // SAFETY: cfg and attr are live locals; args as above.
+        let r = unsafe { sys::cuLaunchKernelEx(&cfg, self.0, params.as_mut_ptr(), std::ptr::null_mut()) };
+        check(r, "cuLaunchKernelEx (programmatic dependent launch)")
     }
 }
 

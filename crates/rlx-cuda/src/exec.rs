@@ -126,6 +126,9 @@ impl CudaExecutable {
         // Diagnostic for the host cost of a replayed submit (bench/gpu-perf.md):
         // RLX_GRAPH_IO=0 enqueues the staging copies outside the recorded graphs.
         let graph_io = env_flag("RLX_GRAPH_IO") != Some(false);
+        // Programmatic dependent launch between consecutive kernels (Hopper
+        // and later); RLX_PDL=0 turns it off (diagnostic, A/B timing).
+        let pdl = dev.cc.0 >= 9 && env_flag("RLX_PDL") != Some(false);
         for t in &schedule.thunks {
             if let Some(why) = launch::unsupported(t) {
                 return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
@@ -186,11 +189,11 @@ impl CudaExecutable {
                 consts: consts.iter().map(|b| b.ptr).collect(),
                 err: errbuf.ptr,
             };
-            let mut steps = vec![Step { op: Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, host: false, kind: "io" }];
+            let mut steps = vec![Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")];
             for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
                 // SAFETY: off + bytes lies inside pin_in (layout above).
                 let src = unsafe { pin_in.as_ptr().add(*off) };
-                steps.push(Step { op: Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, host: false, kind: "io" });
+                steps.push(Step::new(Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, "io"));
             }
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let host = HostTask::for_thunk(&dev, t)?;
@@ -199,11 +202,14 @@ impl CudaExecutable {
             for (s, (off, bytes)) in schedule.outputs.iter().zip(&out_layout) {
                 // SAFETY: inside pin_out.
                 let dst = unsafe { pin_out.as_ptr().add(*off) };
-                steps.push(Step { op: Op::DtoH { dst, src: bases.ptr(&s.buf)?, bytes: *bytes }, host: false, kind: "io" });
+                steps.push(Step::new(Op::DtoH { dst, src: bases.ptr(&s.buf)?, bytes: *bytes }, "io"));
             }
             // SAFETY: the last 4 bytes of pin_out hold the error flag.
             let dst = unsafe { pin_out.as_ptr().add(out_bytes) };
-            steps.push(Step { op: Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, host: false, kind: "io" });
+            steps.push(Step::new(Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, "io"));
+            if pdl {
+                launch::mark_pdl(&mut steps);
+            }
             let segments = if replay { record(&stream, &steps, graph_io)? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
@@ -313,7 +319,7 @@ impl CudaExecutable {
         if self.profile {
             slot.prof[0].record(&self.stream)?;
             for (i, st) in slot.steps.iter().enumerate() {
-                st.enqueue(&self.stream)?;
+                st.enqueue_with(&self.stream, false)?;
                 slot.prof[i + 1].record(&self.stream)?;
             }
             return Ok(());

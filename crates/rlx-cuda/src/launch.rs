@@ -107,27 +107,45 @@ pub(crate) struct Step {
     pub host: bool,
     /// Thunk kind for traces and profiles ("io" for staging copies).
     pub kind: &'static str,
+    /// Launch as a programmatic dependent of the previous kernel (set by
+    /// `mark_pdl`; kernels only).
+    pub pdl: bool,
 }
 
 // SAFETY: the raw pointers are pinned buffers owned by the same slot as the step.
 unsafe impl Send for Step {}
 
 impl Step {
-    fn new(op: Op, kind: &'static str) -> Step {
-        Step { op, host: false, kind }
+    pub fn new(op: Op, kind: &'static str) -> Step {
+        Step { op, host: false, kind, pdl: false }
     }
     pub fn is_kernel(&self) -> bool {
         matches!(self.op, Op::Kernel { .. } | Op::MatMul(_))
     }
     pub fn enqueue(&self, s: &Stream) -> Result<()> {
+        self.enqueue_with(s, self.pdl)
+    }
+    /// As `enqueue`; `pdl` false forces a plain launch (RLX_PROFILE puts
+    /// timing events between steps).
+    pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, args } => func.launch(s, *grid, *block, 0, args),
+            Op::Kernel { func, grid, block, args } => func.launch(s, *grid, *block, 0, args, pdl && self.pdl),
             Op::MatMul(call) => call.enqueue(s),
             Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
             Op::DtoH { dst, src, bytes } => driver::memcpy_dtoh_async(*dst, *src, *bytes, s),
             Op::Host(task) => driver::launch_host(s, task.as_ref() as *const HostTask),
         }
+    }
+}
+
+/// Marks each of our kernels that directly follows another kernel (ours or
+/// cuBLASLt's) on the stream for programmatic dependent launch. Copies,
+/// memsets and host steps keep plain stream order on both sides.
+pub(crate) fn mark_pdl(steps: &mut [Step]) {
+    for i in 1..steps.len() {
+        let after_kernel = !steps[i - 1].host && steps[i - 1].is_kernel();
+        steps[i].pdl = after_kernel && !steps[i].host && matches!(steps[i].op, Op::Kernel { .. });
     }
 }
 
@@ -235,6 +253,19 @@ pub(crate) fn collapse(shape: &[usize], strides: &[&[u64]]) -> (Vec<usize>, Vec<
     (out_shape, out_st)
 }
 
+/// Whether `binary_vec` (kernels/elementwise.cu) may run over collapsed
+/// dims: the innermost dim whole vectors of `width` elements walked with
+/// stride 1 by both operands, every outer stride a multiple of `width`, and
+/// every pointer 16-byte aligned.
+pub(crate) fn binary_vec_ok(shape: &[usize], st: &[Vec<u64>], width: usize, ptrs: &[u64]) -> bool {
+    let w = width as u64;
+    let Some(&inner) = shape.last() else { return false };
+    width > 1
+        && inner.is_multiple_of(width)
+        && st.iter().all(|s| s.last() == Some(&1) && s[..s.len() - 1].iter().all(|x| x.is_multiple_of(w)))
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
 /// The largest element offset an operand with these strides reaches.
 fn max_offset(shape: &[usize], strides: &[u64]) -> u64 {
     shape.iter().zip(strides).map(|(&n, &s)| (n.saturating_sub(1) as u64).saturating_mul(s)).fold(0u64, |a, x| a.saturating_add(x))
@@ -306,8 +337,13 @@ pub(crate) fn lower(
                 .arr(strides(&st[1]));
             let fits31 = |v: u64| v < (1u64 << 31);
             let small = fits31(n as u64) && st.iter().all(|s| fits31(max_offset(&shape, s)));
-            let name = if small { "binary32" } else { "binary" };
-            steps.push(k.flat(k.typed(name, *dtype)?, n as u64, args, kind));
+            let width = 16 / dtype.size().max(1);
+            if small && binary_vec_ok(&shape, &st, width, &[b.ptr(a)?, b.ptr(bb)?, b.ptr(out)?]) {
+                steps.push(k.flat(k.typed("binary_vec", *dtype)?, (n / width) as u64, args, kind));
+            } else {
+                let name = if small { "binary32" } else { "binary" };
+                steps.push(k.flat(k.typed(name, *dtype)?, n as u64, args, kind));
+            }
         }
         Thunk::Activation { act, dtype, n, x, out } => {
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*n).i(act_code(Some(*act)));
@@ -381,7 +417,13 @@ pub(crate) fn lower(
                 .i(*vocab)
                 .i((*id_dtype == DType::I64) as i64)
                 .i(dtype.size());
-            steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, args, kind));
+            // Whole 16-byte chunks per row, aligned table and output: gather_vec.
+            let row_bytes = (*dim * dtype.size()) as u64;
+            if row_bytes.is_multiple_of(16) && (b.ptr(table)? | b.ptr(out)?).is_multiple_of(16) {
+                steps.push(k.flat(k.get("gather_vec")?, *n as u64 * (row_bytes / 16), args, kind));
+            } else {
+                steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, args, kind));
+            }
         }
         Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
             let n: usize = shape.iter().product();
@@ -429,15 +471,18 @@ pub(crate) fn lower(
                 .p(a.v.row_stride)
                 .f(a.scale as f64)
                 .p(b.err);
-            // Tensor cores for f16/bf16 with head_dim a multiple of 16 and at
-            // least one full 16-row fragment of queries; the scalar kernel otherwise.
-            // ... and only when its 64-row blocks fill the GPU: at batch 1 the
-            // scalar kernel's smaller blocks spread better.
+            // Tensor cores for f16/bf16 with head_dim a multiple of 16: 64-row
+            // blocks when they fill the GPU, else 16-row blocks whose 4 warps
+            // split the keys (batch 1: 12 heads x 128 tokens is 24 blocks of
+            // 64 rows but 96 of 16). The scalar kernel otherwise (f32, odd head dims).
             let mma_blocks = (a.q_len as u64).div_ceil(64) * (a.heads * a.batch) as u64;
-            let mma = a.dtype != DType::F32 && a.head_dim % 16 == 0 && a.q_len >= 16 && mma_blocks >= k.sm_count as u64;
-            let (grid, func) = if mma {
+            let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
+            let (grid, func) = if tensor && a.q_len >= 16 && mma_blocks >= k.sm_count as u64 {
                 let grid = [(a.q_len as u64).div_ceil(64).max(1) as u32, a.heads as u32, a.batch as u32];
                 (grid, k.get(&format!("attention_mma_{hdp}_{}", suffix(a.dtype)))?)
+            } else if tensor {
+                let grid = [(a.q_len as u64).div_ceil(16).max(1) as u32, a.heads as u32, a.batch as u32];
+                (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?)
             } else {
                 let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
                 (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?)
@@ -580,6 +625,20 @@ mod tests {
             assert_eq!(offsets(&cs, &st[1]), offsets(shape, b), "{shape:?} b");
             assert_eq!(max_offset(&cs, &st[0]), offsets(shape, a).into_iter().max().unwrap_or(0));
         }
+    }
+
+    #[test]
+    fn binary_vec_choice() {
+        use super::binary_vec_ok;
+        let st = |v: &[&[u64]]| v.iter().map(|s| s.to_vec()).collect::<Vec<_>>();
+        // x + position embeddings (f16, 8 per vector): collapsed [32, 98304].
+        assert!(binary_vec_ok(&[32, 98304], &st(&[&[98304, 1], &[0, 1]]), 8, &[0, 256, 512]));
+        assert!(!binary_vec_ok(&[32, 98304], &st(&[&[98304, 1], &[0, 1]]), 8, &[0, 258, 512]), "misaligned");
+        assert!(!binary_vec_ok(&[32, 764], &st(&[&[764, 1], &[0, 1]]), 8, &[0]), "rows not whole vectors");
+        assert!(!binary_vec_ok(&[4096, 768], &st(&[&[768, 1], &[1, 0]]), 8, &[0]), "broadcast along the row");
+        assert!(!binary_vec_ok(&[3, 16], &st(&[&[20, 1], &[16, 1]]), 8, &[0]), "outer stride not whole vectors");
+        assert!(binary_vec_ok(&[3, 16], &st(&[&[24, 1], &[16, 1]]), 8, &[0]));
+        assert!(!binary_vec_ok(&[7], &st(&[&[1], &[1]]), 4, &[0]));
     }
 
     #[test]

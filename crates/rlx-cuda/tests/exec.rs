@@ -121,7 +121,11 @@ fn encoder_layer_matches_cpu_and_replay_equals_eager() {
         // Half-precision storage between seven thunks (then a LayerNorm that
         // rescales) drifts further than one thunk: a wider band.
         let scale = if dt == DType::F32 { 3.0 } else { 5.0 };
-        check(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), scale);
+        // The output is FFN2 (sums of 4h products of magnitude ~10) plus the
+        // normed input: elements near zero carry the rounding error of the
+        // large terms, up to a storage step or two at the output's RMS
+        // (bf16 at RMS ~40: ~0.3; f16 measured 0.06).
+        check_floor(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), scale, 3.0);
     }
 }
 

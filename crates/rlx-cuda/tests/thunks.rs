@@ -117,8 +117,9 @@ fn binary_broadcast() {
 fn binary_bert_broadcasts() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(12);
-    for dt in FLOATS {
-        let (bs, s, h) = (5usize, 33usize, 47usize);
+    // h = 48: whole 16-byte vectors per row (binary_vec where strides allow).
+    for (dt, h) in FLOATS.into_iter().flat_map(|d| [(d, 47usize), (d, 48)]) {
+        let (bs, s) = (5usize, 33usize);
         // (op, out shape, b shape, b strides over the out shape)
         type Case = (BinaryOp, Vec<usize>, Vec<usize>, Vec<u64>);
         let cases: [Case; 4] = [
@@ -186,6 +187,64 @@ fn activations_and_swiglu() {
         });
         let (s, w) = sb.finish();
         check(&format!("swiglu {dt}"), &g, &s, &w, &named(vec![("gu", rand_tensor(&mut r, &[rows, 2 * cols], dt))]), 1.0);
+    }
+}
+
+/// erfc in f64 to ~1e-11 relative (series below 2.5, continued fraction
+/// above), so the reference GELU keeps its relative accuracy in the tail.
+fn erfc64(z: f64) -> f64 {
+    if z < 2.5 {
+        let (mut sum, mut term) = (0.0f64, z);
+        for n in 0..80 {
+            sum += term / (2 * n + 1) as f64;
+            term *= -z * z / (n + 1) as f64;
+        }
+        1.0 - 2.0 / std::f64::consts::PI.sqrt() * sum
+    } else {
+        let mut f = z;
+        for k in (1..=80).rev() {
+            f = z + (k as f64 / 2.0) / f;
+        }
+        (-z * z).exp() / (std::f64::consts::PI.sqrt() * f)
+    }
+}
+
+fn gelu64(x: f64) -> f64 {
+    let phi =
+        if x >= 0.0 { 1.0 - 0.5 * erfc64(x * std::f64::consts::FRAC_1_SQRT_2) } else { 0.5 * erfc64(-x * std::f64::consts::FRAC_1_SQRT_2) };
+    x * phi
+}
+
+/// The half types' cheaper erf-GELU (kernels/common.cuh, gelu_fast) must
+/// round faithfully: every output within one f16/bf16 step of the exact
+/// f64 GELU of its input, over the whole range where GELU is not 0 or x.
+#[test]
+fn gelu_half_types_round_faithfully() {
+    assert!((erfc64(0.5) - 0.4795001221869535).abs() < 1e-12 && (erfc64(3.0) / 2.209049699858544e-5 - 1.0).abs() < 1e-9);
+    let Some(Some(g)) = gpu_or_dry() else { return };
+    let mut r = rng(31);
+    for (dt, mant) in [(DType::F16, 10), (DType::BF16, 7)] {
+        let n = 20011;
+        let xs: Vec<f32> = (0..n).map(|i| -9.0 + 21.0 * i as f32 / n as f32 + r.random_range(-1e-3f32..1e-3)).collect();
+        let x = Tensor::from_f32(vec![n], &xs).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+        let mut sb = Sb::new();
+        let xb = sb.input("x", &[n], dt);
+        let out = sb.output("out", &[n], dt);
+        sb.thunk(Thunk::Activation { act: Activation::Gelu, dtype: dt, n, x: xb, out });
+        let (s, w) = sb.finish();
+        let inputs = named(vec![("x", x.clone())]);
+        let got = run(&g, &s, &w, &inputs, true).unwrap_or_else(|e| panic!("gelu {dt}: {e}"));
+        let got = got[0].to_f32();
+        for (i, (xi, yi)) in x.to_f32().iter().zip(&got).enumerate() {
+            let want = gelu64(*xi as f64);
+            // One step of the format at |want| (subnormal step for f16 below 2^-14;
+            // bf16 shares f32's exponent range).
+            let e = if want == 0.0 { -149 } else { want.abs().log2().floor() as i32 };
+            let min_e = if dt == DType::F16 { -14 } else { -126 };
+            let step = 2f64.powi(e.max(min_e) - mant);
+            let d = (*yi as f64 - want).abs();
+            assert!(d < step, "gelu {dt} element {i}: x {xi}: gpu {yi} vs exact {want:e} (|diff| {d:e} >= one step {step:e})");
+        }
     }
 }
 
@@ -285,16 +344,19 @@ fn gather_copy_cast() {
     let mut r = rng(6);
     for dt in FLOATS {
         for id_dt in [DType::I32, DType::I64] {
-            let (vocab, dim, n) = (50, 37, 11);
-            let mut sb = Sb::new();
-            let table = sb.weight("emb", &[vocab, dim], dt, &mut r);
-            let ids = sb.input("ids", &[n], id_dt);
-            let out = sb.output("out", &[n, dim], dt);
-            sb.thunk(Thunk::Gather { dtype: dt, id_dtype: id_dt, n, dim, vocab, table, ids, out });
-            let idv: Vec<i32> = (0..n).map(|_| r.random_range(0..vocab as i32)).collect();
-            let ids_t = Tensor::from_i32(vec![n], &idv).unwrap_or_else(|e| panic!("{e}")).to_dtype(id_dt);
-            let (s, w) = sb.finish();
-            check(&format!("gather {dt} ids {id_dt}"), &g, &s, &w, &named(vec![("ids", ids_t)]), 1.0);
+            // dim 48: whole 16-byte chunks per row (gather_vec).
+            for dim in [37usize, 48] {
+                let (vocab, n) = (50, 11);
+                let mut sb = Sb::new();
+                let table = sb.weight("emb", &[vocab, dim], dt, &mut r);
+                let ids = sb.input("ids", &[n], id_dt);
+                let out = sb.output("out", &[n, dim], dt);
+                sb.thunk(Thunk::Gather { dtype: dt, id_dtype: id_dt, n, dim, vocab, table, ids, out });
+                let idv: Vec<i32> = (0..n).map(|_| r.random_range(0..vocab as i32)).collect();
+                let ids_t = Tensor::from_i32(vec![n], &idv).unwrap_or_else(|e| panic!("{e}")).to_dtype(id_dt);
+                let (s, w) = sb.finish();
+                check(&format!("gather {dt} ids {id_dt} dim {dim}"), &g, &s, &w, &named(vec![("ids", ids_t)]), 1.0);
+            }
         }
         // Transpose [4, 6, 5] -> [5, 4, 6] through a strided copy, then casts.
         let (a0, a1, a2) = (4usize, 6usize, 5usize);
@@ -506,6 +568,15 @@ fn attention_masks_gqa_strides() {
         attention_case(&g, &mut r, dt, 3, 16, 8, 48, 140, 140, false, true, None);
         attention_case_at(&g, &mut r, dt, 6, 12, 12, 64, 128, 128, false, true, None, 1);
         attention_case_at(&g, &mut r, dt, 3, 12, 4, 80, 256, 256, true, false, None, 3);
+        // Batch 1 (16-row blocks whose warps split the keys, f16/bf16): BERT
+        // and MiniLM shapes, misaligned, causal GQA with head dim 128, a
+        // single decode row, and head dim 40 (not a multiple of 16: scalar kernel).
+        attention_case(&g, &mut r, dt, 1, 12, 12, 64, 128, 128, false, true, None);
+        attention_case(&g, &mut r, dt, 1, 12, 12, 32, 128, 128, false, true, None);
+        attention_case_at(&g, &mut r, dt, 1, 12, 12, 64, 128, 128, false, true, None, 1);
+        attention_case(&g, &mut r, dt, 1, 4, 2, 128, 37, 37, true, true, None);
+        attention_case(&g, &mut r, dt, 1, 8, 2, 64, 1, 300, true, false, Some(250));
+        attention_case(&g, &mut r, dt, 1, 2, 2, 40, 20, 20, false, true, None);
     }
 }
 
