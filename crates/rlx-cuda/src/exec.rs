@@ -14,6 +14,7 @@ use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, R
 
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{err, Device, DeviceBuffer, Event, GraphExec, PinnedBuffer, Stream};
+use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
 use crate::weights::DeviceWeights;
@@ -54,6 +55,10 @@ pub struct CudaExecutable {
     _consts: Vec<DeviceBuffer>,
     _plans: Vec<Option<Arc<MatMulPlan>>>,
     _blas: Arc<Blas>,
+    /// MatMul thunks that run our own kernel instead of cuBLASLt.
+    own_matmuls: usize,
+    /// Own matmul's split-K workspace and tile counters (see src/gemm.rs).
+    _gemm_scratch: (DeviceBuffer, DeviceBuffer),
     // Drop synchronises the stream before any of these buffers are freed.
     slots: Vec<Slot>,
     stream: Stream,
@@ -173,10 +178,26 @@ impl CudaExecutable {
             })
             .collect::<Result<_>>()?;
 
+        // Split-K workspace and tile counters of the own matmul (src/gemm.rs):
+        // one set per executable (its calls run one after another on one stream).
+        let (ws_bytes, n_counters) = schedule
+            .thunks
+            .iter()
+            .filter_map(|t| match t {
+                Thunk::MatMul(m) => Some(gemm::scratch_need(m, kernels.sm_count as usize)),
+                _ => None,
+            })
+            .fold((0u64, 0usize), |a, b| (a.0.max(b.0), a.1.max(b.1)));
+        let gemm_ws = DeviceBuffer::alloc(&dev, ws_bytes.max(16))?;
+        let gemm_counters = DeviceBuffer::alloc(&dev, (n_counters.max(1) * 4) as u64)?;
+        gemm_counters.zero()?;
+        dev.synchronize()?;
+
         let (in_layout, in_bytes) = layout(schedule.inputs.iter().map(|s| s.buf.bytes as usize));
         let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
         let stream = Stream::new(&dev)?;
         let mut slots = Vec::with_capacity(nslots);
+        let mut own_matmuls = 0;
         for _ in 0..nslots {
             let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
@@ -197,7 +218,17 @@ impl CudaExecutable {
             }
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let host = HostTask::for_thunk(&dev, t)?;
-                steps.extend(launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?);
+                let lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
+                if let Thunk::MatMul(m) = t {
+                    if let Some(cfg) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &lowered, gemm_ws.ptr, gemm_counters.ptr)? {
+                        steps.push(gemm::step(kernels, m, &bases, cfg, gemm_ws.ptr, gemm_counters.ptr)?);
+                        if slots.is_empty() {
+                            own_matmuls += 1;
+                        }
+                        continue;
+                    }
+                }
+                steps.extend(lowered);
             }
             for (s, (off, bytes)) in schedule.outputs.iter().zip(&out_layout) {
                 // SAFETY: inside pin_out.
@@ -242,6 +273,8 @@ impl CudaExecutable {
             _consts: consts,
             _plans: plans,
             _blas: blas,
+            own_matmuls,
+            _gemm_scratch: (gemm_ws, gemm_counters),
             slots,
             stream,
             in_layout,
@@ -284,6 +317,12 @@ impl CudaExecutable {
             s.push_str(&format!("  segment {i}: {kind} steps {}..{} ({} graph nodes): {}\n", r.start, r.end, nodes, list.join(" ")));
         }
         s
+    }
+
+    /// How many MatMul thunks run our own kernel (kernels/gemm.cu) rather
+    /// than cuBLASLt: chosen per shape at prepare (see `set_gemm_policy`).
+    pub fn own_matmul_count(&self) -> usize {
+        self.own_matmuls
     }
 
     /// Host time of the last `submit`, by phase: input check, staging into

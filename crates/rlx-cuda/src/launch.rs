@@ -28,7 +28,7 @@ pub(crate) fn dtype_code(d: DType) -> i64 {
     }
 }
 
-fn act_code(a: Option<Activation>) -> i64 {
+pub(crate) fn act_code(a: Option<Activation>) -> i64 {
     match a {
         None => 0,
         Some(Activation::Gelu) => 1,
@@ -178,7 +178,7 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    fn get(&self, name: &str) -> Result<Func> {
+    pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
     }
     fn typed(&self, base: &str, d: DType) -> Result<Func> {

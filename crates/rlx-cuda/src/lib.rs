@@ -8,12 +8,14 @@
 //! missing, and the crate still builds and tests everywhere.
 //!
 //! Files: `driver` (owned driver handles), `nvrtc` (compile + disk cache),
-//! `launch` (thunk → steps), `blas` (cuBLASLt), `hostops` (TopK on the host),
+//! `launch` (thunk → steps), `blas` (cuBLASLt), `gemm` (own skinny-M
+//! matmul, timed against cuBLASLt per shape), `hostops` (TopK on the host),
 //! `weights` (shared device weights), `exec` (slots, replay, submit/wait).
 
 mod blas;
 mod driver;
 mod exec;
+mod gemm;
 mod hostops;
 mod launch;
 mod nvrtc;
@@ -26,6 +28,7 @@ use rlx_compile::{Schedule, Thunk};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, WeightStore};
 
 pub use exec::CudaExecutable;
+pub use gemm::{set_gemm_policy, GemmPolicy};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
 
 use driver::{err, Device, Module};

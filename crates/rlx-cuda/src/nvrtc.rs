@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
+    ("gemm.cu", include_str!("../kernels/gemm.cu")),
 ];
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).

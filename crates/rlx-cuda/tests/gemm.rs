@@ -1,0 +1,103 @@
+//! The own skinny-M matmul (kernels/gemm.cu) in every tiling against the
+//! CPU backend: fused bias / activation / residual, both B layouts, row
+//! counts that are not whole blocks, split-K. Its own test binary because
+//! the kernel policy is process-wide.
+
+mod common;
+
+use common::*;
+use rlx_compile::{MatMulThunk, Thunk};
+use rlx_cuda::{set_gemm_policy, GemmPolicy};
+use rlx_ir::{Activation, DType};
+use rlx_runtime::PrepareOptions;
+
+/// (batch, m, n, k, b_trans, bias, act, residual)
+type Case = (usize, usize, usize, usize, bool, bool, Option<Activation>, bool);
+
+fn build(dt: DType, c: Case, r: &mut rand::rngs::StdRng) -> (Sb, Vec<(&'static str, rlx_runtime::Tensor)>) {
+    let (batch, m, n, k, b_trans, bias, act, residual) = c;
+    let mut sb = Sb::new();
+    let a = sb.input("a", &[batch, m, k], dt);
+    let bb = sb.weight("w", &if b_trans { [n, k] } else { [k, n] }, dt, r);
+    let bias_buf = bias.then(|| sb.weight("bias", &[n], dt, r));
+    let res_buf = residual.then(|| sb.input("res", &[batch, m, n], dt));
+    let out = sb.output("out", &[batch, m, n], dt);
+    sb.thunk(Thunk::MatMul(MatMulThunk {
+        dtype: dt,
+        batch,
+        m,
+        n,
+        k,
+        a,
+        lda: k as u64,
+        a_batch_stride: (m * k) as u64,
+        b: bb,
+        b_trans,
+        ldb: if b_trans { k } else { n } as u64,
+        b_batch_stride: 0,
+        bias: bias_buf,
+        act,
+        residual: res_buf,
+        out,
+    }));
+    let mut inputs = vec![("a", rand_tensor(r, &[batch, m, k], dt))];
+    if residual {
+        inputs.push(("res", rand_tensor(r, &[batch, m, n], dt)));
+    }
+    (sb, inputs)
+}
+
+#[test]
+fn own_matmul_every_tiling_matches_cpu() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(51);
+    let cases: [Case; 5] = [
+        // BERT's out-projection at batch 1, residual fused (through C in cuBLASLt).
+        (1, 128, 768, 768, true, true, None, true),
+        // Rows not a whole block; erf-GELU fused; B as [K, N].
+        (1, 100, 192, 384, false, true, Some(Activation::Gelu), false),
+        // Two row blocks (the second nearly empty), tanh-GELU then residual.
+        (1, 130, 64, 192, true, false, Some(Activation::GeluTanh), true),
+        // A batch folded into one tall GEMM; N 96 takes only 32-column blocks.
+        (2, 19, 96, 96, false, true, Some(Activation::Relu), true),
+        // Long K (FFN2-like), split up to 8 ways.
+        (1, 64, 128, 1536, true, true, None, false),
+    ];
+    let tilings = [(32, 1), (32, 2), (32, 3), (64, 1), (64, 2), (64, 4), (64, 6), (64, 8)];
+    for dt in [DType::F16, DType::BF16] {
+        for c in cases {
+            let (batch, m, n, k, b_trans, bias, act, residual) = c;
+            for (bn, split) in tilings {
+                if n % bn != 0 || k % (32 * split) != 0 {
+                    continue;
+                }
+                set_gemm_policy(GemmPolicy::Tiling(bn, split));
+                let (sb, inputs) = build(dt, c, &mut r);
+                let (s, w) = sb.finish();
+                if let Some(g) = &g {
+                    let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+                    assert_eq!(e.own_matmul_count(), 1, "tiling {bn}x{split} not taken for {c:?}");
+                }
+                let what = format!(
+                    "own matmul {dt} {batch}x{m}x{n}x{k} trans={b_trans} bias={bias} act={act:?} res={residual} tiling {bn}x{split}"
+                );
+                check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
+            }
+        }
+    }
+    // Auto: timed against cuBLASLt; either way the result must match.
+    set_gemm_policy(GemmPolicy::Auto);
+    let (sb, inputs) = build(DType::F16, cases[0], &mut r);
+    let (s, w) = sb.finish();
+    check("matmul auto-chosen f16 1x128x768x768", &g, &s, &w, &named(inputs), (768f64).sqrt() / 2.0);
+    // Ineligible (f32, odd N): cuBLASLt, whatever the policy.
+    set_gemm_policy(GemmPolicy::Own);
+    let (sb, inputs) = build(DType::F32, (1, 16, 40, 64, true, true, None, false), &mut r);
+    let (s, w) = sb.finish();
+    if let Some(g) = &g {
+        let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(e.own_matmul_count(), 0);
+    }
+    check("matmul f32 stays on cuBLASLt", &g, &s, &w, &named(inputs), 4.0);
+    set_gemm_policy(GemmPolicy::Library);
+}
