@@ -232,3 +232,27 @@ fn attention_fully_masked_rows_are_zero() {
     };
     run(9, &c, false);
 }
+
+/// Head dims of 64 and 128 (64-wide P·V tiles, several score chunks) and
+/// key counts that are not a multiple of 16, with a mask and causal rows.
+#[test]
+fn attention_wide_heads_and_odd_lengths() {
+    for (seed, hd, kv_len, dtype) in [(300, 64, 77, DType::F32), (301, 128, 150, DType::F32), (302, 80, 33, DType::BF16)] {
+        let mut r = rng(seed);
+        let mask = (DType::I32, (0..2 * kv_len).map(|_| r.random_bool(0.85)).collect());
+        let c = Case {
+            dtype,
+            batch: 2,
+            heads: 2,
+            kv_heads: 1,
+            hd,
+            q_len: kv_len - 3,
+            kv_len,
+            causal: seed % 2 == 0,
+            valid: Some(kv_len - 1),
+            mask: Some(mask),
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        run(seed, &c, false);
+    }
+}

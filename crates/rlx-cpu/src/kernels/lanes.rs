@@ -19,10 +19,15 @@ fn fold(v: &[f32], init: f32, f: impl Fn(f32, f32) -> f32, g: impl Fn(f32) -> f3
     for &x in rest {
         r = f(r, g(x));
     }
-    for a in acc {
-        r = f(r, a);
+    // Halve the accumulators pairwise (each step vectorises) rather than
+    // folding 64 of them one after another: on a 128-wide softmax row the
+    // serial fold cost more than the row's exps.
+    for w in [32, 16, 8, 4, 2, 1] {
+        for i in 0..w {
+            acc[i] = f(acc[i], acc[i + w]);
+        }
     }
-    r
+    f(r, acc[0])
 }
 
 #[inline(always)]
