@@ -15,17 +15,19 @@
 // last.
 //
 // 4 warps; warp w owns rows 32w..32w+31 of the tile (two m16 fragments) and
-// all BN columns (BN/8 n8 fragments); mma.sync m16n8k16. Tiles of BK = 32
-// along K move by cp.async, three stages deep. A tile: [BM][BK+8]; B tile:
+// all BN columns (BN/8 n8 fragments); mma.sync m16n8k16. Tiles of BK = 64
+// along K move by cp.async, four stages deep (dynamic shared memory, up to
+// 110 KB: at M = 128 the loop is latency-bound, so many bytes must be in
+// flight). A tile: [BM][BK+8]; B tile:
 // [BN][BK+8] when B is stored transposed ([N, K], `BT`), else [BK][BN+8];
 // the 16-byte padding keeps fragment reads free of bank conflicts.
-// Host checks: K a multiple of 32·S, N of BN, lda/ldb of 8, every pointer
+// Host checks: K a multiple of 64·S, N of BN, lda/ldb of 8, every pointer
 // 16-byte aligned; rows past M read as zeros and are not written.
 #include "common.cuh"
 
 #define GEMM_BM 128
-#define GEMM_BK 32
-#define GEMM_STAGES 3
+#define GEMM_BK 64
+#define GEMM_STAGES 4
 
 struct GemmP {
     const void* a; const void* b; const void* bias; const void* res; void* out;
@@ -100,8 +102,10 @@ __device__ void gemm_body(const GemmP& p) {
     constexpr int BP = BT ? BK + 8 : BN + 8;
     constexpr int B_ELEMS = BT ? BN * BP : BK * BP;
     constexpr int NF = BN / 8;
-    __shared__ __align__(16) unsigned short sa[STAGES][BM * AP];
-    __shared__ __align__(16) unsigned short sb[STAGES][B_ELEMS];
+    extern __shared__ __align__(16) unsigned short gemm_smem[];
+    // Stage s: A tile at s * (BM * AP), B tiles after all A tiles.
+    unsigned short* const sa0 = gemm_smem;
+    unsigned short* const sb0 = gemm_smem + STAGES * BM * AP;
     __shared__ unsigned s_last;
     typedef unsigned short u16;
     const u16* A = (const u16*)p.a;
@@ -113,8 +117,8 @@ __device__ void gemm_body(const GemmP& p) {
 
     auto load = [&](int stage, int kt) {
         const i64 kb = k0 + (i64)kt * BK;
-        u16* da = sa[stage];
-        u16* db = sb[stage];
+        u16* da = sa0 + stage * (BM * AP);
+        u16* db = sb0 + stage * B_ELEMS;
 #pragma unroll
         for (int it = 0; it < BM * (BK / 8) / 128; ++it) {
             const int e = tid + it * 128;
@@ -163,8 +167,8 @@ __device__ void gemm_body(const GemmP& p) {
         const int nxt = kt + STAGES - 1;
         if (nxt < nk) load(nxt % STAGES, nxt);
         else gemm_commit();
-        const u16* ca = sa[kt % STAGES];
-        const u16* cb = sb[kt % STAGES];
+        const u16* ca = sa0 + (kt % STAGES) * (BM * AP);
+        const u16* cb = sb0 + (kt % STAGES) * B_ELEMS;
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) {
             unsigned af[2][4];
@@ -175,12 +179,17 @@ __device__ void gemm_body(const GemmP& p) {
                 gemm_ldsm_x4(af[mf], pa);
             }
             if (BT) {
+                // Matrices (n +0..7, k +0..7), (n +0..7, k +8..15), then n +8..15:
+                // b0, b1 of fragment nf, then of nf + 1.
+                const u16* brow = cb + ((mi >> 1) * 8 + mr) * BP + ks * 16 + (mi & 1) * 8;
 #pragma unroll
-                for (int nf = 0; nf < NF; ++nf) {
-                    const u16* kr = cb + (nf * 8 + g) * BP + ks * 16 + 2 * t;
-                    const unsigned b0 = *(const unsigned*)kr, b1 = *(const unsigned*)(kr + 8);
-                    GemmMma<T>::run(acc[0][nf], af[0], b0, b1);
-                    GemmMma<T>::run(acc[1][nf], af[1], b0, b1);
+                for (int nf = 0; nf < NF; nf += 2) {
+                    unsigned bf[4];
+                    gemm_ldsm_x4(bf, brow + nf * 8 * BP);
+                    GemmMma<T>::run(acc[0][nf], af[0], bf[0], bf[1]);
+                    GemmMma<T>::run(acc[1][nf], af[1], bf[0], bf[1]);
+                    GemmMma<T>::run(acc[0][nf + 1], af[0], bf[2], bf[3]);
+                    GemmMma<T>::run(acc[1][nf + 1], af[1], bf[2], bf[3]);
                 }
             } else {
                 const u16* brow = cb + (ks * 16 + (mi & 1) * 8 + mr) * BP + (mi >> 1) * 8;
@@ -219,26 +228,29 @@ __device__ void gemm_body(const GemmP& p) {
         __syncthreads();
         if (!s_last) return;
         __threadfence();
+        // Sum in split order 0..S-1 (the same bits whichever block is last);
+        // one split at a time, all of this thread's loads of it in flight together.
         const float* base = p.ws + (i64)tile * gridDim.z * (BM * BN);
+        for (unsigned z = 0; z < gridDim.z; ++z) {
+            const float* part = base + (i64)z * (BM * BN);
 #pragma unroll
-        for (int mf = 0; mf < 2; ++mf)
+            for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
+                for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int off = tile_row(mf, 2 * h) * BN + tile_col(nf, 0);
-                    float2 s = __ldcg((const float2*)(base + off));
-                    for (unsigned z = 1; z < gridDim.z; ++z) {
-                        float2 v = __ldcg((const float2*)(base + (i64)z * (BM * BN) + off));
-                        s.x += v.x;
-                        s.y += v.y;
+                    for (int h = 0; h < 2; ++h) {
+                        const float2 v = __ldcg((const float2*)(part + tile_row(mf, 2 * h) * BN + tile_col(nf, 0)));
+                        acc[mf][nf][2 * h] = z == 0 ? v.x : acc[mf][nf][2 * h] + v.x;
+                        acc[mf][nf][2 * h + 1] = z == 0 ? v.y : acc[mf][nf][2 * h + 1] + v.y;
                     }
-                    acc[mf][nf][2 * h] = s.x;
-                    acc[mf][nf][2 * h + 1] = s.y;
-                }
+        }
         if (tid == 0) p.counters[tile] = 0u;  // ready for the next call (the next kernel waits for this grid)
     }
 
+    // Epilogue in two passes: every bias / residual load and the math first,
+    // then every store. Interleaved, each load would wait behind the previous
+    // store (the compiler must assume `out` may alias them): one memory
+    // round trip per element pair, most of the kernel's time (measured).
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
@@ -248,10 +260,20 @@ __device__ void gemm_body(const GemmP& p) {
 #pragma unroll
             for (int nf = 0; nf < NF; ++nf) {
                 const i64 col = n0 + tile_col(nf, 0);
-                const float v0 = gemm_epi<T>(p, acc[mf][nf][2 * h], row, col);
-                const float v1 = gemm_epi<T>(p, acc[mf][nf][2 * h + 1], row, col + 1);
+                acc[mf][nf][2 * h] = gemm_epi<T>(p, acc[mf][nf][2 * h], row, col);
+                acc[mf][nf][2 * h + 1] = gemm_epi<T>(p, acc[mf][nf][2 * h + 1], row, col + 1);
+            }
+        }
+#pragma unroll
+    for (int mf = 0; mf < 2; ++mf)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 row = m0 + tile_row(mf, 2 * h);
+            if (row >= p.m) continue;
+#pragma unroll
+            for (int nf = 0; nf < NF; ++nf) {
                 // n and col are even: one 4-byte store per pair.
-                *(unsigned*)(out + row * p.n + col) = gemm_pack<T>(v0, v1);
+                *(unsigned*)(out + row * p.n + n0 + tile_col(nf, 0)) = gemm_pack<T>(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
             }
         }
 }

@@ -87,12 +87,22 @@ __device__ void norm_warp_body(const NormP& p) {
     constexpr int E = Vec16<T>::E;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= p.rows) return;
     const int nvec = (int)(p.cols / E);
+    // gamma and beta are weights, which no kernel writes: they load before
+    // the wait for the previous kernel (programmatic dependent launch), and
+    // all at once rather than between the output stores, where each load
+    // would wait behind the previous store (one memory round trip each).
+    uint4 rg[NV], rb[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        int c = lane + k * 32;
+        rg[k] = c < nvec ? ((const uint4*)p.gamma)[c] : make_uint4(0, 0, 0, 0);
+        rb[k] = (p.beta && c < nvec) ? ((const uint4*)p.beta)[c] : make_uint4(0, 0, 0, 0);
+    }
+    pdl_enter();
+    if (row >= p.rows) return;
     const uint4* x = (const uint4*)p.x + row * nvec;
     const uint4* res = p.res ? (const uint4*)p.res + row * nvec : nullptr;
-    const uint4* gamma = (const uint4*)p.gamma;
-    const uint4* beta = (const uint4*)p.beta;
     uint4* out = (uint4*)p.out + row * nvec;
     const float inv_n = 1.0f / (float)p.cols;
     // Issue every load of the row before the first use.
@@ -135,23 +145,23 @@ __device__ void norm_warp_body(const NormP& p) {
         int c = lane + k * 32;
         if (c < nvec) {
             float g[E], bt[E], o[E];
-            Vec16<T>::load(gamma[c], g);
-            if (beta) Vec16<T>::load(beta[c], bt);
+            Vec16<T>::load(rg[k], g);
+            Vec16<T>::load(rb[k], bt);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 o[e] = (v[k][e] - mean) * rstd * g[e];
-                if (beta) o[e] += bt[e];
+                if (p.beta) o[e] += bt[e];
             }
             out[c] = Vec16<T>::store(o);
         }
     }
 }
 
-// norm_warp_<NV>_<dtype>
+// norm_warp_<NV>_<dtype> (the body calls pdl_enter itself, after its weight loads)
 #define RLX_NORM_WARP(NV)                                                                                        \
-    extern "C" __global__ void norm_warp_##NV##_f32(const NormP p) { pdl_enter(); norm_warp_body<float, NV>(p); }             \
-    extern "C" __global__ void norm_warp_##NV##_f16(const NormP p) { pdl_enter(); norm_warp_body<__half, NV>(p); }            \
-    extern "C" __global__ void norm_warp_##NV##_bf16(const NormP p) { pdl_enter(); norm_warp_body<__nv_bfloat16, NV>(p); }
+    extern "C" __global__ void norm_warp_##NV##_f32(const NormP p) { norm_warp_body<float, NV>(p); }             \
+    extern "C" __global__ void norm_warp_##NV##_f16(const NormP p) { norm_warp_body<__half, NV>(p); }            \
+    extern "C" __global__ void norm_warp_##NV##_bf16(const NormP p) { norm_warp_body<__nv_bfloat16, NV>(p); }
 RLX_NORM_WARP(1)
 RLX_NORM_WARP(2)
 RLX_NORM_WARP(3)

@@ -304,6 +304,8 @@ pub(crate) struct GraphExec {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     pub nodes: usize,
+    /// Edges recorded as programmatic (programmatic dependent launch).
+    pub pdl_edges: usize,
 }
 // SAFETY: as for Stream.
 unsafe impl Send for GraphExec {}
@@ -325,13 +327,14 @@ impl GraphExec {
             check(end, "cuStreamEndCapture")?;
             let mut nodes = 0usize;
             check(sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes), "cuGraphGetNodes")?;
+            let pdl_edges = programmatic_edges(graph).unwrap_or(0);
             let mut exec = std::ptr::null_mut();
             let r = sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0);
             if r != CUresult::CUDA_SUCCESS {
                 sys::cuGraphDestroy(graph);
                 return Err(err(format!("cuGraphInstantiate failed: {}", describe(r))));
             }
-            let g = GraphExec { graph, exec, nodes };
+            let g = GraphExec { graph, exec, nodes, pdl_edges };
             // Uploading now moves the one-time setup of the executable graph
             // out of the first replayed call.
             check(sys::cuGraphUpload(exec, s.0), "cuGraphUpload")?;
@@ -342,6 +345,21 @@ impl GraphExec {
         // SAFETY: live exec and stream.
         check(unsafe { sys::cuGraphLaunch(self.exec, s.0) }, "cuGraphLaunch")
     }
+}
+
+/// How many of a graph's edges are programmatic (a kernel launched as a
+/// programmatic dependent of the kernel before it, recorded by capture).
+unsafe fn programmatic_edges(graph: sys::CUgraph) -> Result<usize> {
+    let mut n = 0usize;
+    let null = std::ptr::null_mut();
+    check(sys::cuGraphGetEdges_v2(graph, null, null, std::ptr::null_mut(), &mut n), "cuGraphGetEdges")?;
+    let mut from = vec![std::ptr::null_mut(); n];
+    let mut to = vec![std::ptr::null_mut(); n];
+    // SAFETY (caller): edge data is plain bytes; zero is a valid value.
+    let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+    check(sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n), "cuGraphGetEdges")?;
+    let programmatic = sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+    Ok(data.iter().take(n).filter(|d| d.type_ == programmatic).count())
 }
 
 impl Drop for GraphExec {
@@ -399,6 +417,14 @@ unsafe impl Send for Func {}
 unsafe impl Sync for Func {}
 
 impl Func {
+    /// Lets launches of this function ask for up to `bytes` of dynamic
+    /// shared memory (above 48 KB needs this opt-in).
+    pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<()> {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: live function handle; a plain integer attribute.
+        check(unsafe { sys::cuFuncSetAttribute(self.0, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
+    }
+
     /// Launches with a single by-value parameter struct made of 8-byte words.
     /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits

@@ -305,18 +305,36 @@ impl CudaExecutable {
             return s;
         }
         for (i, seg) in slot.segments.iter().enumerate() {
-            let (kind, r, nodes) = match seg {
-                Segment::Replay { steps, graph } => ("replay", steps.clone(), graph.nodes),
-                Segment::Host { steps } => ("host", steps.clone(), 0),
+            let (kind, r, nodes, pdl) = match seg {
+                Segment::Replay { steps, graph } => ("replay", steps.clone(), graph.nodes, graph.pdl_edges),
+                Segment::Host { steps } => ("host", steps.clone(), 0, 0),
             };
             let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
             for st in &slot.steps[r.clone()] {
                 *kinds.entry(st.kind).or_default() += 1;
             }
             let list: Vec<String> = kinds.iter().map(|(k, n)| format!("{k}x{n}")).collect();
-            s.push_str(&format!("  segment {i}: {kind} steps {}..{} ({} graph nodes): {}\n", r.start, r.end, nodes, list.join(" ")));
+            s.push_str(&format!(
+                "  segment {i}: {kind} steps {}..{} ({nodes} graph nodes, {pdl} programmatic edges): {}\n",
+                r.start,
+                r.end,
+                list.join(" ")
+            ));
         }
         s
+    }
+
+    /// Programmatic (PDL) edges in slot 0's recorded graphs: kernels that
+    /// start while the kernel before them drains.
+    pub fn programmatic_edges(&self) -> usize {
+        let Some(slot) = self.slots.first() else { return 0 };
+        slot.segments
+            .iter()
+            .map(|s| match s {
+                Segment::Replay { graph, .. } => graph.pdl_edges,
+                Segment::Host { .. } => 0,
+            })
+            .sum()
     }
 
     /// How many MatMul thunks run our own kernel (kernels/gemm.cu) rather

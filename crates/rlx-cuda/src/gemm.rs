@@ -12,12 +12,13 @@ use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
 
 use crate::blas::folded;
-use crate::driver::{err, Event, Stream};
+use crate::driver::{err, Event, GraphExec, Stream};
 use crate::launch::{Bases, Kernels, Op, Step};
 
 /// Rows per block and K per pipeline stage (kernels/gemm.cu).
 const BM: usize = 128;
-const BK: usize = 32;
+const BK: usize = 64;
+const STAGES: usize = 4;
 /// Few-row GEMMs only: past this, cuBLASLt's large tiles are the right tool.
 const MAX_ROWS: usize = 1024;
 
@@ -170,36 +171,46 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg, ws: u6
         (t.k / cfg.split) as u64,
     ];
     let grid = [(t.n / cfg.bn) as u32, rows.div_ceil(BM) as u32, cfg.split as u32];
-    Ok(Step::new(Op::Kernel { func, grid, block: 128, args }, "matmul"))
+    // STAGES x (A tile [BM][BK+8] + B tile [BN][BK+8] or [BK][BN+8]) halves.
+    let b_elems = if t.b_trans { cfg.bn * (BK + 8) } else { BK * (cfg.bn + 8) };
+    let smem = (STAGES * (BM * (BK + 8) + b_elems) * 2) as u32;
+    func.set_max_dynamic_smem(smem)?;
+    Ok(Step::new(Op::Kernel { func, grid, block: 128, smem, args }, "matmul"))
 }
 
-/// Device time of each alternative (a list of steps), in µs per run: the
-/// best of 5 rounds of 10 back-to-back runs, after a warm-up.
+/// Device time of each alternative (a list of steps), in µs per run: each
+/// recorded 10 times into a CUDA graph (as replay runs it: no host launch
+/// cost in the figure), after a warm-up; the best of 5 graph launches.
 fn time_alternatives(stream: &Stream, alts: &[&[Step]]) -> Result<Vec<f64>> {
+    const REPS: usize = 10;
     let (e0, e1) = (Event::new(true)?, Event::new(true)?);
-    let run = |alt: &[Step], times: usize| -> Result<()> {
-        for _ in 0..times {
-            for st in alt {
-                st.enqueue(stream)?;
-            }
-        }
-        Ok(())
-    };
+    let graphs: Vec<GraphExec> = alts
+        .iter()
+        .map(|alt| {
+            GraphExec::capture(stream, || {
+                for _ in 0..REPS {
+                    for st in alt.iter() {
+                        st.enqueue(stream)?;
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect::<Result<_>>()?;
     // Clocks ramp up under load: about a millisecond of work first.
-    e0.record(stream)?;
-    run(alts[0], 20)?;
-    e1.record(stream)?;
-    e1.synchronize()?;
-    let first = Event::elapsed_ms(&e0, &e1)? as f64 * 1000.0 / 20.0;
-    run(alts[0], ((1000.0 / first.max(1.0)) as usize).clamp(1, 400))?;
+    for _ in 0..20 {
+        for g in &graphs {
+            g.launch(stream)?;
+        }
+    }
     let mut best = vec![f64::INFINITY; alts.len()];
     for _ in 0..5 {
-        for (i, alt) in alts.iter().enumerate() {
+        for (i, g) in graphs.iter().enumerate() {
             e0.record(stream)?;
-            run(alt, 10)?;
+            g.launch(stream)?;
             e1.record(stream)?;
             e1.synchronize()?;
-            best[i] = best[i].min(Event::elapsed_ms(&e0, &e1)? as f64 * 1000.0 / 10.0);
+            best[i] = best[i].min(Event::elapsed_ms(&e0, &e1)? as f64 * 1000.0 / REPS as f64);
         }
     }
     Ok(best)

@@ -79,6 +79,8 @@ pub(crate) enum Op {
         func: Func,
         grid: [u32; 3],
         block: u32,
+        /// Dynamic shared memory bytes (0 for kernels with static shared memory only).
+        smem: u32,
         args: Vec<u64>,
     },
     MatMul(MatMulCall),
@@ -129,7 +131,7 @@ impl Step {
     /// timing events between steps).
     pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, args } => func.launch(s, *grid, *block, 0, args, pdl && self.pdl),
+            Op::Kernel { func, grid, block, smem, args } => func.launch(s, *grid, *block, *smem, args, pdl && self.pdl),
             Op::MatMul(call) => call.enqueue(s),
             Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
@@ -190,10 +192,10 @@ impl Kernels {
         [want.min(self.sm_count as u64 * 32).max(1) as u32, 1, 1]
     }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, args: args.0 }, kind)
+        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, args: args.0 }, kind)
     }
     fn rows(&self, name: Func, rows: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, args: args.0 }, kind)
+        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, args: args.0 }, kind)
     }
 }
 
@@ -358,7 +360,7 @@ pub(crate) fn lower(
                 Some(nv) => {
                     let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;
                     let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
-                    steps.push(Step::new(Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, args: args.0 }, kind));
+                    steps.push(Step::new(Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, args: args.0 }, kind));
                 }
                 None => steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind)),
             }
@@ -487,7 +489,7 @@ pub(crate) fn lower(
                 let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
                 (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?)
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block: 128, args: args.0 }, kind));
+            steps.push(Step::new(Op::Kernel { func, grid, block: 128, smem: 0, args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;

@@ -129,6 +129,27 @@ fn encoder_layer_matches_cpu_and_replay_equals_eager() {
     }
 }
 
+/// Programmatic dependent launch is recorded into the replay graphs on
+/// Hopper and later: consecutive kernels get programmatic edges.
+#[test]
+fn programmatic_launch_is_captured() {
+    let Some(g) = gpu() else { return };
+    let name = g.device_name();
+    let major: u32 = name
+        .rsplit("sm_")
+        .next()
+        .map(|v| v.trim_end_matches(')'))
+        .and_then(|v| v.get(..v.len().saturating_sub(1)))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let (s, w) = layer(DType::F16, 1, 32, 128, 2, 13).finish();
+    let e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{name}: {}", e.segment_map());
+    if major >= 9 && !std::env::var("RLX_PDL").map(|v| v == "0").unwrap_or(false) {
+        assert!(e.programmatic_edges() >= 2, "{name}: no programmatic edges recorded\n{}", e.segment_map());
+    }
+}
+
 #[test]
 fn weights_update_after_recording() {
     let Some(g) = gpu() else { return };

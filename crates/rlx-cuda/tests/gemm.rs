@@ -59,7 +59,7 @@ fn own_matmul_every_tiling_matches_cpu() {
         // Two row blocks (the second nearly empty), tanh-GELU then residual.
         (1, 130, 64, 192, true, false, Some(Activation::GeluTanh), true),
         // A batch folded into one tall GEMM; N 96 takes only 32-column blocks.
-        (2, 19, 96, 96, false, true, Some(Activation::Relu), true),
+        (2, 19, 96, 128, false, true, Some(Activation::Relu), true),
         // Long K (FFN2-like), split up to 8 ways.
         (1, 64, 128, 1536, true, true, None, false),
     ];
@@ -68,7 +68,7 @@ fn own_matmul_every_tiling_matches_cpu() {
         for c in cases {
             let (batch, m, n, k, b_trans, bias, act, residual) = c;
             for (bn, split) in tilings {
-                if n % bn != 0 || k % (32 * split) != 0 {
+                if n % bn != 0 || k % (64 * split) != 0 {
                     continue;
                 }
                 set_gemm_policy(GemmPolicy::Tiling(bn, split));
