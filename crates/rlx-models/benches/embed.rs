@@ -6,7 +6,8 @@
 //!   RAYON_NUM_THREADS=2 cargo bench -p rlx-models --bench embed
 //!
 //! Env: RLX_BENCH_ROUNDS (forward rounds, default 40), RLX_BENCH_E2E_ROUNDS
-//! (end-to-end rounds, default 5), RLX_BENCH_THREADS (default: cores).
+//! (end-to-end rounds, default 5), RLX_BENCH_THREADS (default: cores),
+//! RLX_BENCH_PEERS=0 (RLX alone).
 //! Without the peers it prints RLX's numbers alone.
 
 use std::io::{BufRead, BufReader, Write};
@@ -20,8 +21,10 @@ use serde_json::{json, Value};
 
 const SHAPES: &[(usize, usize)] = &[(1, 16), (1, 128), (8, 128)];
 const PEERS: &[&str] = &["ort", "ort_opt", "torch"];
-/// Untimed gap before every timed run.
-const PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+/// Untimed gap before every timed run (RLX_BENCH_PAUSE_MS, default 50).
+fn pause() -> std::time::Duration {
+    std::time::Duration::from_millis(env_usize("RLX_BENCH_PAUSE_MS", 50) as u64)
+}
 
 /// The ids embed_peers.py's ids_for() makes: [CLS] … [SEP], the middle
 /// spread over the vocabulary.
@@ -126,7 +129,9 @@ fn main() -> Result<(), String> {
     let engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?), ("rlx_bf16", load(DType::BF16)?)];
 
     let mut peer_engines: Vec<&str> = vec![];
-    let mut peer = match Peer::start(&root, &model, threads) {
+    let want_peers = std::env::var("RLX_BENCH_PEERS").map(|v| v != "0").unwrap_or(true);
+    let started = if want_peers { Peer::start(&root, &model, threads) } else { Err("RLX_BENCH_PEERS=0".to_string()) };
+    let mut peer = match started {
         Ok((p, hello)) => {
             println!("peers: {} engines {}", hello["versions"], hello["engines"]);
             let offered: Vec<&str> = hello["engines"].as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
@@ -161,7 +166,7 @@ fn main() -> Result<(), String> {
                 // Let the previous engine's worker threads stop spinning
                 // (ORT's pool and OpenMP spin-wait after a call) so they do
                 // not steal the cores from the next one.
-                std::thread::sleep(PAUSE);
+                std::thread::sleep(pause());
                 let (ms, v) = if i < engines.len() {
                     let t = Instant::now();
                     let out = engines[i].1.embed_ids(&ids).map_err(|e| e.to_string())?;
@@ -203,7 +208,7 @@ fn main() -> Result<(), String> {
     for round in 0..e2e_rounds + 1 {
         for k in 0..names.len() {
             let i = (k + round) % names.len();
-            std::thread::sleep(PAUSE);
+            std::thread::sleep(pause());
             let secs = if i < engines.len() {
                 let t = Instant::now();
                 let out = engines[i].1.embed(&corpus).map_err(|e| e.to_string())?;
