@@ -93,15 +93,20 @@ impl Tensor {
     }
 
     /// Converts to another dtype (floats round to nearest; float → int
-    /// truncates toward zero).
+    /// truncates toward zero; i64 → i32 saturates, so an id too large for
+    /// i32 stays out of range instead of wrapping to a valid-looking one).
     pub fn to_dtype(&self, to: DType) -> Tensor {
         if to == self.dtype {
             return self.clone();
         }
         let data: Vec<u8> = match (self.dtype, to) {
-            (DType::I64, DType::I32) => {
-                self.data.chunks_exact(8).flat_map(|c| (i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as i32).to_le_bytes()).collect()
-            }
+            (DType::I64, DType::I32) => self
+                .data
+                .chunks_exact(8)
+                .flat_map(|c| {
+                    (i64::from_le_bytes(c.try_into().unwrap_or([0; 8])).clamp(i32::MIN as i64, i32::MAX as i64) as i32).to_le_bytes()
+                })
+                .collect(),
             (DType::I32, DType::I64) => {
                 self.data.chunks_exact(4).flat_map(|c| (i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64).to_le_bytes()).collect()
             }

@@ -51,7 +51,9 @@ impl WeightStore {
 
     /// Bumped by every change; a backend that saw an older version refreshes.
     pub fn version(&self) -> u64 {
-        self.inner.read().map(|g| g.version).unwrap_or(0)
+        // A writer that panicked left the data consistent (set() swaps whole
+        // entries), so a poisoned lock still reports the real version.
+        self.inner.read().map(|g| g.version).unwrap_or_else(|p| p.into_inner().version)
     }
 
     /// Adds or replaces a param. Replacing requires the same shape (the
