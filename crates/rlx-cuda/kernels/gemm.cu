@@ -85,14 +85,10 @@ template <> __device__ __forceinline__ unsigned gemm_pack<__nv_bfloat16>(float a
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// bias, activation, residual on one accumulator; same order as the
-// cuBLASLt path + `epilogue` kernel, in f32 with one final rounding.
+// The activation as a real call: the epilogue loop stays small (see below).
 template <typename T>
-__device__ __forceinline__ float gemm_epi(const GemmP& p, float v, i64 row, i64 col) {
-    if (p.bias) v += ld((const T*)p.bias, col);
-    v = act_t<T>(p.act, v);
-    if (p.res) v += ld((const T*)p.res, row * p.n + col);
-    return v;
+__device__ __noinline__ float gemm_act(i64 act, float v) {
+    return act_t<T>(act, v);
 }
 
 template <typename T, int BN, bool BT>
@@ -106,6 +102,9 @@ __device__ void gemm_body(const GemmP& p) {
     // Stage s: A tile at s * (BM * AP), B tiles after all A tiles.
     unsigned short* const sa0 = gemm_smem;
     unsigned short* const sb0 = gemm_smem + STAGES * BM * AP;
+    // The residual tile [BM][BN] and the bias slice [BN] follow the B tiles.
+    unsigned short* const s_res = sb0 + STAGES * B_ELEMS;
+    unsigned short* const s_bias = s_res + BM * BN;
     __shared__ unsigned s_last;
     typedef unsigned short u16;
     const u16* A = (const u16*)p.a;
@@ -149,13 +148,26 @@ __device__ void gemm_body(const GemmP& p) {
         gemm_commit();
     };
 
+    // Residual and bias ride in the first copy group (zero-filled past M).
+    if (p.res) {
+#pragma unroll
+        for (int it = 0; it < BM * (BN / 8) / 128; ++it) {
+            const int e = tid + it * 128;
+            const int r = e / (BN / 8), c = e % (BN / 8);
+            const i64 row = m0 + r;
+            const bool in = row < p.m;
+            gemm_cp16(s_res + r * BN + c * 8, in ? (const u16*)p.res + row * p.n + n0 + c * 8 : (const u16*)p.res, in);
+        }
+    }
+    if (p.bias && tid < BN / 8) gemm_cp16(s_bias + tid * 8, (const u16*)p.bias + n0 + tid * 8, true);
+
     float acc[2][NF][4];
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
         for (int nf = 0; nf < NF; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
 
-#pragma unroll
+#pragma unroll 1
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < nk) load(s, s);
         else gemm_commit();  // keep one group per stage so the waits count right
@@ -206,8 +218,7 @@ __device__ void gemm_body(const GemmP& p) {
         }
     }
     gemm_wait<0>();
-
-    T* out = (T*)p.out;
+    __syncthreads();  // every warp is done with the pipeline buffers
     // Row / column of accumulator element (mf, nf, e) within the tile.
     auto tile_row = [&](int mf, int e) { return warp * 32 + mf * 16 + g + (e >> 1) * 8; };
     auto tile_col = [&](int nf, int e) { return nf * 8 + 2 * t + (e & 1); };
@@ -247,35 +258,46 @@ __device__ void gemm_body(const GemmP& p) {
         if (tid == 0) p.counters[tile] = 0u;  // ready for the next call (the next kernel waits for this grid)
     }
 
-    // Epilogue in two passes: every bias / residual load and the math first,
-    // then every store. Interleaved, each load would wait behind the previous
-    // store (the compiler must assume `out` may alias them): one memory
-    // round trip per element pair, most of the kernel's time (measured).
+    // Epilogue through shared memory: the f32 tile goes over the (now free)
+    // A buffers, then one compact loop applies bias / activation / residual
+    // (both prefetched into shared memory at the start) and stores pairs,
+    // consecutive threads on consecutive columns. Kept out of the unrolled
+    // fragment loops on purpose: inlined 64 times, the epilogue made the
+    // kernel ~180 KB of code, and instruction fetch dominated its time.
+    constexpr int SP = BN + 8;
+    float* so = (float*)gemm_smem;
 #pragma unroll
     for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 row = m0 + tile_row(mf, 2 * h);
-            if (row >= p.m) continue;
+        for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
-            for (int nf = 0; nf < NF; ++nf) {
-                const i64 col = n0 + tile_col(nf, 0);
-                acc[mf][nf][2 * h] = gemm_epi<T>(p, acc[mf][nf][2 * h], row, col);
-                acc[mf][nf][2 * h + 1] = gemm_epi<T>(p, acc[mf][nf][2 * h + 1], row, col + 1);
-            }
+            for (int h = 0; h < 2; ++h)
+                *(float2*)(so + tile_row(mf, 2 * h) * SP + tile_col(nf, 0)) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
+    __syncthreads();
+    T* out = (T*)p.out;
+    const T* rs = (const T*)s_res;
+    const T* bs = (const T*)s_bias;
+#pragma unroll 4
+    for (int i = tid; i < BM * BN / 2; i += 128) {
+        const int r = i / (BN / 2), c = 2 * (i % (BN / 2));
+        const i64 row = m0 + r;
+        if (row >= p.m) continue;
+        float2 v = *(const float2*)(so + r * SP + c);
+        if (p.bias) {
+            v.x += ld(bs, c);
+            v.y += ld(bs, c + 1);
         }
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 row = m0 + tile_row(mf, 2 * h);
-            if (row >= p.m) continue;
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf) {
-                // n and col are even: one 4-byte store per pair.
-                *(unsigned*)(out + row * p.n + n0 + tile_col(nf, 0)) = gemm_pack<T>(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
-            }
+        if (p.act != ACT_NONE) {
+            v.x = gemm_act<T>(p.act, v.x);
+            v.y = gemm_act<T>(p.act, v.y);
         }
+        if (p.res) {
+            v.x += ld(rs, r * BN + c);
+            v.y += ld(rs, r * BN + c + 1);
+        }
+        // n and the column are even: one 4-byte store per pair.
+        *(unsigned*)(out + row * p.n + n0 + c) = gemm_pack<T>(v.x, v.y);
+    }
 }
 
 // gemm_<BN>_<n|t>_<dtype>: `t` reads B as [N, K] (b_trans), `n` as [K, N].

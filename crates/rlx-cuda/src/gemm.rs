@@ -171,9 +171,10 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg, ws: u6
         (t.k / cfg.split) as u64,
     ];
     let grid = [(t.n / cfg.bn) as u32, rows.div_ceil(BM) as u32, cfg.split as u32];
-    // STAGES x (A tile [BM][BK+8] + B tile [BN][BK+8] or [BK][BN+8]) halves.
+    // STAGES x (A tile [BM][BK+8] + B tile [BN][BK+8] or [BK][BN+8]), then
+    // the residual tile [BM][BN] and the bias slice [BN]; 2-byte elements.
     let b_elems = if t.b_trans { cfg.bn * (BK + 8) } else { BK * (cfg.bn + 8) };
-    let smem = (STAGES * (BM * (BK + 8) + b_elems) * 2) as u32;
+    let smem = ((STAGES * (BM * (BK + 8) + b_elems) + BM * cfg.bn + cfg.bn) * 2) as u32;
     func.set_max_dynamic_smem(smem)?;
     Ok(Step::new(Op::Kernel { func, grid, block: 128, smem, args }, "matmul"))
 }
