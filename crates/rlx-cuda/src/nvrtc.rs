@@ -95,6 +95,24 @@ fn cache_dir() -> PathBuf {
     Path::new(&home).join(".cache/rlx/cuda")
 }
 
+/// SHA-256 over the half-precision headers NVRTC includes from the
+/// toolkit (whichever of them exist), read once per folder per process.
+fn toolkit_headers_digest(include: &Path) -> [u8; 32] {
+    static CACHE: std::sync::Mutex<Vec<(PathBuf, [u8; 32])>> = std::sync::Mutex::new(Vec::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, d)) = cache.iter().find(|(p, _)| p == include) {
+        return *d;
+    }
+    let mut h = Sha256::new();
+    for name in ["cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp"] {
+        h.update(name.as_bytes());
+        h.update(std::fs::read(include.join(name)).unwrap_or_default());
+    }
+    let d: [u8; 32] = h.finalize().into();
+    cache.push((include.to_path_buf(), d));
+    d
+}
+
 fn options(arch: (i32, i32), include: &Path) -> Vec<String> {
     vec![format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), format!("-I{}", include.display()), "--std=c++17".into()]
 }
@@ -109,6 +127,9 @@ pub fn compile_cubin(file: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
         h.update(part.as_bytes());
         h.update([0u8]);
     }
+    // The toolkit's half/bf16 headers by content, not just by folder: an
+    // updated toolkit in the same place must not reuse stale CUBINs.
+    h.update(toolkit_headers_digest(&include));
     let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
     let path = cache_dir().join(format!("{}-sm{}{}-{key}.cubin", file.trim_end_matches(".cu"), arch.0, arch.1));
     if let Ok(bytes) = std::fs::read(&path) {
