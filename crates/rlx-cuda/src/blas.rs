@@ -81,7 +81,13 @@ pub(crate) struct Epilogue {
 pub(crate) struct MatMulPlan {
     desc: lt::cublasLtMatmulDesc_t,
     layouts: [lt::cublasLtMatrixLayout_t; 4],
-    algo: lt::cublasLtMatmulAlgo_t,
+    /// cuBLASLt's first heuristic answer: the default, and the reference
+    /// the timed candidates must beat (src/gemm.rs).
+    pub algo: LtAlgo,
+    /// Minimum alignment (bytes) of A, B, C, D as given to the heuristic.
+    aligns: [u32; 4],
+    /// f32 with TF32 tensor cores (part of a choice's cache key).
+    pub tf32: bool,
     has_bias: bool,
     beta: f32,
     /// Our kernel still has to run after the GEMM.
@@ -169,11 +175,10 @@ impl MatMulPlan {
         };
         // Residual goes through C unless our epilogue kernel must add it after the activation.
         let residual_in_c = t.residual.is_some() && epilogue.is_none();
-        let compute = if t.dtype == DType::F32 && allow_tf32 {
-            lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-        } else {
-            lt::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
+        let tf32 = t.dtype == DType::F32 && allow_tf32;
+        let compute =
+            if tf32 { lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 } else { lt::cublasComputeType_t::CUBLAS_COMPUTE_32F };
+        let c_off = t.residual.filter(|_| residual_in_c).map(|r| r.offset).unwrap_or(t.out.offset);
         // SAFETY: descriptors are created here and destroyed by Drop (also on error).
         unsafe {
             let mut desc = std::ptr::null_mut();
@@ -181,7 +186,9 @@ impl MatMulPlan {
             let mut plan = MatMulPlan {
                 desc,
                 layouts: [std::ptr::null_mut(); 4],
-                algo: std::mem::zeroed(),
+                algo: LtAlgo::describe(std::mem::zeroed()),
+                aligns: [align_of(t.b.offset), align_of(t.a.offset), align_of(c_off), align_of(t.out.offset)],
+                tf32,
                 has_bias: t.bias.is_some(),
                 beta: if residual_in_c { 1.0 } else { 0.0 },
                 epilogue,
@@ -206,7 +213,27 @@ impl MatMulPlan {
             plan.layouts[1] = layout(dt, k, rows as u64, t.lda, batch, t.a_batch_stride)?;
             plan.layouts[2] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
             plan.layouts[3] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
+            let what = || format!("matmul m={rows} n={} k={} {} batch {batch}", t.n, t.k, t.dtype);
+            let first = plan.heuristics(blas, 1, SAFE_REDUCTIONS).map_err(|e| err(format!("{}: {e}", what())))?;
+            let Some(first) = first.first() else {
+                return Err(err(format!("cuBLASLt has no algorithm for {}", what())));
+            };
+            plan.algo = *first;
+            Ok(plan)
+        }
+    }
 
+    /// Minimum alignment (bytes) of A, B, C, D assumed by the algorithms.
+    pub fn aligns(&self) -> [u32; 4] {
+        self.aligns
+    }
+
+    /// Up to `count` heuristic answers for this plan's exact layouts,
+    /// epilogue and alignments, restricted to the reduction schemes in `mask`.
+    fn heuristics(&self, blas: &Blas, count: usize, mask: u32) -> Result<Vec<LtAlgo>> {
+        // SAFETY: the preference is created and destroyed here; the result
+        // array has room for `count` entries.
+        unsafe {
             let mut pref = std::ptr::null_mut();
             lt_check(lt::cublasLtMatmulPreferenceCreate(&mut pref), "cublasLtMatmulPreferenceCreate")?;
             let set_pref = |attr: lt::cublasLtMatmulPreferenceAttributes_t, v: u64, size: usize| {
@@ -217,51 +244,173 @@ impl MatMulPlan {
             };
             use lt::cublasLtMatmulPreferenceAttributes_t as P;
             let mut res = set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, 8);
-            // No in-place (atomic) split-K reductions: replay and eager must
-            // match bit for bit, run after run.
-            res = res.and(set_pref(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, 0x6, 4));
-            let c_off = t.residual.filter(|_| residual_in_c).map(|r| r.offset).unwrap_or(t.out.offset);
-            for (attr, off) in [
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, t.b.offset),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, t.a.offset),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_off),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, t.out.offset),
-            ] {
-                res = res.and(set_pref(attr, align_of(off) as u64, 4));
+            res = res.and(set_pref(P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, mask as u64, 4));
+            for (attr, a) in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ]
+            .into_iter()
+            .zip(self.aligns)
+            {
+                res = res.and(set_pref(attr, a as u64, 4));
             }
-            let mut heur: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let mut heur: Vec<lt::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); count.max(1)];
             let mut found = 0;
             if res.is_ok() {
                 res = lt_check(
                     lt::cublasLtMatmulAlgoGetHeuristic(
                         blas.handle,
-                        desc,
-                        plan.layouts[0],
-                        plan.layouts[1],
-                        plan.layouts[2],
-                        plan.layouts[3],
+                        self.desc,
+                        self.layouts[0],
+                        self.layouts[1],
+                        self.layouts[2],
+                        self.layouts[3],
                         pref,
-                        1,
-                        &mut heur,
+                        heur.len() as i32,
+                        heur.as_mut_ptr(),
                         &mut found,
                     ),
                     "cublasLtMatmulAlgoGetHeuristic",
                 );
             }
             lt::cublasLtMatmulPreferenceDestroy(pref);
-            res.map_err(|e| err(format!("matmul {}x{}x{} {} (batch {batch}): {e}", rows, t.n, t.k, t.dtype)))?;
-            if found < 1 {
-                return Err(err(format!("cuBLASLt has no algorithm for matmul m={rows} n={} k={} {} batch {batch}", t.n, t.k, t.dtype)));
-            }
-            plan.algo = heur.algo;
-            Ok(plan)
+            res?;
+            let ok = |h: &&lt::cublasLtMatmulHeuristicResult_t| {
+                h.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && h.workspaceSize as u64 <= WORKSPACE_BYTES
+            };
+            Ok(heur.iter().take(found.max(0) as usize).filter(ok).map(|h| LtAlgo::describe(h.algo)).collect())
         }
+    }
+
+    /// Whether cuBLASLt accepts `algo` for this plan (and within our workspace).
+    fn accepts(&self, blas: &Blas, algo: &lt::cublasLtMatmulAlgo_t) -> bool {
+        // SAFETY: handles are live; `result` is a local out-parameter.
+        unsafe {
+            let mut result: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let s = lt::cublasLtMatmulAlgoCheck(
+                blas.handle,
+                self.desc,
+                self.layouts[0],
+                self.layouts[1],
+                self.layouts[2],
+                self.layouts[3],
+                algo,
+                &mut result,
+            );
+            s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS && result.workspaceSize as u64 <= WORKSPACE_BYTES
+        }
+    }
+
+    /// The cuBLASLt algorithms worth timing for this plan: the default
+    /// first, then the heuristic's next answers, then split-K variants of
+    /// the first three (no split, or 2..4 parts summed in the compute type
+    /// by a separate kernel), each accepted by `cublasLtMatmulAlgoCheck`.
+    /// `inplace` adds cuBLASLt's in-place reduction scheme (sequential
+    /// through counters, summed in the output type), off by default. On the
+    /// H200 (2026-11-30) 6 or 8 parts and the output-type scheme never
+    /// timed faster than these, so they are not tried.
+    pub fn candidates(&self, blas: &Blas, count: usize, inplace: bool) -> Vec<LtAlgo> {
+        let mask = if inplace { SAFE_REDUCTIONS | INPLACE } else { SAFE_REDUCTIONS };
+        let mut out = vec![self.algo];
+        let heur = self.heuristics(blas, count, mask).unwrap_or_default();
+        let push = |a: LtAlgo, out: &mut Vec<LtAlgo>| {
+            if !out.iter().any(|o| o.algo == a.algo) {
+                out.push(a);
+            }
+        };
+        for h in &heur {
+            push(*h, &mut out);
+        }
+        let schemes: &[u32] = if inplace { &[2, 1] } else { &[2] };
+        for base in heur.iter().take(3) {
+            let mut variants = vec![base.with_split(1, 0)];
+            for split in [2u32, 3, 4] {
+                for &r in schemes {
+                    variants.push(base.with_split(split, r));
+                }
+            }
+            for v in variants.into_iter().flatten() {
+                if self.accepts(blas, &v.algo) {
+                    push(v, &mut out);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Reduction schemes that sum split-K parts in a separate, fixed-order pass
+/// (bits do not change run to run): compute type (2) and output type (4).
+pub(crate) const SAFE_REDUCTIONS: u32 = 0x6;
+const INPLACE: u32 = 0x1;
+
+/// One cuBLASLt algorithm and its configuration (for traces).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LtAlgo {
+    pub algo: lt::cublasLtMatmulAlgo_t,
+    pub id: i32,
+    pub tile: u32,
+    pub split: u32,
+    pub reduction: u32,
+}
+
+unsafe fn algo_attr(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
+    let mut v: u32 = 0;
+    let mut written = 0usize;
+    let s = lt::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written);
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        v
+    } else {
+        0
+    }
+}
+
+impl LtAlgo {
+    fn describe(algo: lt::cublasLtMatmulAlgo_t) -> LtAlgo {
+        use lt::cublasLtMatmulAlgoConfigAttributes_t as C;
+        // SAFETY: reads of a plain-data algorithm descriptor.
+        unsafe {
+            LtAlgo {
+                algo,
+                id: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_ID) as i32,
+                tile: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_TILE_ID),
+                split: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
+                reduction: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+            }
+        }
+    }
+
+    /// This algorithm with K split `split` ways (1: no split) and reduction
+    /// scheme `reduction`; None if cuBLASLt refuses the attributes.
+    fn with_split(&self, split: u32, reduction: u32) -> Option<LtAlgo> {
+        use lt::cublasLtMatmulAlgoConfigAttributes_t as C;
+        let mut a = self.algo;
+        // SAFETY: writes into a local copy of a plain-data descriptor.
+        unsafe {
+            for (attr, v) in [(C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, split), (C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, reduction)] {
+                let s = lt::cublasLtMatmulAlgoConfigSetAttribute(&mut a, attr, &v as *const u32 as *const c_void, 4);
+                if s != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return None;
+                }
+            }
+        }
+        Some(LtAlgo::describe(a))
+    }
+
+    /// Short form for traces: algorithm id, tile id, split, reduction.
+    pub fn label(&self) -> String {
+        format!("a{}t{}s{}r{}", self.id, self.tile, self.split, self.reduction)
     }
 }
 
 /// One MatMul enqueue with a slot's pointers.
 pub(crate) struct MatMulCall {
     pub plan: Arc<MatMulPlan>,
+    /// The algorithm this call runs: the plan's default until a timed
+    /// choice replaces it (src/gemm.rs).
+    pub algo: lt::cublasLtMatmulAlgo_t,
     pub blas: Arc<Blas>,
     pub a: u64,
     pub b: u64,
@@ -273,6 +422,11 @@ pub(crate) struct MatMulCall {
 
 impl MatMulCall {
     pub fn enqueue(&self, s: &Stream) -> Result<()> {
+        self.enqueue_algo(s, &self.algo)
+    }
+
+    /// As `enqueue`, with another algorithm (timing candidates at prepare).
+    pub fn enqueue_algo(&self, s: &Stream, algo: &lt::cublasLtMatmulAlgo_t) -> Result<()> {
         let p = &self.plan;
         let (alpha, beta) = (1.0f32, p.beta);
         // SAFETY: pointers are device addresses inside live allocations of
@@ -296,7 +450,7 @@ impl MatMulCall {
                     p.layouts[2],
                     self.d as *mut c_void,
                     p.layouts[3],
-                    &p.algo,
+                    algo,
                     self.blas.workspace.ptr as *mut c_void,
                     WORKSPACE_BYTES as usize,
                     s.0 as lt::cudaStream_t,

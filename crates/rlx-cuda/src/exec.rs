@@ -57,6 +57,8 @@ pub struct CudaExecutable {
     _blas: Arc<Blas>,
     /// MatMul thunks that run our own kernel instead of cuBLASLt.
     own_matmuls: usize,
+    /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
+    matmul_choices: Vec<(String, usize)>,
     /// Own matmul's split-K workspace and tile counters (see src/gemm.rs).
     _gemm_scratch: (DeviceBuffer, DeviceBuffer),
     // Drop synchronises the stream before any of these buffers are freed.
@@ -198,6 +200,7 @@ impl CudaExecutable {
         let stream = Stream::new(&dev)?;
         let mut slots = Vec::with_capacity(nslots);
         let mut own_matmuls = 0;
+        let mut matmul_choices = Vec::new();
         for _ in 0..nslots {
             let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
@@ -218,14 +221,22 @@ impl CudaExecutable {
             }
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let host = HostTask::for_thunk(&dev, t)?;
-                let lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
-                if let Thunk::MatMul(m) = t {
-                    if let Some(cfg) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &lowered, gemm_ws.ptr, gemm_counters.ptr)? {
-                        steps.push(gemm::step(kernels, m, &bases, cfg, gemm_ws.ptr, gemm_counters.ptr)?);
-                        if slots.is_empty() {
-                            own_matmuls += 1;
+                let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
+                if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[i]) {
+                    let (ws, ctr) = (gemm_ws.ptr, gemm_counters.ptr);
+                    let (choice, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &blas, plan, &lowered, ws, ctr)?;
+                    if slots.is_empty() {
+                        matmul_choices.push((choice.label(), n_lt));
+                    }
+                    match choice {
+                        gemm::Choice::Own(cfg) => {
+                            steps.push(gemm::step(kernels, m, &bases, cfg, ws, ctr)?);
+                            if slots.is_empty() {
+                                own_matmuls += 1;
+                            }
+                            continue;
                         }
-                        continue;
+                        gemm::Choice::Lt(a) => gemm::set_algo(&mut lowered, &a),
                     }
                 }
                 steps.extend(lowered);
@@ -274,6 +285,7 @@ impl CudaExecutable {
             _plans: plans,
             _blas: blas,
             own_matmuls,
+            matmul_choices,
             _gemm_scratch: (gemm_ws, gemm_counters),
             slots,
             stream,
@@ -341,6 +353,14 @@ impl CudaExecutable {
     /// than cuBLASLt: chosen per shape at prepare (see `set_gemm_policy`).
     pub fn own_matmul_count(&self) -> usize {
         self.own_matmuls
+    }
+
+    /// Per MatMul thunk, in schedule order: the kernel that runs it
+    /// ("cublasLt a<algo>t<tile>s<split>r<reduction>" or "own <cols>x<split>")
+    /// and how many cuBLASLt candidates were considered for it at this
+    /// prepare (0 when the choice was cached or nothing was timed).
+    pub fn matmul_choices(&self) -> &[(String, usize)] {
+        &self.matmul_choices
     }
 
     /// Host time of the last `submit`, by phase: input check, staging into

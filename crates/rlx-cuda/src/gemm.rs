@@ -11,9 +11,14 @@ use rlx_compile::{MatMulThunk, Space};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
 
-use crate::blas::folded;
+use crate::blas::{folded, Blas, LtAlgo, MatMulPlan};
 use crate::driver::{err, Event, GraphExec, Stream};
 use crate::launch::{Bases, Kernels, Op, Step};
+
+/// cuBLASLt heuristic answers to time per shape, and the cap on all
+/// cuBLASLt candidates (the answers plus split-K variants).
+const HEURISTICS: usize = 12;
+const MAX_LT: usize = 32;
 
 /// Rows per block and K per pipeline stage (kernels/gemm.cu).
 const BM: usize = 128;
@@ -21,6 +26,10 @@ const BK: usize = 64;
 const STAGES: usize = 4;
 /// Few-row GEMMs only: past this, cuBLASLt's large tiles are the right tool.
 const MAX_ROWS: usize = 1024;
+/// Past this many rows `Library` and `Auto` keep cuBLASLt's first answer:
+/// timing one GEMM repeated in a graph (its weights hot in L2) picked
+/// algorithms 3-6 % faster there that were not faster in the forward.
+const TUNE_MAX_ROWS: usize = 1024;
 
 /// One tiling of the own kernel: `bn` columns per block, K split `split` ways.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,18 +41,33 @@ pub(crate) struct GemmCfg {
 /// How MatMul thunks pick their kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmPolicy {
-    /// Time the own kernel's tilings against cuBLASLt at prepare; keep the
-    /// fastest (`RLX_GEMM=auto`).
-    Auto,
-    /// cuBLASLt (+ epilogue kernel) always: the default until the own
-    /// kernel measures faster (bench/gpu-perf.md, 2026-11-30 session 2).
+    /// cuBLASLt's first heuristic answer (+ epilogue kernel), nothing timed
+    /// (`RLX_GEMM=heuristic`; the default before 2026-11-30 session 2).
+    Heuristic,
+    /// cuBLASLt; for GEMMs of at most `TUNE_MAX_ROWS` rows its algorithm is
+    /// timed per shape at prepare among the heuristic's answers and their
+    /// split-K variants, larger ones take the first answer
+    /// (`RLX_GEMM=cublas`; the default).
     Library,
+    /// As `Library` at every row count (`RLX_GEMM=cublas-all`): at 4096 rows
+    /// the graph-timed winner did not hold up in the forward
+    /// (bench/gpu-perf.md, session 2 helper 2), so this is for experiments.
+    LibraryAll,
+    /// As `Library`, with the own kernel's tilings timed among them
+    /// (`RLX_GEMM=auto`).
+    Auto,
     /// The own kernel wherever it applies, in its fastest tiling (`RLX_GEMM=own`).
     Own,
     /// The own kernel in this tiling (columns per block, K split) wherever
     /// the tiling applies, cuBLASLt elsewhere (tests of each tiling).
     Tiling(usize, usize),
+    /// cuBLASLt's i-th timing candidate (the default if there are fewer),
+    /// nothing timed or cached (tests of every candidate).
+    LtCandidate(usize),
 }
+
+/// Without `RLX_GEMM` or `set_gemm_policy`.
+const DEFAULT_POLICY: GemmPolicy = GemmPolicy::Library;
 
 static POLICY: Mutex<Option<GemmPolicy>> = Mutex::new(None);
 
@@ -59,11 +83,14 @@ pub fn set_gemm_policy(p: GemmPolicy) {
 }
 
 fn policy() -> GemmPolicy {
-    let Ok(mut g) = POLICY.lock() else { return GemmPolicy::Library };
+    let Ok(mut g) = POLICY.lock() else { return DEFAULT_POLICY };
     *g.get_or_insert_with(|| match std::env::var("RLX_GEMM").as_deref().map(str::trim) {
         Ok("auto") => GemmPolicy::Auto,
         Ok("own") => GemmPolicy::Own,
-        _ => GemmPolicy::Library,
+        Ok("cublas") | Ok("library") => GemmPolicy::Library,
+        Ok("cublas-all") => GemmPolicy::LibraryAll,
+        Ok("heuristic") => GemmPolicy::Heuristic,
+        _ => DEFAULT_POLICY,
     })
 }
 
@@ -71,7 +98,13 @@ fn policy() -> GemmPolicy {
 struct Key {
     device: usize,
     dtype: DType,
+    tf32: bool,
     rows: usize,
+    batch: usize,
+    a_batch_stride: u64,
+    b_batch_stride: u64,
+    /// Minimum alignment of A, B, C, D (the heuristic's answers depend on it).
+    aligns: [u32; 4],
     n: usize,
     k: usize,
     lda: u64,
@@ -82,8 +115,27 @@ struct Key {
     residual: bool,
 }
 
-fn choices() -> &'static Mutex<HashMap<Key, Option<GemmCfg>>> {
-    static C: OnceLock<Mutex<HashMap<Key, Option<GemmCfg>>>> = OnceLock::new();
+/// What runs a MatMul thunk.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Choice {
+    /// cuBLASLt with this algorithm (+ our epilogue kernel where needed).
+    Lt(LtAlgo),
+    /// The own kernel in this tiling.
+    Own(GemmCfg),
+}
+
+impl Choice {
+    /// Short form for traces and tests.
+    pub fn label(&self) -> String {
+        match self {
+            Choice::Lt(a) => format!("cublasLt {}", a.label()),
+            Choice::Own(c) => format!("own {}x{}", c.bn, c.split),
+        }
+    }
+}
+
+fn choices() -> &'static Mutex<HashMap<Key, Choice>> {
+    static C: OnceLock<Mutex<HashMap<Key, Choice>>> = OnceLock::new();
     C.get_or_init(Default::default)
 }
 
@@ -179,34 +231,40 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg, ws: u6
     Ok(Step::new(Op::Kernel { func, grid, block: 128, smem, args }, "matmul"))
 }
 
-/// Device time of each alternative (a list of steps), in µs per run: each
-/// recorded 10 times into a CUDA graph (as replay runs it: no host launch
-/// cost in the figure), after a warm-up; the best of 5 graph launches.
-fn time_alternatives(stream: &Stream, alts: &[&[Step]]) -> Result<Vec<f64>> {
+/// One timing alternative: enqueues its work once on the stream.
+type Enqueue<'a> = dyn Fn(&Stream) -> Result<()> + 'a;
+
+/// Device time of each alternative, in µs per run: each recorded 10 times
+/// into a CUDA graph (as replay runs it: no host launch cost in the figure),
+/// after a warm-up; the best of 5 graph launches. An alternative that cannot
+/// be recorded or launched reads infinite.
+fn time_alternatives(stream: &Stream, alts: &[&Enqueue]) -> Result<Vec<f64>> {
     const REPS: usize = 10;
     let (e0, e1) = (Event::new(true)?, Event::new(true)?);
-    let graphs: Vec<GraphExec> = alts
+    let graphs: Vec<Option<GraphExec>> = alts
         .iter()
         .map(|alt| {
-            GraphExec::capture(stream, || {
+            let g = GraphExec::capture(stream, || {
                 for _ in 0..REPS {
-                    for st in alt.iter() {
-                        st.enqueue(stream)?;
-                    }
+                    alt(stream)?;
                 }
                 Ok(())
             })
+            .ok()?;
+            // A candidate that fails at launch is dropped, not fatal.
+            (g.launch(stream).is_ok() && stream.synchronize().is_ok()).then_some(g)
         })
-        .collect::<Result<_>>()?;
+        .collect();
     // Clocks ramp up under load: about a millisecond of work first.
     for _ in 0..20 {
-        for g in &graphs {
+        for g in graphs.iter().flatten() {
             g.launch(stream)?;
         }
     }
     let mut best = vec![f64::INFINITY; alts.len()];
     for _ in 0..5 {
         for (i, g) in graphs.iter().enumerate() {
+            let Some(g) = g else { continue };
             e0.record(stream)?;
             g.launch(stream)?;
             e1.record(stream)?;
@@ -217,9 +275,25 @@ fn time_alternatives(stream: &Stream, alts: &[&[Step]]) -> Result<Vec<f64>> {
     Ok(best)
 }
 
-/// The kernel for this thunk: Some(tiling) for the own kernel, None for
-/// cuBLASLt. `library` are the cuBLASLt steps with this slot's pointers
-/// (timed against the own tilings the first time a shape is seen).
+/// Index and value of the smallest entry.
+fn argmin(v: &[f64]) -> (usize, f64) {
+    v.iter().enumerate().fold((0, f64::INFINITY), |(bi, bv), (i, x)| if *x < bv { (i, *x) } else { (bi, bv) })
+}
+
+/// Puts the chosen cuBLASLt algorithm into a thunk's lowered steps.
+pub(crate) fn set_algo(steps: &mut [Step], a: &LtAlgo) {
+    for st in steps {
+        if let Op::MatMul(call) = &mut st.op {
+            call.algo = a.algo;
+        }
+    }
+}
+
+/// The kernel for this thunk, by policy, and how many cuBLASLt candidates
+/// were considered (0 when nothing was timed); timed choices are made the
+/// first time a shape is seen and kept for the process. `library` are the
+/// thunk's cuBLASLt steps with this slot's pointers (the MatMul, then our
+/// epilogue kernel if any); timing writes the thunk's (arena) output.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn choose(
     device: usize,
@@ -227,19 +301,35 @@ pub(crate) fn choose(
     k: &Kernels,
     t: &MatMulThunk,
     b: &Bases,
+    blas: &Blas,
+    plan: &MatMulPlan,
     library: &[Step],
     ws: u64,
     counters: u64,
-) -> Result<Option<GemmCfg>> {
+) -> Result<(Choice, usize)> {
     let pol = policy();
-    if pol == GemmPolicy::Library || !eligible(t, b)? {
-        return Ok(None);
+    let default = Choice::Lt(plan.algo);
+    // Timing writes the output: only an arena output may be written at prepare.
+    if pol == GemmPolicy::Heuristic || t.out.space != Space::Arena {
+        return Ok((default, 0));
     }
-    let (rows, _) = folded(t);
+    let (rows, batch) = folded(t);
+    if matches!(pol, GemmPolicy::Library | GemmPolicy::Auto) && rows * batch > TUNE_MAX_ROWS {
+        return Ok((default, 0));
+    }
+    let own_ok = eligible(t, b)?;
+    if matches!(pol, GemmPolicy::Own | GemmPolicy::Tiling(..)) && !own_ok {
+        return Ok((default, 0));
+    }
     let key = Key {
         device,
         dtype: t.dtype,
+        tf32: plan.tf32,
         rows,
+        batch,
+        a_batch_stride: t.a_batch_stride,
+        b_batch_stride: t.b_batch_stride,
+        aligns: plan.aligns(),
         n: t.n,
         k: t.k,
         lda: t.lda,
@@ -250,27 +340,75 @@ pub(crate) fn choose(
         residual: t.residual.is_some(),
     };
     if let Some(c) = choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?.get(&key) {
-        return Ok(*c);
+        return Ok((*c, 0));
     }
-    let cands = candidates(t, k.sm_count as usize);
+    let own_cands = if own_ok { candidates(t, k.sm_count as usize) } else { Vec::new() };
     if let GemmPolicy::Tiling(bn, split) = pol {
         let c = GemmCfg { bn, split };
-        return Ok(cands.contains(&c).then_some(c));
+        return Ok((if own_cands.contains(&c) { Choice::Own(c) } else { default }, 0));
     }
-    if cands.is_empty() {
-        return Ok(None);
+    // cuBLASLt candidates: only the default under `Own` (the reference the
+    // own kernel is reported against).
+    let inplace = std::env::var("RLX_GEMM_INPLACE").map(|v| v == "1").unwrap_or(false);
+    let mut lt = if pol == GemmPolicy::Own { vec![plan.algo] } else { plan.candidates(blas, HEURISTICS, inplace) };
+    lt.truncate(MAX_LT);
+    if let GemmPolicy::LtCandidate(i) = pol {
+        return Ok((lt.get(i).map(|a| Choice::Lt(*a)).unwrap_or(default), lt.len()));
     }
-    let own: Vec<Step> = cands.iter().map(|c| step(k, t, b, *c, ws, counters)).collect::<Result<_>>()?;
-    let mut alts: Vec<&[Step]> = vec![library];
-    alts.extend(own.iter().map(std::slice::from_ref));
+    let Some(Op::MatMul(call)) = library.first().map(|s| &s.op) else {
+        return Err(err("matmul steps do not start with the cuBLASLt call"));
+    };
+    let rest = &library[1..];
+    let lt_alts: Vec<Box<Enqueue<'_>>> = lt
+        .iter()
+        .map(|a| {
+            let algo = a.algo;
+            Box::new(move |s: &Stream| -> Result<()> {
+                call.enqueue_algo(s, &algo)?;
+                rest.iter().try_for_each(|st| st.enqueue(s))
+            }) as Box<Enqueue<'_>>
+        })
+        .collect();
+    let own_use = matches!(pol, GemmPolicy::Auto | GemmPolicy::Own);
+    let own_steps: Vec<Step> =
+        if own_use { own_cands.iter().map(|c| step(k, t, b, *c, ws, counters)).collect::<Result<_>>()? } else { Vec::new() };
+    let own_alts: Vec<Box<Enqueue<'_>>> =
+        own_steps.iter().map(|st| Box::new(move |s: &Stream| st.enqueue(s)) as Box<Enqueue<'_>>).collect();
+    let alts: Vec<&Enqueue> = lt_alts.iter().chain(&own_alts).map(|b| b.as_ref()).collect();
     let us = time_alternatives(stream, &alts)?;
-    let (bi, own_best) = us[1..].iter().enumerate().fold((0, f64::INFINITY), |(bi, bv), (i, v)| if *v < bv { (i, *v) } else { (bi, bv) });
-    // Auto keeps cuBLASLt unless ours is clearly faster (3%: timing noise).
-    let pick = if pol == GemmPolicy::Own || own_best < 0.97 * us[0] { Some(cands[bi]) } else { None };
-    if std::env::var("RLX_TRACE").map(|v| v == "1").unwrap_or(false) {
-        let list: Vec<String> = cands.iter().zip(&us[1..]).map(|(c, u)| format!("{}x{}:{u:.2}", c.bn, c.split)).collect();
-        eprintln!("rlx-cuda gemm {rows}x{}x{} {}: cublasLt {:.2}us, own [{}] -> {pick:?}", t.n, t.k, t.dtype, us[0], list.join(" "));
+    let (lt_us, own_us) = us.split_at(lt.len());
+    // A non-default choice must be clearly faster (3 %: timing noise), so a
+    // tie never moves a shape off cuBLASLt's first answer.
+    let (li, lv) = argmin(lt_us);
+    let mut pick = if li != 0 && lv < 0.97 * lt_us[0] { (Choice::Lt(lt[li]), lv) } else { (default, lt_us[0]) };
+    if !own_cands.is_empty() && own_use {
+        let (oi, ov) = argmin(own_us);
+        if pol == GemmPolicy::Own || ov < 0.97 * pick.1 {
+            pick = (Choice::Own(own_cands[oi]), ov);
+        }
     }
-    choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?.insert(key, pick);
-    Ok(pick)
+    if !pick.1.is_finite() {
+        // Nothing could be timed (the default included): keep the default.
+        pick.0 = default;
+    }
+    if std::env::var("RLX_TRACE").map(|v| v == "1").unwrap_or(false) {
+        let ll: Vec<String> = lt.iter().zip(lt_us).map(|(a, u)| format!("{}:{u:.2}", a.label())).collect();
+        let ol: Vec<String> = own_cands.iter().zip(own_us).map(|(c, u)| format!("{}x{}:{u:.2}", c.bn, c.split)).collect();
+        let name = pick.0.label();
+        eprintln!(
+            "rlx-cuda gemm {rows}x{}x{} {} batch {batch}: -> {name} {:.2}us (default {:.2}us); cublasLt [{}] own [{}]",
+            t.n,
+            t.k,
+            t.dtype,
+            pick.1,
+            lt_us[0],
+            ll.join(" "),
+            ol.join(" ")
+        );
+    }
+    // A prepare on another thread may have decided this shape meanwhile:
+    // the first decision stands, so every executable of a shape runs the
+    // same kernel (same bits).
+    let mut table = choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?;
+    Ok((*table.entry(key).or_insert(pick.0), lt.len()))
 }

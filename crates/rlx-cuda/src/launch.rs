@@ -302,7 +302,10 @@ pub(crate) fn lower(
                 None => 0,
             };
             let epi = plan.epilogue;
-            steps.push(Step::new(Op::MatMul(MatMulCall { plan, blas: blas.clone(), a: b.ptr(&m.a)?, b: b.ptr(&m.b)?, c, d, bias }), kind));
+            steps.push(Step::new(
+                Op::MatMul(MatMulCall { algo: plan.algo.algo, plan, blas: blas.clone(), a: b.ptr(&m.a)?, b: b.ptr(&m.b)?, c, d, bias }),
+                kind,
+            ));
             if let Some(e) = epi {
                 let n = (m.batch * m.m * m.n) as u64;
                 let res = match (&m.residual, e.residual) {

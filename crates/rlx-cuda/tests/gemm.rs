@@ -9,7 +9,7 @@ use common::*;
 use rlx_compile::{MatMulThunk, Thunk};
 use rlx_cuda::{set_gemm_policy, GemmPolicy};
 use rlx_ir::{Activation, DType};
-use rlx_runtime::PrepareOptions;
+use rlx_runtime::{Executable, PrepareOptions};
 
 /// (batch, m, n, k, b_trans, bias, act, residual)
 type Case = (usize, usize, usize, usize, bool, bool, Option<Activation>, bool);
@@ -47,8 +47,12 @@ fn build(dt: DType, c: Case, r: &mut rand::rngs::StdRng) -> (Sb, Vec<(&'static s
     (sb, inputs)
 }
 
+/// The kernel policy is process-wide: tests of this binary take turns.
+static POLICY_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn own_matmul_every_tiling_matches_cpu() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(51);
     let cases: [Case; 5] = [
@@ -99,5 +103,54 @@ fn own_matmul_every_tiling_matches_cpu() {
         assert_eq!(e.own_matmul_count(), 0);
     }
     check("matmul f32 stays on cuBLASLt", &g, &s, &w, &named(inputs), 4.0);
+    set_gemm_policy(GemmPolicy::Library);
+}
+
+/// Every cuBLASLt algorithm the timed choice may pick (heuristic answers and
+/// their split-K variants) against the CPU, with replay == eager and two
+/// calls of one executable bit for bit: BERT's FFN2 at batch 1 (long K,
+/// where split-K and its reduce kernel appear; residual through C), FFN1
+/// with erf-GELU left to our epilogue kernel, and a small f32 case.
+#[test]
+fn every_cublaslt_candidate_matches_cpu() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(52);
+    let cases: [(DType, Case); 3] = [
+        (DType::F16, (1, 128, 768, 3072, true, true, None, true)),
+        (DType::BF16, (1, 128, 3072, 768, true, true, Some(Activation::Gelu), false)),
+        (DType::F32, (1, 16, 40, 64, false, true, None, true)),
+    ];
+    let cpu = rlx_cpu::CpuBackend::new();
+    for (dt, c) in cases {
+        let (sb, inputs) = build(dt, c, &mut r);
+        let (s, w) = sb.finish();
+        let inputs = named(inputs);
+        let want = run(&cpu, &s, &w, &inputs, true).unwrap_or_else(|e| panic!("cpu: {e}"));
+        let Some(g) = &g else { continue };
+        let mut i = 0;
+        let mut labels = Vec::new();
+        loop {
+            set_gemm_policy(GemmPolicy::LtCandidate(i));
+            let opts = PrepareOptions { slots: 2, replay: true, allow_tf32: false };
+            let mut e = g.prepare_cuda(s.clone(), w.clone(), &opts).unwrap_or_else(|e| panic!("{e}"));
+            let (label, count) = e.matmul_choices()[0].clone();
+            assert!(count >= 1, "{dt} {c:?}: no cuBLASLt candidate");
+            let what = format!("{dt} {c:?} candidate {i}/{count} ({label})");
+            let refs: Vec<(&str, &rlx_runtime::Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let first = e.run(&refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let second = e.run(&refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(first[0].bytes(), second[0].bytes(), "{what}: two calls differ");
+            let eager = run(g, &s, &w, &inputs, false).unwrap_or_else(|e| panic!("{what}: eager: {e}"));
+            assert_eq!(first[0].bytes(), eager[0].bytes(), "{what}: replay and eager differ");
+            assert_close(&what, &first[0], &want[0], (c.3 as f64).sqrt() / 2.0);
+            labels.push(label);
+            i += 1;
+            if i >= count {
+                break;
+            }
+        }
+        eprintln!("{dt} {c:?}: {} candidates: {}", labels.len(), labels.join(", "));
+    }
     set_gemm_policy(GemmPolicy::Library);
 }
