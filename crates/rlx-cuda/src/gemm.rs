@@ -90,7 +90,12 @@ fn policy() -> GemmPolicy {
         Ok("cublas") | Ok("library") => GemmPolicy::Library,
         Ok("cublas-all") => GemmPolicy::LibraryAll,
         Ok("heuristic") => GemmPolicy::Heuristic,
-        _ => DEFAULT_POLICY,
+        Ok(other) => {
+            // A typo must not silently measure something else.
+            eprintln!("rlx-cuda: RLX_GEMM={other:?} is not one of auto, own, cublas, cublas-all, heuristic; using the default");
+            DEFAULT_POLICY
+        }
+        Err(_) => DEFAULT_POLICY,
     })
 }
 
