@@ -65,10 +65,10 @@ pub struct BenchArgs {
 struct Timing {
     wall_us: f64,
     submit_us: f64,
-    /// Pipelined (two calls in flight): wall time per call and the median
-    /// time `submit` takes while the previous call still runs. `None` when
-    /// the executable has a single slot.
-    pipelined: Option<(f64, f64)>,
+    /// Pipelined (two calls in flight): mean wall time per call and the
+    /// median time `submit` takes while the previous call still runs, or why
+    /// it failed. `None` when not measured or with a single slot.
+    pipelined: Option<Result<(f64, f64), String>>,
     cpu_us: Option<f64>,
     kernels: usize,
     mode: String,
@@ -218,8 +218,11 @@ fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: 
         row.rlx_replay_us = Some(r.wall_us);
         row.host_submit_us = Some(r.submit_us);
         row.host_cpu_us = r.cpu_us;
-        row.pipelined_us = r.pipelined.map(|p| p.0);
-        row.host_submit_pipelined_us = r.pipelined.map(|p| p.1);
+        match &r.pipelined {
+            Some(Ok((wall, submit))) => (row.pipelined_us, row.host_submit_pipelined_us) = (Some(*wall), Some(*submit)),
+            Some(Err(e)) => row.notes.push(format!("pipelined replay failed: {e}")),
+            None => {}
+        }
         row.kernels = Some(r.kernels);
         eprintln!("{label}: replay {:.1} µs ({}), submit {:.2} µs, {} kernels", r.wall_us, r.mode, r.submit_us, r.kernels);
         if matches!(device, Device::Cuda(_)) && !r.mode.contains("replay") {
@@ -257,7 +260,7 @@ fn measure_mode(
     session.set_compile_options(CompileOptions { precision: (dtype != DType::F32).then_some(dtype), ..CompileOptions::default() });
     session.set_prepare_options(PrepareOptions { replay, ..PrepareOptions::default() });
     let mut exe = session.compile(&graph).map_err(|e| format!("compiling for {device}: {e}"))?;
-    time_rlx(&mut exe, &named, args.warmup, args.runs).map_err(|e| e.to_string())
+    time_rlx(&mut exe, &named, args.warmup, args.runs, replay).map_err(|e| e.to_string())
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
@@ -269,7 +272,7 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 
 /// Warm-up, then `runs` timed calls: wall clock around submit + wait, the
 /// time submit takes, and the calling thread's CPU time per call.
-fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, runs: usize) -> Result<Timing, rlx::Error> {
+fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, runs: usize, pipeline: bool) -> Result<Timing, rlx::Error> {
     let mut outputs = exe.run(inputs)?;
     for _ in 1..warmup {
         outputs = exe.run(inputs)?;
@@ -290,7 +293,16 @@ fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, 
         (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / 1e3 / runs as f64),
         _ => None,
     };
-    let pipelined = time_pipelined(exe, inputs, runs)?;
+    // Only the replay rows report it; a failure there is a note, not the
+    // loss of the sequential numbers above.
+    let pipelined = if pipeline {
+        match time_pipelined(exe, inputs, runs, &outputs) {
+            Ok(p) => p.map(Ok),
+            Err(e) => Some(Err(e.to_string())),
+        }
+    } else {
+        None
+    };
     let stats = exe.stats();
     Ok(Timing {
         wall_us: median(&mut wall),
@@ -307,7 +319,12 @@ fn time_rlx(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], warmup: usize, 
 /// submitted before call k is collected, so the host stages and launches
 /// while the device works. Returns (wall µs per call, median submit µs), or
 /// `None` when the executable has one slot (a second submit is Busy).
-fn time_pipelined(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], runs: usize) -> Result<Option<(f64, f64)>, rlx::Error> {
+fn time_pipelined(
+    exe: &mut CompiledGraph,
+    inputs: &[(&str, &Tensor)],
+    runs: usize,
+    expected: &[Tensor],
+) -> Result<Option<(f64, f64)>, rlx::Error> {
     let mut pending = exe.submit(inputs)?;
     let mut submit = Vec::with_capacity(runs);
     let start = Instant::now();
@@ -322,7 +339,15 @@ fn time_pipelined(exe: &mut CompiledGraph, inputs: &[(&str, &Tensor)], runs: usi
             Err(e) => return Err(e),
         };
         submit.push(t0.elapsed().as_secs_f64() * 1e6);
-        exe.wait(pending)?;
+        let got = exe.wait(pending)?;
+        // Same inputs every call: with two calls in flight each result must
+        // still be the sequential one, bit for bit (slots must not alias).
+        if got.iter().zip(expected).any(|(a, b)| a.bytes() != b.bytes()) {
+            return Err(rlx::Error::Runtime(rlx::RuntimeError::Backend {
+                backend: "bench".into(),
+                detail: "a pipelined call returned different bits from the sequential ones".into(),
+            }));
+        }
         pending = next;
     }
     exe.wait(pending)?;

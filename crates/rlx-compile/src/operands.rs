@@ -194,12 +194,29 @@ fn overlaps(a: &BufRef, b: &BufRef) -> bool {
     a.space == b.space && a.offset < b.offset.saturating_add(b.bytes) && b.offset < a.offset.saturating_add(a.bytes)
 }
 
-/// Every operand's extent fits its buffer, nothing writes a weight or a
+/// Stride lists match their dims, every operand starts aligned for its
+/// element type and its extent fits its buffer, nothing writes a weight or a
 /// constant, and attention / matmul outputs do not overlap their inputs
 /// (their kernels read the inputs while writing the output; elementwise
 /// kernels may run in place). The error names the operand and both sizes.
 pub fn check_operands(t: &Thunk) -> Result<(), String> {
+    // `extent` pairs dims with strides: a shorter stride list would make
+    // the extent look smaller than what the kernel indexes.
+    match t {
+        Thunk::Binary { out_shape, a_strides, b_strides, .. }
+            if a_strides.len() != out_shape.len() || b_strides.len() != out_shape.len() =>
+        {
+            return Err(format!("binary: {} dims but {} and {} strides", out_shape.len(), a_strides.len(), b_strides.len()));
+        }
+        Thunk::Copy { shape, src_strides, dst_strides, .. } if src_strides.len() != shape.len() || dst_strides.len() != shape.len() => {
+            return Err(format!("copy: {} dims but {} and {} strides", shape.len(), src_strides.len(), dst_strides.len()));
+        }
+        _ => {}
+    }
     for op in operands(t) {
+        if op.buf.offset % op.align.max(1) as u64 != 0 {
+            return Err(format!("operand {}: offset {} is not a multiple of its element size {}", op.what, op.buf.offset, op.align));
+        }
         if op.need > op.buf.bytes {
             return Err(format!("operand {}: the kernel touches {} bytes but the buffer holds {}", op.what, op.need, op.buf.bytes));
         }

@@ -86,3 +86,22 @@ fn a_matmul_output_overlapping_its_input_is_refused() {
     let e = check_operands(&Thunk::MatMul(bad)).unwrap_err();
     assert!(e.contains("overlaps"), "{e}");
 }
+
+#[test]
+fn misaligned_operands_and_short_stride_lists_are_refused() {
+    let act = |x_off| Thunk::Activation { act: Activation::Relu, dtype: DType::F32, n: 4, x: arena(x_off, 16), out: arena(64, 16) };
+    assert_eq!(check_operands(&act(32)), Ok(()));
+    assert!(check_operands(&act(34)).unwrap_err().contains("not a multiple"));
+    // Two dims, one stride: the extent would only see the first dim.
+    let t = Thunk::Binary {
+        op: BinaryOp::Mul,
+        dtype: DType::F32,
+        out_shape: vec![2, 3],
+        a: arena(0, 24),
+        a_strides: vec![3],
+        b: arena(32, 24),
+        b_strides: vec![3, 1],
+        out: arena(64, 24),
+    };
+    assert!(check_operands(&t).unwrap_err().contains("strides"));
+}

@@ -24,6 +24,9 @@ struct Case {
     valid: Option<usize>,
     mask: Option<(DType, Vec<bool>)>,
     scale: f32,
+    /// Fill the K and V rows of masked keys with NaN (separate buffers
+    /// only): they must not reach the output.
+    poison: bool,
 }
 
 /// Reads [b, s, col] through a view given as (data, batch stride, row stride).
@@ -96,7 +99,14 @@ fn run(seed: u64, c: &Case, fused: bool) {
                   width: usize,
                   tensors: &mut Vec<(&'static str, rlx_runtime::Tensor)>| {
             let row = width + pad;
-            let data = values(r, c.batch * len * row, dt);
+            let mut data = values(r, c.batch * len * row, dt);
+            if let (true, "k" | "v", Some((_, m))) = (c.poison, name, &c.mask) {
+                for b in 0..c.batch {
+                    for j in (0..len).filter(|&j| !m[b * c.kv_len + j]) {
+                        data[(b * len + j) * row..][..width].fill(f64::NAN);
+                    }
+                }
+            }
             let buf = p.input(name, &[c.batch, len, row], dt);
             tensors.push((name, tensor(&[c.batch, len, row], dt, &data)));
             (SeqView { buf, batch_stride: (len * row) as u64, row_stride: row as u64 }, (data, len * row, row))
@@ -172,7 +182,7 @@ fn random_case(r: &mut rand::rngs::StdRng, dtype: DType, same_len: bool) -> Case
         let mdt = [DType::I32, DType::I64, DType::F32, DType::F16][r.random_range(0..4)];
         (mdt, (0..batch * kv_len).map(|_| r.random_bool(0.8)).collect())
     });
-    Case { dtype, batch, heads, kv_heads, hd, q_len, kv_len, causal, valid, mask, scale: 1.0 / (hd as f32).sqrt() }
+    Case { dtype, batch, heads, kv_heads, hd, q_len, kv_len, causal, valid, mask, scale: 1.0 / (hd as f32).sqrt(), poison: false }
 }
 
 #[test]
@@ -208,6 +218,7 @@ fn attention_long_sequence() {
         valid: None,
         mask: None,
         scale: 0.17,
+        poison: false,
     };
     run(7, &c, true);
 }
@@ -229,6 +240,7 @@ fn attention_fully_masked_rows_are_zero() {
         valid: None,
         mask: Some((DType::I32, mask)),
         scale: 0.3,
+        poison: false,
     };
     run(9, &c, false);
 }
@@ -252,6 +264,38 @@ fn attention_wide_heads_and_odd_lengths() {
             valid: Some(kv_len - 1),
             mask: Some(mask),
             scale: 1.0 / (hd as f32).sqrt(),
+            poison: false,
+        };
+        run(seed, &c, false);
+    }
+}
+
+/// NaN in the K and V rows of masked keys (a padded batch whose pad rows
+/// hold garbage) stays out of every output; causal rows before the first
+/// valid key (q_len > valid_len) come out as zeros.
+#[test]
+fn attention_masked_garbage_and_rows_before_the_first_key() {
+    for (seed, dtype, hd, q_len, kv_len, valid, causal) in [
+        (400, DType::F32, 32, 9, 40, Some(33), false),
+        (401, DType::BF16, 16, 12, 30, Some(7), true),
+        (402, DType::F32, 40, 20, 20, Some(5), true),
+    ] {
+        let mut r = rng(seed);
+        let mut m: Vec<bool> = (0..2 * kv_len).map(|_| r.random_bool(0.7)).collect();
+        m[kv_len + 1] = false;
+        let c = Case {
+            dtype,
+            batch: 2,
+            heads: 2,
+            kv_heads: 2,
+            hd,
+            q_len,
+            kv_len,
+            causal,
+            valid,
+            mask: Some((DType::I32, m)),
+            scale: 1.0 / (hd as f32).sqrt(),
+            poison: true,
         };
         run(seed, &c, false);
     }

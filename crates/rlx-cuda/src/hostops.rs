@@ -88,8 +88,8 @@ impl HostTask {
             }
             order.sort_by(key);
             for (i, &j) in order.iter().take(self.k).enumerate() {
-                // x holds rows × len values (sized at prepare); a missing
-                // value would leave zeros rather than panic in a callback.
+                // x holds rows × len values (sized at prepare), so this is
+                // always Some; the check only keeps a callback from panicking.
                 if let Some(v) = self.x.slice((r * self.len + j) * es, es) {
                     vals[i * es..(i + 1) * es].copy_from_slice(v);
                 }

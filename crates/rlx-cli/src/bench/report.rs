@@ -175,7 +175,7 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
          {torch_timing}. Host µs/call (submit) is the median time `submit` takes to return for a replayed call; host \
          CPU µs/call is the calling thread's CPU time per replayed call (submit and wait; a spinning wait counts here). \
          Pipelined: call k + 1 is submitted before call k is collected (two slots in flight, as a serving loop drives \
-         the executor); wall time per call and the median submit time in that steady state."
+         the executor); the mean wall time per call over the whole pipelined run, and the median submit time in that steady state."
     );
     let checks = targets(rows);
     if ctx.gpu && !checks.is_empty() {

@@ -106,15 +106,21 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
                 let kept = mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j));
                 buf.keep[j] = if kept { 1.0 } else { 0.0 };
             }
-            // This head's keys transposed and values row by row, in f32.
+            // This head's keys transposed and values row by row, in f32. A
+            // masked key's K and V are zeros: whatever the buffer holds there
+            // (NaN, inf) must not reach a score or a weighted sum as 0 · NaN.
             for j in 0..valid {
-                let kr = b * t.k.batch_stride as usize + j * t.k.row_stride as usize + g * hd;
-                k.load(kr, &mut buf.row);
+                let vrow = &mut buf.v[j * hdp..j * hdp + hd];
+                if buf.keep[j] == 0.0 {
+                    buf.row.fill(0.0);
+                    vrow.fill(0.0);
+                } else {
+                    k.load(b * t.k.batch_stride as usize + j * t.k.row_stride as usize + g * hd, &mut buf.row);
+                    v.load(b * t.v.batch_stride as usize + j * t.v.row_stride as usize + g * hd, vrow);
+                }
                 for (d, &x) in buf.row.iter().enumerate() {
                     buf.kt[d * vp + j] = x;
                 }
-                let vr = b * t.v.batch_stride as usize + j * t.v.row_stride as usize + g * hd;
-                v.load(vr, &mut buf.v[j * hdp..j * hdp + hd]);
             }
             for i in 0..qn {
                 let qr = b * t.q.batch_stride as usize + (q0 + i) * t.q.row_stride as usize + h * hd;
@@ -263,9 +269,9 @@ fn softmax_row(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
         head.fill(0.0);
         return 0.0;
     }
-    // A masked score may be anything; exp clamps its input, so the product
-    // with keep = 0 is exactly 0.
-    head.iter_mut().zip(keep).for_each(|(x, &k)| *x = lanes::exp(*x - m) * k);
+    // Masked weights are exactly 0 (a select, so even a non-finite score
+    // there cannot leak through as 0 · NaN).
+    head.iter_mut().zip(keep).for_each(|(x, &k)| *x = if k != 0.0 { lanes::exp(*x - m) } else { 0.0 });
     1.0 / lanes::sum(head)
 }
 
