@@ -162,8 +162,8 @@ impl CudaExecutable {
             for b in thunk_bufs(t) {
                 check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &states, &consts)?;
             }
-            // Dims × strides of every operand inside its BufRef, the same
-            // check the CPU backend makes, so the kernels can trust them.
+            // Stride lists, alignment, and dims × strides of every operand
+            // inside its BufRef (the CPU backend runs the same checks).
             rlx_compile::operands::check_operands(t).map_err(|e| err(format!("thunk {i} ({}): {e}", t.kind())))?;
         }
         for s in schedule.inputs.iter().chain(&schedule.outputs) {
