@@ -67,7 +67,7 @@ struct Worker {
     consts: Vec<AlignedBuf>,
     weights: Vec<WeightMem>,
     /// Per thunk: f32 copy of a half-precision matmul weight.
-    b_cache: Vec<Option<Vec<f32>>>,
+    b_cache: Vec<Option<Arc<Vec<f32>>>>,
     scratch: Scratch,
     pool: Option<Arc<rayon::ThreadPool>>,
     /// RLX_PROFILE: print host time per thunk kind after every call.
@@ -145,14 +145,29 @@ impl Worker {
         }
     }
 
-    fn weight_caches(&self) -> Result<Vec<Option<Vec<f32>>>> {
+    /// Validates every thunk and builds (or shares, see `widened.rs`) the f32
+    /// copies of half-precision matmul weights.
+    fn weight_caches(&self) -> Result<Vec<Option<Arc<Vec<f32>>>>> {
         let mem = self.mem(0);
         let mut cache = Vec::with_capacity(self.schedule.thunks.len());
         for (i, t) in self.schedule.thunks.iter().enumerate() {
             validate_thunk(t, &mem).map_err(|e| exec_err(format!("thunk #{i} ({}): {e}", t.kind())))?;
-            cache.push(match t {
-                Thunk::MatMul(mm) => kernels::matmul::weight_cache(mm, &mem)?,
+            let Thunk::MatMul(mm) = t else {
+                cache.push(None);
+                continue;
+            };
+            let source = match mm.b.space {
+                Space::Weight(w) => self.weights.get(w as usize),
                 _ => None,
+            };
+            cache.push(match source {
+                Some(WeightMem::Shared(tensor)) if kernels::matmul::needs_weight_cache(mm) => {
+                    let elems = kernels::matmul::weight_cache_len(mm);
+                    Some(crate::widened::shared(tensor, mm.dtype, mm.b.offset, elems, || {
+                        kernels::matmul::weight_cache(mm, &mem)?.ok_or_else(|| exec_err("no f32 copy for this matmul weight"))
+                    })?)
+                }
+                _ => kernels::matmul::weight_cache(mm, &mem)?.map(Arc::new),
             });
         }
         Ok(cache)
@@ -202,7 +217,7 @@ impl Worker {
             let mut per: std::collections::BTreeMap<&str, (Duration, usize)> = Default::default();
             let start = Instant::now();
             for (i, t) in schedule.thunks.iter().enumerate() {
-                let b = cache.get(i).and_then(|c| c.as_deref());
+                let b = cache.get(i).and_then(|c| c.as_deref()).map(|v| v.as_slice());
                 let t0 = profile.then(Instant::now);
                 let r = kernels::run(t, &mem, scratch, b, threads);
                 if let Some(t0) = t0 {

@@ -15,6 +15,7 @@ mod kernels;
 mod memory;
 mod simd;
 mod validate;
+mod widened;
 
 use std::sync::Arc;
 

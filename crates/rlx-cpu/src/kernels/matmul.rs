@@ -45,7 +45,7 @@ fn b_strides(mm: &MatMulThunk) -> (usize, usize) {
 /// The f32 copy of a half-precision weight b, in b's own strided layout, so
 /// the conversion is paid once per weight version instead of every call.
 pub fn weight_cache(mm: &MatMulThunk, mem: &Mem) -> Result<Option<Vec<f32>>> {
-    if mm.dtype == DType::F32 || !matches!(mm.b.space, rlx_compile::Space::Weight(_)) {
+    if !needs_weight_cache(mm) {
         return Ok(None);
     }
     let n = b_extent(mm);
@@ -55,6 +55,16 @@ pub fn weight_cache(mm: &MatMulThunk, mem: &Mem) -> Result<Option<Vec<f32>>> {
         b.load(0, &mut v);
     });
     Ok(Some(v))
+}
+
+/// Whether `weight_cache` makes a copy: a half-precision weight operand.
+pub fn needs_weight_cache(mm: &MatMulThunk) -> bool {
+    mm.dtype != DType::F32 && matches!(mm.b.space, rlx_compile::Space::Weight(_))
+}
+
+/// Elements of the f32 copy `weight_cache` makes.
+pub fn weight_cache_len(mm: &MatMulThunk) -> usize {
+    b_extent(mm)
 }
 
 /// c[batch, m, n] (=|+=) a · b over all batches, choosing how to spread the
