@@ -1,17 +1,22 @@
 // Fused attention on tensor cores (f16 / bf16, head_dim a multiple of 16):
 // flash-attention style, with mma.sync m16n8k16 and f32 accumulation.
 //
-// A block of 4 warps owns 64 query rows of one (batch, head), 16 per warp.
+// A block of W warps (4 or 8) owns 16 W query rows of one (batch, head), 16
+// per warp; all of them share each K/V tile the block loads.
 // K and V stream through shared memory in tiles of 64 keys, both stored
 // row-major ([key][dim]); when the head dim is a multiple of 8 and every
 // pointer and stride allows it, a tile moves as 16-byte cp.async copies
 // (4 + 4 per thread for head dim 64), double-buffered for head dims up to 64
-// so the next tile's copy overlaps this tile's math; else element by element. V's fragments
-// come out transposed through ldmatrix.trans. The key mask of a tile is
-// read once into shared memory. Each warp computes its
+// so the next tile's copy overlaps this tile's math; else element by element. K's
+// fragments come out of ldmatrix, V's transposed through ldmatrix.trans. The
+// key mask becomes one f32 cap per key in shared memory (+inf seen, -inf
+// masked), read for up to 512 keys at once. Each warp computes its
 // 16x64 score tile S = Q·Kᵀ in registers, applies scale and masks, updates
-// the online softmax, and accumulates O += P·V with P rounded to the storage
-// type. HDP is the head dim rounded up to 32/64/96/128; the padding is zero.
+// the online softmax (exp2 in one MUFU instruction), and accumulates
+// O += P·V with P rounded to the storage type. The softmax side is what
+// bounds this kernel at BERT's 128 tokens (ncu: issue-bound at 25 %
+// occupancy), hence the few instructions per score. HDP is the head dim
+// rounded up to 32/64/96/128; the padding is zero.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16): lane = 4*g + t.
 //   A (16x16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -61,6 +66,24 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
                  : "memory");
 }
 
+// The same without transposition: register i holds matrix i's (row g,
+// columns 2t..2t+1), i.e. K rows as the B fragments of Q·Kᵀ.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+// 2^x in one MUFU instruction (exp2f adds range fix-ups for denormal
+// results; a probability below 2^-126 of the row maximum flushes to zero).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 16 bytes global -> shared without passing through registers; `full`
 // false writes 16 zero bytes (src-size 0: nothing is read).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
@@ -72,21 +95,33 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <typename T, int HDP>
+// Key flags of up to FLAGS_ALL keys are read at once into shared memory:
+// the whole key range for sequences up to 512 keys (one memory round trip
+// at the start instead of one per tile); longer ranges reload the next 512
+// before the tile that needs them.
+#define FLAGS_ALL 512
+
+template <typename T, int HDP, int W>
 __device__ void attention_mma_body(const AttnP& p) {
-    // Pitch padded by 16 bytes: fragment reads of K (rows g, words t) and
-    // ldmatrix row reads of V both hit 32 distinct banks.
+    constexpr int NT = 32 * W;  // threads of the block
+    constexpr int R = 16 * W;   // query rows of the block, 16 per warp
+    // Pitch padded by 16 bytes: ldmatrix row reads of K and V (8 rows of 16
+    // bytes) hit 32 distinct banks.
     constexpr int KP = HDP + 8;
     constexpr int CH = HDP / 8;  // 16-byte chunks per padded row
     // Two tile buffers (the next tile loads while this one is used) where
     // they fit in 48 KB of static shared memory, else one.
     constexpr int STAGES = HDP <= 64 ? 2 : 1;
+    static_assert(FLAGS_ALL % NT == 0 && FLAGS_ALL % TK == 0, "flag chunk");
     __shared__ __align__(16) unsigned short sk[STAGES * TK * KP];
     __shared__ __align__(16) unsigned short sv[STAGES * TK * KP];
-    __shared__ unsigned char sok[STAGES * TK];
+    // Per key: +inf where it may be seen, -inf where masked; a score is
+    // min(score, cap): one instruction, and a NaN score of a masked key
+    // (garbage past the valid length) still reads as masked.
+    __shared__ __align__(16) float scap[FLAGS_ALL];
     typedef unsigned short u16;
     const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
-    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * 64;
+    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * R;
     const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int hd = (int)p.hd;
@@ -109,17 +144,13 @@ __device__ void attention_mma_body(const AttnP& p) {
     const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
                      (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
 
-    float o[HDP / 8][4];
-#pragma unroll
-    for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-
-    i64 last_row = r0 + 63 < p.q_len - 1 ? r0 + 63 : p.q_len - 1;
+    i64 last_row = r0 + R - 1 < p.q_len - 1 ? r0 + R - 1 : p.q_len - 1;
     i64 tile_end = kv_end;
     if (p.causal) {
         i64 lim = valid - p.q_len + last_row + 1;
         if (lim < tile_end) tile_end = lim;
     }
+    const int ntiles = tile_end > 0 ? (int)((tile_end + TK - 1) / TK) : 0;
 
     // Tile loads: 16-byte cp.async copies (zero-filled past the keys or the
     // head dim) on the aligned path, plain loads and stores otherwise.
@@ -128,10 +159,11 @@ __device__ void attention_mma_body(const AttnP& p) {
         u16* dv = sv + buf * TK * KP;
         if (vec) {
             // Consecutive threads take consecutive chunks of one row:
-            // coalesced global reads, conflict-free shared stores.
-#pragma unroll
-            for (int it = 0; it < TK * CH / 128; ++it) {
-                int e = threadIdx.x + it * 128;
+            // coalesced global reads, conflict-free shared stores. (Unrolled
+            // 4 deep: 8 copies of head dim 128 at once cost registers.)
+#pragma unroll 4
+            for (int it = 0; it < TK * CH / NT; ++it) {
+                int e = threadIdx.x + it * NT;
                 int j = e / CH, c = e % CH;
                 i64 key = t0 + j;
                 bool in = key < p.kv_len && c * 8 < hd;
@@ -140,8 +172,8 @@ __device__ void attention_mma_body(const AttnP& p) {
             }
         } else {
 #pragma unroll 4
-            for (int it = 0; it < TK * HDP / 128; ++it) {
-                int e = threadIdx.x + it * 128;
+            for (int it = 0; it < TK * HDP / NT; ++it) {
+                int e = threadIdx.x + it * NT;
                 int j = e / HDP, d = e % HDP;
                 i64 key = t0 + j;
                 bool in = key < p.kv_len && d < hd;
@@ -151,22 +183,26 @@ __device__ void attention_mma_body(const AttnP& p) {
         }
         cp_async_commit();
     };
-    // The tile's key flags: issued after this tile's math, so the mask's
-    // load latency is not paid before it.
-    auto load_flags = [&](int buf, i64 t0) {
-        if (threadIdx.x < TK) {
-            const i64 key = t0 + threadIdx.x;
-            bool ok = key < kv_end;
-            if (ok && p.mask) ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
-            sok[buf * TK + threadIdx.x] = ok;
+    // Flags of keys k0 .. k0 + FLAGS_ALL - 1: every load is issued before
+    // the first store, so they share one round trip. Keys at or past
+    // tile_end are never used unmasked (past kv_end, or causal for every
+    // row of this block): they read as masked without a load.
+    auto load_flags = [&](i64 k0) {
+        constexpr int PER = FLAGS_ALL / NT;
+        double f[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const i64 key = k0 + threadIdx.x + i * NT;
+            f[i] = key >= tile_end ? 0.0 : p.mask ? ld_any(p.mask, b * p.kv_len + key, p.mask_dt) : 1.0;
         }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) scap[threadIdx.x + i * NT] = f[i] != 0.0 ? INFINITY : -INFINITY;
     };
 
-    const int ntiles = tile_end > 0 ? (int)((tile_end + TK - 1) / TK) : 0;
-    if (ntiles > 0) {
-        load_tile(0, 0);
-        load_flags(0, 0);
-    }
+    // Both tile buffers are in flight before the Q fragments load, and the
+    // Q loads before the flags' (whose stores wait for their data).
+    if (ntiles > 0) load_tile(0, 0);
+    if (STAGES == 2 && ntiles > 1) load_tile(1, TK);
 
     // This warp's rows: wr and wr + 8 for the two halves of each fragment.
     const i64 wr = r0 + warp * 16 + g;
@@ -185,51 +221,75 @@ __device__ void attention_mma_body(const AttnP& p) {
         qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
         qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
     }
+    if (ntiles > 0) load_flags(0);
+
+    float o[HDP / 8][4];
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    // Causal: keys past fut are in the future of row wr.
+    const i64 fut = valid - p.q_len + wr;
 
     for (int ti = 0; ti < ntiles; ++ti) {
         const i64 t0 = (i64)ti * TK;
         const int buf = STAGES == 2 ? (ti & 1) : 0;
-        if (STAGES == 2 && ti + 1 < ntiles) {
-            // The other buffer was last read before the previous iteration's
-            // closing barrier.
-            load_tile(buf ^ 1, t0 + TK);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // Every warp finished reading the previous flag chunk before the
+        // previous iteration's closing barrier.
+        if (ti > 0 && t0 % FLAGS_ALL == 0) load_flags(t0);
+        // Tiles ti and (when it exists) ti + 1 are in flight: wait for ti.
+        if (STAGES == 2 && ti + 1 < ntiles) cp_async_wait<1>();
+        else cp_async_wait<0>();
         __syncthreads();
         const u16* ck = sk + buf * TK * KP;
         const u16* cv = sv + buf * TK * KP;
-        const unsigned char* cok = sok + buf * TK;
+        const float* cap = scap + (int)(t0 % FLAGS_ALL);
+        const int mi = lane >> 3, mr = lane & 7;
 
+        // S = Q·Kᵀ; K's B fragments for two key blocks per ldmatrix.x4:
+        // matrices (keys 8n.., dims +0..7), (8n.., +8..15), then keys 8(n+1).. .
         float s[TK / 8][4];
 #pragma unroll
         for (int n = 0; n < TK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
         for (int ks = 0; ks < HDP / 16; ++ks) {
 #pragma unroll
-            for (int n = 0; n < TK / 8; ++n) {
-                const u16* kr = ck + (n * 8 + g) * KP + ks * 16 + 2 * t;
-                Mma<T>::run(s[n], qa[ks], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            for (int n = 0; n < TK / 8; n += 2) {
+                unsigned kf[4];
+                ldsm_x4(kf, ck + ((n + (mi >> 1)) * 8 + mr) * KP + ks * 16 + (mi & 1) * 8);
+                Mma<T>::run(s[n], qa[ks], kf[0], kf[1]);
+                Mma<T>::run(s[n + 1], qa[ks], kf[2], kf[3]);
             }
         }
 
-        // Scale and mask; then the online-softmax update for rows wr, wr+8.
+        // Scale and mask (keys 8n + 2t + c; rows wr, wr + 8), then the
+        // online-softmax update. Causal: key j of this tile is in the future
+        // of row wr + 8 half when j > fut - t0 + 8 half.
+#pragma unroll
+        for (int n = 0; n < TK / 8; ++n) {
+            const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
+            s[n][0] = fminf(s[n][0] * scale, cp.x);
+            s[n][1] = fminf(s[n][1] * scale, cp.y);
+            s[n][2] = fminf(s[n][2] * scale, cp.x);
+            s[n][3] = fminf(s[n][3] * scale, cp.y);
+        }
+        {
+            // Clamped to -9..TK, the test stays exact for both rows; without
+            // causal masking lim = TK masks nothing.
+            const i64 c = fut - t0;
+            const int lim = p.causal ? (int)(c < -9 ? -9 : c > TK ? TK : c) - 2 * t : TK;
+#pragma unroll
+            for (int n = 0; n < TK / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+                }
+            }
+        }
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < TK / 8; ++n) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int j = n * 8 + 2 * t + c;
-                const bool ok = cok[j] != 0;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    bool okr = ok && !(p.causal && t0 + j > valid - p.q_len + wr + 8 * half);
-                    float x = okr ? s[n][2 * half + c] * scale : -INFINITY;
-                    s[n][2 * half + c] = x;
-                    mx[half] = fmaxf(mx[half], x);
-                }
-            }
+            mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
         }
         float corr[2], mu[2];
 #pragma unroll
@@ -238,7 +298,7 @@ __device__ void attention_mma_body(const AttnP& p) {
             mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
             float mn = fmaxf(m[half], mx[half]);
             mu[half] = mn == -INFINITY ? 0.0f : mn;  // all masked so far: keep zeros, no NaN
-            corr[half] = exp2f(m[half] - mu[half]);
+            corr[half] = ex2(m[half] - mu[half]);
             m[half] = mn;
         }
         float rs[2] = {0.0f, 0.0f};
@@ -246,7 +306,7 @@ __device__ void attention_mma_body(const AttnP& p) {
         for (int n = 0; n < TK / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pv = exp2f(s[n][e] - mu[e >> 1]);
+                float pv = ex2(s[n][e] - mu[e >> 1]);
                 s[n][e] = pv;
                 rs[e >> 1] += pv;
             }
@@ -266,7 +326,6 @@ __device__ void attention_mma_body(const AttnP& p) {
         // V's B fragments (k = keys 2t.., n = dim g) are ldmatrix.trans of
         // row-major V: matrices (keys +0..7, dims 8n..), (keys +8..15, 8n..),
         // then the same for dims 8(n+1).. .
-        const int mi = lane >> 3, mr = lane & 7;
 #pragma unroll
         for (int ks = 0; ks < TK / 16; ++ks) {
             unsigned pa[4];
@@ -283,12 +342,9 @@ __device__ void attention_mma_body(const AttnP& p) {
                 Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
             }
         }
-        if (STAGES == 2 && ti + 1 < ntiles) load_flags(buf ^ 1, t0 + TK);
-        __syncthreads();  // every warp is done with this buffer
-        if (STAGES == 1 && ti + 1 < ntiles) {
-            load_tile(0, t0 + TK);
-            load_flags(0, t0 + TK);
-        }
+        __syncthreads();  // every warp is done with this buffer (and these flags)
+        // The freed buffer takes the tile STAGES ahead.
+        if (ti + STAGES < ntiles) load_tile(buf, t0 + STAGES * TK);
     }
 
     T* out = (T*)p.out;
@@ -553,22 +609,32 @@ __device__ void attention_split_body(const AttnP& p) {
     }
 }
 
-// attention_mma_<HDP>_<dtype>. Head dims 32 and 64 are capped at 128
-// registers (__launch_bounds__(128, 4); ptxas -v: no spill at 64, 16 bytes at
-// 32) so 4 blocks share an SM instead of 3; 96 and 128 keep the compiler's
-// own allocation (a cap there spills, or costs blocks).
-#define RLX_ATTN_MMA(HDP, BOUNDS)                                                                                    \
-    extern "C" __global__ void BOUNDS attention_mma_##HDP##_f16(const AttnP p) { pdl_enter(); attention_mma_body<__half, HDP>(p); } \
-    extern "C" __global__ void BOUNDS attention_mma_##HDP##_bf16(const AttnP p) {                                    \
-        pdl_enter();                                                                                                 \
-        attention_mma_body<__nv_bfloat16, HDP>(p);                                                                   \
+// attention_mma_<HDP>_<dtype> (4 warps, 64 query rows per block) and
+// attention_mma_w8_<HDP>_<dtype> (8 warps, 128 rows: one K/V pass serves a
+// whole 128-token head). Head dims 32 and 64 are capped at 128 registers
+// (ptxas -v: no spill at 64, 16 bytes at 32) so 4 blocks of 4 warps (2 of 8)
+// share an SM instead of 3; 96 and 128 keep the compiler's own allocation
+// (a cap there spills, or costs blocks).
+#define RLX_ATTN_MMA(HDP, W, NAME, BOUNDS)                                                                          \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_f16(const AttnP p) {                                          \
+        pdl_enter();                                                                                                \
+        attention_mma_body<__half, HDP, W>(p);                                                                      \
+    }                                                                                                               \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_bf16(const AttnP p) {                                         \
+        pdl_enter();                                                                                                \
+        attention_mma_body<__nv_bfloat16, HDP, W>(p);                                                               \
     }
 #define RLX_FOUR_PER_SM __launch_bounds__(128, 4)
+#define RLX_TWO_PER_SM __launch_bounds__(256, 2)
 #define RLX_NO_BOUNDS
-RLX_ATTN_MMA(32, RLX_FOUR_PER_SM)
-RLX_ATTN_MMA(64, RLX_FOUR_PER_SM)
-RLX_ATTN_MMA(96, RLX_NO_BOUNDS)
-RLX_ATTN_MMA(128, RLX_NO_BOUNDS)
+RLX_ATTN_MMA(32, 4, attention_mma, RLX_FOUR_PER_SM)
+RLX_ATTN_MMA(64, 4, attention_mma, RLX_FOUR_PER_SM)
+RLX_ATTN_MMA(96, 4, attention_mma, RLX_NO_BOUNDS)
+RLX_ATTN_MMA(128, 4, attention_mma, RLX_NO_BOUNDS)
+RLX_ATTN_MMA(32, 8, attention_mma_w8, RLX_TWO_PER_SM)
+RLX_ATTN_MMA(64, 8, attention_mma_w8, RLX_TWO_PER_SM)
+RLX_ATTN_MMA(96, 8, attention_mma_w8, RLX_NO_BOUNDS)
+RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
 
 // attention_split_<HDP>_<dtype>
 #define RLX_ATTN_SPLIT(HDP)                                                                                               \

@@ -476,23 +476,29 @@ pub(crate) fn lower(
                 .p(a.v.row_stride)
                 .f(a.scale as f64)
                 .p(b.err);
-            // Tensor cores for f16/bf16 with head_dim a multiple of 16: 64-row
-            // blocks when they fill the GPU, else 16-row blocks whose 4 warps
-            // split the keys (batch 1: 12 heads x 128 tokens is 24 blocks of
-            // 64 rows but 96 of 16). The scalar kernel otherwise (f32, odd head dims).
-            let mma_blocks = (a.q_len as u64).div_ceil(64) * (a.heads * a.batch) as u64;
+            // Tensor cores for f16/bf16 with head_dim a multiple of 16: blocks
+            // of 128 or 64 query rows when they fill the GPU (`attention_mma_rows`),
+            // else 16-row blocks whose 4 warps split the keys (batch 1: 12
+            // heads x 128 tokens is 24 blocks of 64 rows but 96 of 16). The
+            // scalar kernel otherwise (f32, odd head dims).
             let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
-            let (grid, func) = if tensor && a.q_len >= 16 && mma_blocks >= k.sm_count as u64 {
-                let grid = [(a.q_len as u64).div_ceil(64).max(1) as u32, a.heads as u32, a.batch as u32];
-                (grid, k.get(&format!("attention_mma_{hdp}_{}", suffix(a.dtype)))?)
-            } else if tensor {
-                let grid = [(a.q_len as u64).div_ceil(16).max(1) as u32, a.heads as u32, a.batch as u32];
-                (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?)
-            } else {
-                let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
-                (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?)
+            let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count, attention_rows_override());
+            let (grid, func, block) = match rows {
+                Some(r) if tensor => {
+                    let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
+                    let name = if r == 128 { "attention_mma_w8" } else { "attention_mma" };
+                    (grid, k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?, (r * 2) as u32)
+                }
+                _ if tensor => {
+                    let grid = [(a.q_len as u64).div_ceil(16).max(1) as u32, a.heads as u32, a.batch as u32];
+                    (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?, 128)
+                }
+                _ => {
+                    let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
+                    (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128)
+                }
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block: 128, smem: 0, args: args.0 }, kind));
+            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -539,6 +545,37 @@ pub(crate) fn lower(
         }
     }
     Ok(steps)
+}
+
+/// Query rows per block of the tensor-core attention kernel
+/// (kernels/attention_mma.cu), or None for the short-sequence kernel whose
+/// warps split the keys: 64-row blocks must fill the SMs (`heads` counts
+/// every (batch, head) pair). 128-row blocks (8 warps, one K/V pass for
+/// twice the rows) when they too fill the SMs and pad no more rows than
+/// 64-row blocks would. `force` (`RLX_ATTN_ROWS`) pins 64 or 128 wherever the
+/// tensor-core kernel runs.
+pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32, force: Option<u64>) -> Option<u64> {
+    let (q, hb, sms) = (q_len as u64, heads as u64, sm_count as u64);
+    if q < 16 || q.div_ceil(64) * hb < sms {
+        return None;
+    }
+    if let Some(r) = force {
+        return Some(r);
+    }
+    let fill128 = q.div_ceil(128) * hb >= sms;
+    let same_padding = q.div_ceil(128) * 2 == q.div_ceil(64);
+    Some(if q > 64 && fill128 && same_padding { 128 } else { 64 })
+}
+
+/// `RLX_ATTN_ROWS=64|128` (read once): rows per tensor-core attention block,
+/// for measurements; anything else keeps the automatic choice.
+fn attention_rows_override() -> Option<u64> {
+    static ROWS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("RLX_ATTN_ROWS").ok()?.trim() {
+        "64" => Some(64),
+        "128" => Some(128),
+        _ => None,
+    })
 }
 
 /// Why this backend cannot run a thunk, or None when it can.
@@ -590,7 +627,7 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{collapse, max_offset, norm_warp_nv};
+    use super::{attention_mma_rows, collapse, max_offset, norm_warp_nv};
     use rlx_ir::DType;
 
     /// Element offsets of every linear index, walking `shape` row-major.
@@ -655,5 +692,20 @@ mod tests {
         assert_eq!(norm_warp_nv(DType::F16, 2056, &[0]), None, "too long for registers");
         assert_eq!(norm_warp_nv(DType::F16, 771, &[0]), None, "not whole vectors");
         assert_eq!(norm_warp_nv(DType::BF16, 768, &[0, 8]), None, "misaligned pointer");
+    }
+
+    #[test]
+    fn attention_block_rows_choice() {
+        // bert-base 32x128 (384 (batch, head) pairs) on 132 SMs: one 8-warp block per head.
+        assert_eq!(attention_mma_rows(128, 384, 132, None), Some(128));
+        // batch 1: even 64-row blocks leave SMs idle.
+        assert_eq!(attention_mma_rows(128, 12, 132, None), None);
+        assert_eq!(attention_mma_rows(128, 72, 132, None), Some(64), "128-row blocks would not fill");
+        assert_eq!(attention_mma_rows(300, 160, 132, None), Some(64), "more padding at 128");
+        assert_eq!(attention_mma_rows(250, 72, 132, None), Some(128));
+        assert_eq!(attention_mma_rows(50, 400, 132, None), Some(64));
+        assert_eq!(attention_mma_rows(8, 4000, 132, None), None);
+        assert_eq!(attention_mma_rows(128, 384, 132, Some(64)), Some(64));
+        assert_eq!(attention_mma_rows(128, 12, 132, Some(128)), None, "the override never replaces the split kernel");
     }
 }

@@ -580,6 +580,25 @@ fn attention_masks_gqa_strides() {
     }
 }
 
+/// 128-row blocks of 8 warps (`attention_mma_w8_*`): chosen where they fill
+/// the SMs on their own (at least 132 blocks on the H200) and pad no more
+/// rows than 64-row blocks. BERT's batch-32 shape in miniature, the same out
+/// of a misaligned fused QKV, causal GQA at head dim 32 with an odd length,
+/// head dim 80 (one tile buffer) over more than 512 keys (the key flags are
+/// read in two chunks), and causal + valid length with separate Q, K, V.
+#[test]
+fn attention_128_row_blocks() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(9);
+    for dt in FLOATS {
+        attention_case(&g, &mut r, dt, 12, 12, 12, 64, 128, 128, false, true, None);
+        attention_case_at(&g, &mut r, dt, 12, 12, 12, 64, 128, 128, false, true, None, 1);
+        attention_case(&g, &mut r, dt, 6, 12, 4, 32, 250, 250, true, true, None);
+        attention_case(&g, &mut r, dt, 1, 28, 4, 80, 600, 600, false, true, None);
+        attention_case(&g, &mut r, dt, 11, 12, 6, 128, 128, 300, true, true, Some(290));
+    }
+}
+
 #[test]
 fn write_state_then_read() {
     let Some(g) = gpu_or_dry() else { return };
