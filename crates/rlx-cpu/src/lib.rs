@@ -13,6 +13,7 @@ mod elem;
 mod exec;
 mod kernels;
 mod memory;
+mod pool;
 mod simd;
 mod validate;
 mod widened;
@@ -34,9 +35,9 @@ pub(crate) fn exec_err(detail: impl Into<String>) -> RuntimeError {
 /// The CPU backend. Cheap to clone; executables share its thread pool.
 #[derive(Clone)]
 pub struct CpuBackend {
-    /// `None`: rayon's global pool (one thread per core).
+    /// The workers kernels run on (see `pool.rs`: pinned, one per CPU).
     pool: Option<Arc<rayon::ThreadPool>>,
-    /// Set when a requested pool could not be built; reported by `prepare`.
+    /// Set when the pool could not be built; reported by `prepare`.
     pool_error: Option<String>,
 }
 
@@ -47,17 +48,23 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// Runs kernels on rayon's global pool (threads = cores, or
-    /// `RAYON_NUM_THREADS`).
+    /// Runs kernels on the process-wide RLX pool: one worker per CPU the
+    /// process may use (or `RAYON_NUM_THREADS`), each pinned to its CPU
+    /// unless `RLX_CPU_PIN=0`. Rayon's global pool is left to the
+    /// application.
     pub fn new() -> CpuBackend {
-        CpuBackend { pool: None, pool_error: None }
+        match pool::shared() {
+            Ok(p) => CpuBackend { pool: Some(p), pool_error: None },
+            Err(e) => CpuBackend { pool: None, pool_error: Some(e) },
+        }
     }
 
-    /// Runs kernels on a pool of its own with `n` threads (at least 1).
+    /// Runs kernels on a pool of its own with `n` threads (at least 1),
+    /// pinned like the shared one.
     pub fn with_threads(n: usize) -> CpuBackend {
-        match rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).thread_name(|i| format!("rlx-cpu-{i}")).build() {
+        match pool::build(n) {
             Ok(p) => CpuBackend { pool: Some(Arc::new(p)), pool_error: None },
-            Err(e) => CpuBackend { pool: None, pool_error: Some(format!("could not start {n} threads: {e}")) },
+            Err(e) => CpuBackend { pool: None, pool_error: Some(e) },
         }
     }
 

@@ -7,7 +7,7 @@
 //!
 //! Env: RLX_BENCH_ROUNDS (forward rounds, default 40), RLX_BENCH_E2E_ROUNDS
 //! (end-to-end rounds, default 5), RLX_BENCH_THREADS (default: cores),
-//! RLX_BENCH_PEERS=0 (RLX alone).
+//! RLX_BENCH_PEERS=0 (RLX alone), RLX_BENCH_BF16=0 (no bf16-weight rows).
 //! Without the peers it prints RLX's numbers alone.
 
 use std::io::{BufRead, BufReader, Write};
@@ -126,7 +126,10 @@ fn main() -> Result<(), String> {
 
     let load =
         |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
-    let engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?), ("rlx_bf16", load(DType::BF16)?)];
+    let mut engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?)];
+    if std::env::var("RLX_BENCH_BF16").map(|v| v != "0").unwrap_or(true) {
+        engines.push(("rlx_bf16", load(DType::BF16)?));
+    }
 
     let mut peer_engines: Vec<&str> = vec![];
     let want_peers = std::env::var("RLX_BENCH_PEERS").map(|v| v != "0").unwrap_or(true);
