@@ -16,6 +16,7 @@ use rlx_compile::{Schedule, Space, TensorSlot, Thunk};
 use rlx_runtime::{check_inputs, ExecStats, Executable, RuntimeError, Tensor, Ticket, WeightStore};
 
 use crate::kernels;
+use crate::kernels::matmul::WeightCopy;
 use crate::memory::{AlignedBuf, Mem, Region};
 use crate::validate::validate_thunk;
 use crate::{exec_err, Result, Scratch};
@@ -67,7 +68,7 @@ struct Worker {
     consts: Vec<AlignedBuf>,
     weights: Vec<WeightMem>,
     /// Per thunk: f32 copy of a half-precision matmul weight.
-    b_cache: Vec<Option<Arc<Vec<f32>>>>,
+    b_cache: Vec<Option<WeightCopy>>,
     scratch: Scratch,
     pool: Option<Arc<rayon::ThreadPool>>,
     /// RLX_PROFILE: print host time per thunk kind after every call.
@@ -145,9 +146,12 @@ impl Worker {
         }
     }
 
-    /// Validates every thunk and builds (or shares, see `widened.rs`) the f32
-    /// copies of half-precision matmul weights.
-    fn weight_caches(&self) -> Result<Vec<Option<Arc<Vec<f32>>>>> {
+    /// Validates every thunk and prepares each matmul's weight operand: the
+    /// packed layout where the few-row kernel runs, an f32 copy of a half
+    /// weight elsewhere. Both are shared process-wide by every executable
+    /// reading the same store tensor (see `widened.rs`).
+    fn weight_caches(&self) -> Result<Vec<Option<WeightCopy>>> {
+        use kernels::matmul;
         let mem = self.mem(0);
         let mut cache = Vec::with_capacity(self.schedule.thunks.len());
         for (i, t) in self.schedule.thunks.iter().enumerate() {
@@ -156,18 +160,27 @@ impl Worker {
                 cache.push(None);
                 continue;
             };
-            let source = match mm.b.space {
-                Space::Weight(w) => self.weights.get(w as usize),
+            let tensor = match mm.b.space {
+                Space::Weight(w) => match self.weights.get(w as usize) {
+                    Some(WeightMem::Shared(t)) => Some(t),
+                    _ => None,
+                },
                 _ => None,
             };
-            cache.push(match source {
-                Some(WeightMem::Shared(tensor)) if kernels::matmul::needs_weight_cache(mm) => {
-                    let elems = kernels::matmul::weight_cache_len(mm);
-                    Some(crate::widened::shared(tensor, mm.dtype, mm.b.offset, elems, || {
-                        kernels::matmul::weight_cache(mm, &mem)?.ok_or_else(|| exec_err("no f32 copy for this matmul weight"))
-                    })?)
+            let share = |layout: [usize; 3], elems: usize, make: &dyn Fn() -> Result<Vec<f32>>| -> Result<Arc<Vec<f32>>> {
+                match tensor {
+                    Some(t) => crate::widened::shared(t, mm.dtype, mm.b.offset, elems, layout, make),
+                    None => make().map(Arc::new),
                 }
-                _ => kernels::matmul::weight_cache(mm, &mem)?.map(Arc::new),
+            };
+            cache.push(if matmul::wants_packed(mm) {
+                let elems = crate::kernels::matmul_small::packed_len(mm.n, mm.k);
+                Some(WeightCopy::Packed(share([mm.n, mm.k, mm.ldb as usize], elems, &|| matmul::packed_weight(mm, &mem))?))
+            } else if matmul::needs_weight_cache(mm) {
+                let make = || matmul::weight_cache(mm, &mem)?.ok_or_else(|| exec_err("no f32 copy for this matmul weight"));
+                Some(WeightCopy::Plain(share([0, 0, 0], matmul::weight_cache_len(mm), &make)?))
+            } else {
+                None
             });
         }
         Ok(cache)
@@ -217,7 +230,7 @@ impl Worker {
             let mut per: std::collections::BTreeMap<&str, (Duration, usize)> = Default::default();
             let start = Instant::now();
             for (i, t) in schedule.thunks.iter().enumerate() {
-                let b = cache.get(i).and_then(|c| c.as_deref()).map(|v| v.as_slice());
+                let b = cache.get(i).and_then(|c| c.as_ref());
                 let t0 = profile.then(Instant::now);
                 let r = kernels::run(t, &mem, scratch, b, threads);
                 if let Some(t0) = t0 {

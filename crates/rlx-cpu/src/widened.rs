@@ -1,4 +1,5 @@
-//! f32 copies of half-precision matmul weights, shared process-wide.
+//! Prepared matmul weights (f32 copies of half-precision weights, and the
+//! few-row kernel's packed layout), shared process-wide.
 //!
 //! The matmul kernels read f16/bf16 weights through an f32 copy made at
 //! prepare. Every shape bucket of a model is its own executable, so without
@@ -21,6 +22,8 @@ struct Entry {
     dtype: DType,
     offset: u64,
     elems: usize,
+    /// [0, 0, 0] for a plain copy; [n, k, ldb] for the packed layout.
+    layout: [usize; 3],
     copy: Weak<Vec<f32>>,
 }
 
@@ -33,14 +36,18 @@ pub fn shared(
     dtype: DType,
     offset: u64,
     elems: usize,
+    layout: [usize; 3],
     make: impl FnOnce() -> Result<Vec<f32>>,
 ) -> Result<Arc<Vec<f32>>> {
     // Entries are plain data, so a panic elsewhere cannot leave them torn.
     let mut g = SHARED.lock().unwrap_or_else(|p| p.into_inner());
     g.retain(|e| e.tensor.strong_count() > 0 && e.copy.strong_count() > 0);
     let hit = g.iter().find_map(|e| {
-        let same =
-            e.dtype == dtype && e.offset == offset && e.elems == elems && e.tensor.upgrade().is_some_and(|t| Arc::ptr_eq(&t, tensor));
+        let same = e.dtype == dtype
+            && e.layout == layout
+            && e.offset == offset
+            && e.elems == elems
+            && e.tensor.upgrade().is_some_and(|t| Arc::ptr_eq(&t, tensor));
         if same {
             e.copy.upgrade()
         } else {
@@ -51,7 +58,7 @@ pub fn shared(
         return Ok(c);
     }
     let copy = Arc::new(make()?);
-    g.push(Entry { tensor: Arc::downgrade(tensor), dtype, offset, elems, copy: Arc::downgrade(&copy) });
+    g.push(Entry { tensor: Arc::downgrade(tensor), dtype, offset, elems, layout, copy: Arc::downgrade(&copy) });
     Ok(copy)
 }
 
@@ -71,20 +78,20 @@ mod tests {
             made.set(made.get() + 1);
             Ok(t.to_f32())
         };
-        let a = shared(&t, DType::BF16, 0, 4, mk).unwrap_or_else(|e| panic!("{e}"));
-        let b = shared(&t, DType::BF16, 0, 4, mk).unwrap_or_else(|e| panic!("{e}"));
+        let a = shared(&t, DType::BF16, 0, 4, [0; 3], mk).unwrap_or_else(|e| panic!("{e}"));
+        let b = shared(&t, DType::BF16, 0, 4, [0; 3], mk).unwrap_or_else(|e| panic!("{e}"));
         assert!(Arc::ptr_eq(&a, &b));
         // Another range of the same tensor, and an equal-valued other tensor,
         // get copies of their own.
-        let c = shared(&t, DType::BF16, 2, 2, mk).unwrap_or_else(|e| panic!("{e}"));
+        let c = shared(&t, DType::BF16, 2, 2, [0; 3], mk).unwrap_or_else(|e| panic!("{e}"));
         let u = half(&[1.0, -2.0, 3.5, 0.25]);
-        let d = shared(&u, DType::BF16, 0, 4, mk).unwrap_or_else(|e| panic!("{e}"));
+        let d = shared(&u, DType::BF16, 0, 4, [0; 3], mk).unwrap_or_else(|e| panic!("{e}"));
         assert!(!Arc::ptr_eq(&a, &c) && !Arc::ptr_eq(&a, &d));
         assert_eq!(made.get(), 3);
         assert_eq!(*a, vec![1.0, -2.0, 3.5, 0.25]);
         // Once every holder is gone the next request makes a new copy.
         drop((a, b));
-        let e = shared(&t, DType::BF16, 0, 4, mk).unwrap_or_else(|e| panic!("{e}"));
+        let e = shared(&t, DType::BF16, 0, 4, [0; 3], mk).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((made.get(), e.len()), (4, 4));
     }
 }

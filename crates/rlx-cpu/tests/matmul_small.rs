@@ -49,6 +49,13 @@ fn random_case(r: &mut rand::rngs::StdRng) -> Case {
 }
 
 fn check(seed: u64, dtype: DType, c: &Case) {
+    check_b(seed, dtype, c, true)
+}
+
+/// `weight_b`: b is a weight (the executable packs it at prepare and the
+/// broadcast kernel runs); otherwise an input (the dot kernel reads it in
+/// place).
+fn check_b(seed: u64, dtype: DType, c: &Case, weight_b: bool) {
     let mut r = rng(seed);
     let rows = c.batch * c.m;
     // a's batches lie a few elements apart, so folding them must follow
@@ -61,7 +68,8 @@ fn check(seed: u64, dtype: DType, c: &Case) {
 
     let mut p = Plan::new();
     let a = p.input("a", &[a_vals.len()], dtype);
-    let b = p.weight("w", tensor(&[b_vals.len()], dtype, &b_vals));
+    let bt = tensor(&[b_vals.len()], dtype, &b_vals);
+    let b = if weight_b { p.weight("w", bt.clone()) } else { p.input("w", &[b_vals.len()], dtype) };
     let bias_buf = c.bias.then(|| p.weight("bias", tensor(&[c.n], dtype, &bias_vals)));
     let res_buf = c.residual.then(|| p.input("res", &[rows * c.n], dtype));
     let out = match (c.in_place, res_buf) {
@@ -110,12 +118,15 @@ fn check(seed: u64, dtype: DType, c: &Case) {
     let at = tensor(&[a_vals.len()], dtype, &a_vals);
     let rt = tensor(&[res_vals.len()], dtype, &res_vals);
     let mut inputs: Vec<(&str, &rlx_runtime::Tensor)> = vec![("a", &at)];
+    if !weight_b {
+        inputs.push(("w", &bt));
+    }
     if c.residual {
         inputs.push(("res", &rt));
     }
     let got = p.run(&inputs).expect("matmul runs");
     let what = format!(
-        "seed {seed} {dtype} b{} m{} n{} k{} lda{} ldb{} bias{} {:?} res{} inplace{}",
+        "seed {seed} {dtype} b{} m{} n{} k{} lda{} ldb{} bias{} {:?} res{} inplace{} weight_b {weight_b}",
         c.batch, c.m, c.n, c.k, c.lda, c.ldb, c.bias, c.act, c.residual, c.in_place
     );
     assert_close(&got[0], &want, tol(dtype, TOL_MATMUL), &what);
@@ -126,6 +137,18 @@ fn small_rows_f32_random() {
     for seed in 0..60 {
         let c = random_case(&mut rng(1000 + seed));
         check(seed, DType::F32, &c);
+    }
+}
+
+/// b as an input rather than a weight: nothing to pack, the dot kernel.
+#[test]
+fn small_rows_unpacked_b_random() {
+    for seed in 0..30 {
+        let c = random_case(&mut rng(3000 + seed));
+        check_b(seed, DType::F32, &c, false);
+        if seed % 3 == 0 {
+            check_b(seed, DType::BF16, &c, false);
+        }
     }
 }
 

@@ -57,6 +57,29 @@ pub fn weight_cache(mm: &MatMulThunk, mem: &Mem) -> Result<Option<Vec<f32>>> {
     Ok(Some(v))
 }
 
+/// A weight operand prepared at prepare time for one matmul thunk.
+pub enum WeightCopy {
+    /// f32 copy of a half-precision weight (gemm path).
+    Plain(std::sync::Arc<Vec<f32>>),
+    /// The few-row kernel's packed layout (`matmul_small::pack`).
+    Packed(std::sync::Arc<Vec<f32>>),
+}
+
+/// Whether the few-row path runs `mm` with a packed weight: its b is a
+/// weight (fixed at prepare) and `matmul_small` takes the shape.
+pub fn wants_packed(mm: &MatMulThunk) -> bool {
+    matches!(mm.b.space, rlx_compile::Space::Weight(_)) && matmul_small::applies(mm)
+}
+
+/// `mm`'s weight in the packed layout, read from `mem` in its dtype.
+pub fn packed_weight(mm: &MatMulThunk, mem: &Mem) -> Result<Vec<f32>> {
+    let (n, k, ldb) = (mm.n, mm.k, mm.ldb as usize);
+    with_float!(mm.dtype, T => {
+        let b = mem.src::<T>(&mm.b).map_err(exec_err)?;
+        Ok(matmul_small::pack(n, k, |col, row| b.load(col * ldb, row)))
+    })
+}
+
 /// Whether `weight_cache` makes a copy: a half-precision weight operand.
 pub fn needs_weight_cache(mm: &MatMulThunk) -> bool {
     mm.dtype != DType::F32 && matches!(mm.b.space, rlx_compile::Space::Weight(_))
@@ -136,21 +159,31 @@ fn epilogue<T: Elem>(mm: &MatMulThunk, c: &Dst<f32>, bias: Option<Src<T>>, resid
     );
 }
 
-pub fn run(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f32]>, threads: usize) -> Result<()> {
+/// `copy` is the prepared form of a weight operand (`weight_copy`): the
+/// packed layout on the few-row path, else an f32 copy of a half weight.
+pub fn run(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&WeightCopy>, threads: usize) -> Result<()> {
+    let packed = match copy {
+        Some(WeightCopy::Packed(p)) => Some(p.as_slice()),
+        _ => None,
+    };
     if mm.dtype == DType::F32 {
-        return run_f32(mm, mem, scratch, threads);
+        return run_f32(mm, mem, scratch, packed, threads);
     }
-    with_float!(mm.dtype, T => run_half::<T>(mm, mem, scratch, b_cache, threads))
+    let plain = match copy {
+        Some(WeightCopy::Plain(p)) => Some(p.as_slice()),
+        _ => None,
+    };
+    with_float!(mm.dtype, T => run_half::<T>(mm, mem, scratch, plain, packed, threads))
 }
 
-fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, threads: usize) -> Result<()> {
+fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, packed: Option<&[f32]>, threads: usize) -> Result<()> {
     let a = mem.src::<f32>(&mm.a).map_err(exec_err)?;
     let b = mem.src::<f32>(&mm.b).map_err(exec_err)?;
     let out = mem.dst::<f32>(&mm.out).map_err(exec_err)?;
     let bias = mm.bias.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
     let residual = mm.residual.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
     if matmul_small::applies(mm) {
-        matmul_small::run(mm, &SmallArgs { a: &a, b: &b, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads);
+        matmul_small::run(mm, &SmallArgs { a: &a, b: &b, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads, packed);
         return Ok(());
     }
     let (brs, bcs) = b_strides(mm);
@@ -198,11 +231,31 @@ fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, threads: usize) -
     Ok(())
 }
 
-fn run_half<T: Elem>(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f32]>, threads: usize) -> Result<()> {
+fn run_half<T: Elem>(
+    mm: &MatMulThunk,
+    mem: &Mem,
+    scratch: &mut Scratch,
+    b_cache: Option<&[f32]>,
+    packed: Option<&[f32]>,
+    threads: usize,
+) -> Result<()> {
     let a = mem.src::<T>(&mm.a).map_err(exec_err)?;
     let out = mem.dst::<T>(&mm.out).map_err(exec_err)?;
     let bias = mm.bias.map(|x| mem.src::<T>(&x)).transpose().map_err(exec_err)?;
     let residual = mm.residual.map(|x| mem.src::<T>(&x)).transpose().map_err(exec_err)?;
+    if let (Some(pk), true) = (packed, matmul_small::applies(mm)) {
+        // The packed weight replaces b entirely: only a is widened.
+        let a32 = scratch.c(a_extent(mm));
+        a.load(0, a32);
+        let (a_src, none) = (Src::from_slice(a32), Src::from_slice(&[]));
+        matmul_small::run(
+            mm,
+            &SmallArgs { a: &a_src, b: &none, bias: bias.as_ref(), residual: residual.as_ref(), out: &out },
+            threads,
+            Some(pk),
+        );
+        return Ok(());
+    }
     let (a32, b32, c32) = scratch.abc(a_extent(mm), if b_cache.is_some() { 0 } else { b_extent(mm) }, mm.batch * mm.m * mm.n);
     a.load(0, a32);
     let b_f32: &[f32] = match b_cache {
@@ -215,7 +268,12 @@ fn run_half<T: Elem>(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, b_cache
     };
     let (a_src, b_src) = (Src::from_slice(a32), Src::from_slice(b_f32));
     if matmul_small::applies(mm) {
-        matmul_small::run(mm, &SmallArgs { a: &a_src, b: &b_src, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads);
+        matmul_small::run(
+            mm,
+            &SmallArgs { a: &a_src, b: &b_src, bias: bias.as_ref(), residual: residual.as_ref(), out: &out },
+            threads,
+            None,
+        );
         return Ok(());
     }
     let (brs, bcs) = b_strides(mm);

@@ -57,8 +57,36 @@ pub struct SmallArgs<'a, T> {
     pub out: &'a Dst<T>,
 }
 
-/// `out = act(a · bᵀ + bias) + residual` for a thunk `applies` accepted.
-pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize) {
+/// Columns per group of the packed weight layout (four 16-lane vectors).
+pub const GROUP: usize = 64;
+
+/// bᵀ (`n` rows of `k`, fetched by `row`) in the layout the packed kernel
+/// streams: 64-column groups, k-major within a group (`[g][k][64]`), the
+/// last group zero-padded. Made once per weight at prepare: every k step of
+/// the kernel then reads one contiguous 256-byte line pair instead of six
+/// strided rows.
+pub fn pack(n: usize, k: usize, mut row: impl FnMut(usize, &mut [f32])) -> Vec<f32> {
+    let mut v = vec![0f32; packed_len(n, k)];
+    let mut tmp = vec![0f32; k];
+    for col in 0..n {
+        row(col, &mut tmp);
+        let (g, c) = (col / GROUP, col % GROUP);
+        for (kk, &x) in tmp.iter().enumerate() {
+            v[(g * k + kk) * GROUP + c] = x;
+        }
+    }
+    v
+}
+
+/// Elements of `pack(n, k, ..)`.
+pub fn packed_len(n: usize, k: usize) -> usize {
+    n.div_ceil(GROUP) * GROUP * k
+}
+
+/// `out = act(a · bᵀ + bias) + residual` for a thunk `applies` accepted;
+/// with `packed` (its weight made by `pack`) the broadcast kernel runs,
+/// otherwise the dot-product one reads b in place.
+pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize, packed: Option<&[f32]>) {
     let (m, n, k) = (mm.m, mm.n, mm.k);
     let rows = mm.batch * m;
     let (lda, abs, ldb) = (mm.lda as usize, mm.a_batch_stride as usize, mm.ldb as usize);
@@ -67,10 +95,14 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize) {
     let a_off: Vec<usize> = (0..rows).map(|r| (r / m) * abs + (r % m) * lda).collect();
     let a_len = a_off.iter().max().copied().unwrap_or(0) + k;
     let a_all = v.a.row(0, a_len);
-    let b_all = v.b.row(0, (n - 1) * ldb + k);
-    // About four column blocks per thread (work stealing covers a thread
-    // that gets descheduled), a multiple of 16 so GELU runs in full blocks.
-    let nb = (n / (4 * threads.max(1))).clamp(16, 256).div_ceil(16) * 16;
+    let packed = packed.filter(|p| p.len() == packed_len(n, k) && has_avx512());
+    let b_all = if packed.is_some() { &[][..] } else { v.b.row(0, (n - 1) * ldb + k) };
+    // Dot kernel: about four column blocks per thread (work stealing covers
+    // a thread that gets descheduled), a multiple of 16 so GELU runs in full
+    // blocks. Packed kernel: one 64-column group per task; fewer, larger
+    // blocks left a thread idle at N = 384 (3 blocks on 2 threads), which
+    // cost more than the per-task overhead.
+    let nb = if packed.is_some() { GROUP } else { (n / (4 * threads.max(1))).clamp(16, 256).div_ceil(16) * 16 };
     let fast = v.out.as_f32().map(|out| F32Epilogue {
         bias: v.bias.and_then(|b| b.as_f32()),
         residual: v.residual.and_then(|r| r.as_f32()),
@@ -83,7 +115,10 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize) {
             let j0 = p * nb;
             let w = nb.min(n - j0);
             let c = &mut c[..rows * w];
-            dots(a_all, &a_off, k, b_all, ldb, j0, w, c);
+            match packed {
+                Some(pk) => packed_dots(a_all, &a_off, k, pk, j0, w, c),
+                None => dots(a_all, &a_off, k, b_all, ldb, j0, w, c),
+            }
             if let Some(f) = &fast {
                 f.apply(mm, c, n, j0, w);
                 return;
@@ -163,11 +198,35 @@ fn dots(a: &[f32], a_off: &[usize], k: usize, b: &[f32], ldb: usize, j0: usize, 
     }
 }
 
+/// c[r * w + j] = a row r · column (j0 + j) of the packed weight, for a
+/// block starting at a group boundary (j0 a multiple of GROUP).
+fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
+    // Every pointer the tiles form lies in these ranges.
+    assert!(
+        j0 % GROUP == 0
+            && a_off.iter().all(|&o| o + k <= a.len())
+            && (j0 + w).div_ceil(GROUP) * GROUP * k <= pk.len()
+            && c.len() == a_off.len() * w
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F was detected; bounds asserted above.
+        unsafe { avx512::packed_dots(a, a_off, k, pk, j0, w, c) };
+        return;
+    }
+    for (r, &o) in a_off.iter().enumerate() {
+        for j in 0..w {
+            let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
+            c[r * w + j] = (0..k).map(|kk| a[o + kk] * pk[(g * k + kk) * GROUP + col]).sum();
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{MR, NR};
+    use super::{GROUP, MR, NR};
 
     /// Most rows for which the next weight block is prefetched.
     const PREFETCH_ROWS: usize = 32;
@@ -219,6 +278,65 @@ mod avx512 {
                 i += mr;
             }
             j += nr;
+        }
+    }
+
+    /// Rows of a per packed tile: 6 × 4 accumulators + 4 weight vectors +
+    /// the broadcast fit the 32 registers.
+    const PR: usize = 6;
+
+    /// See `super::packed_dots`; the caller checked the bounds and feature.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
+        let rows = a_off.len();
+        let mut g0 = j0;
+        while g0 < j0 + w {
+            let gw = (j0 + w - g0).min(GROUP);
+            let bp = pk.as_ptr().add(g0 / GROUP * k * GROUP);
+            let mut i = 0;
+            while i < rows {
+                let mr = (rows - i).min(PR);
+                let mut ap = [a.as_ptr(); PR];
+                for (t, p) in ap.iter_mut().enumerate() {
+                    *p = a.as_ptr().add(a_off[i + t.min(mr - 1)]);
+                }
+                let mut out = [[0f32; GROUP]; PR];
+                match mr {
+                    6 => ptile::<6>(&ap, bp, k, &mut out),
+                    5 => ptile::<5>(&ap, bp, k, &mut out),
+                    4 => ptile::<4>(&ap, bp, k, &mut out),
+                    3 => ptile::<3>(&ap, bp, k, &mut out),
+                    2 => ptile::<2>(&ap, bp, k, &mut out),
+                    _ => ptile::<1>(&ap, bp, k, &mut out),
+                }
+                for (r, o) in out.iter().enumerate().take(mr) {
+                    c[(i + r) * w + (g0 - j0)..][..gw].copy_from_slice(&o[..gw]);
+                }
+                i += mr;
+            }
+            g0 += GROUP;
+        }
+    }
+
+    /// out[r][..64] = Σ_k a[r][k] · group[k][..64] for the first R rows:
+    /// four weight vectors per k step, each a row's broadcast times them.
+    #[inline(always)]
+    unsafe fn ptile<const R: usize>(ap: &[*const f32; PR], bp: *const f32, k: usize, out: &mut [[f32; GROUP]; PR]) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for kk in 0..k {
+            let b = bp.add(kk * GROUP);
+            let bv = [_mm512_loadu_ps(b), _mm512_loadu_ps(b.add(16)), _mm512_loadu_ps(b.add(32)), _mm512_loadu_ps(b.add(48))];
+            for r in 0..R {
+                let x = _mm512_set1_ps(*ap[r].add(kk));
+                for (j, bj) in bv.iter().enumerate() {
+                    acc[r][j] = _mm512_fmadd_ps(x, *bj, acc[r][j]);
+                }
+            }
+        }
+        for r in 0..R {
+            for (j, v) in acc[r].iter().enumerate() {
+                _mm512_storeu_ps(out[r].as_mut_ptr().add(16 * j), *v);
+            }
         }
     }
 

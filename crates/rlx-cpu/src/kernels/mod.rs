@@ -19,11 +19,11 @@ use rlx_compile::Thunk;
 use crate::memory::Mem;
 use crate::{Result, Scratch};
 
-/// Runs one thunk. `b_cache` is the f32 copy of a half-precision matmul
-/// weight (see `matmul::weight_cache`); `threads` sizes gemm's parallelism.
-pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, b_cache: Option<&[f32]>, threads: usize) -> Result<()> {
+/// Runs one thunk. `copy` is a matmul's weight as prepared at prepare time
+/// (`matmul::WeightCopy`); `threads` sizes gemm's parallelism.
+pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul::WeightCopy>, threads: usize) -> Result<()> {
     match thunk {
-        Thunk::MatMul(mm) => matmul::run(mm, mem, scratch, b_cache, threads),
+        Thunk::MatMul(mm) => matmul::run(mm, mem, scratch, copy, threads),
         Thunk::Binary { op, dtype, out_shape, a, a_strides, b, b_strides, out } => {
             elementwise::binary(*op, *dtype, out_shape, a, a_strides, b, b_strides, out, mem)
         }
