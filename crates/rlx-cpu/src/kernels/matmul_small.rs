@@ -306,17 +306,16 @@ mod avx512 {
                 for (t, p) in ap.iter_mut().enumerate() {
                     *p = a.as_ptr().add(a_off[i + t.min(mr - 1)]);
                 }
-                let mut out = [[0f32; GROUP]; PR];
+                // Rows i..i + mr, columns g0 - j0 .. + gw of c: inside c,
+                // whose rows are w long (asserted by the caller).
+                let dst = c.as_mut_ptr().add(i * w + (g0 - j0));
                 match mr {
-                    6 => ptile::<6>(&ap, bp, k, &mut out),
-                    5 => ptile::<5>(&ap, bp, k, &mut out),
-                    4 => ptile::<4>(&ap, bp, k, &mut out),
-                    3 => ptile::<3>(&ap, bp, k, &mut out),
-                    2 => ptile::<2>(&ap, bp, k, &mut out),
-                    _ => ptile::<1>(&ap, bp, k, &mut out),
-                }
-                for (r, o) in out.iter().enumerate().take(mr) {
-                    c[(i + r) * w + (g0 - j0)..][..gw].copy_from_slice(&o[..gw]);
+                    6 => ptile::<6>(&ap, bp, k, dst, w, gw),
+                    5 => ptile::<5>(&ap, bp, k, dst, w, gw),
+                    4 => ptile::<4>(&ap, bp, k, dst, w, gw),
+                    3 => ptile::<3>(&ap, bp, k, dst, w, gw),
+                    2 => ptile::<2>(&ap, bp, k, dst, w, gw),
+                    _ => ptile::<1>(&ap, bp, k, dst, w, gw),
                 }
                 i += mr;
             }
@@ -324,10 +323,10 @@ mod avx512 {
         }
     }
 
-    /// out[r][..64] = Σ_k a[r][k] · group[k][..64] for the first R rows:
+    /// dst[r][..gw] = Σ_k a[r][k] · group[k][..gw] for the first R rows:
     /// four weight vectors per k step, each a row's broadcast times them.
     #[inline(always)]
-    unsafe fn ptile<const R: usize>(ap: &[*const f32; PR], bp: *const f32, k: usize, out: &mut [[f32; GROUP]; PR]) {
+    unsafe fn ptile<const R: usize>(ap: &[*const f32; PR], bp: *const f32, k: usize, dst: *mut f32, ld: usize, gw: usize) {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         for kk in 0..k {
             let b = bp.add(kk * GROUP);
@@ -339,9 +338,15 @@ mod avx512 {
                 }
             }
         }
+        // Straight into c (row stride ld), the first gw columns only: the
+        // padding columns of the last group are never stored.
         for r in 0..R {
             for (j, v) in acc[r].iter().enumerate() {
-                _mm512_storeu_ps(out[r].as_mut_ptr().add(16 * j), *v);
+                let left = gw.saturating_sub(16 * j).min(16);
+                if left > 0 {
+                    let mask = ((1u32 << left) - 1) as __mmask16;
+                    _mm512_mask_storeu_ps(dst.add(r * ld + 16 * j), mask, *v);
+                }
             }
         }
     }
