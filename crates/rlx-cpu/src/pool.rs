@@ -1,10 +1,11 @@
 //! The CPU backend's worker threads: one rayon pool shared by every
 //! `CpuBackend::new()`, each worker pinned to a CPU of its own.
 //!
-//! Why pin: between calls the workers sleep. When a call wakes them after an
-//! idle pause, Linux tends to place the woken worker on the waker's CPU, and
-//! the two workers of a 2-core machine then share one CPU for the whole
-//! call. Measured on the 2-vCPU VM (MiniLM f32, 50 ms idle before each call,
+//! Why pin: between calls the workers sleep, and a call that woke them after
+//! an idle pause ran at one-core speed although both workers accumulated
+//! equal CPU time. The likely cause (inferred, not traced) is the scheduler
+//! placing both woken workers on one CPU. Pinning removed it, measured on
+//! the 2-vCPU VM (MiniLM f32, 50 ms idle before each call,
 //! medians of 20): 1×16 3.69 → 2.3 ms and 1×128 17.7 → 10.0 ms with pinned
 //! workers; back to back (no idle) nothing changes. `RLX_CPU_PIN=0` turns it
 //! off (e.g. when several processes share the CPUs and each should float).
