@@ -368,7 +368,97 @@ fn host_experiment(g: &CudaBackend, runs: usize) {
     }
 }
 
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+extern "C" {
+    fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
+}
+fn thread_cpu() -> Duration {
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: CLOCK_THREAD_CPUTIME_ID = 3 on Linux; t is a valid timespec.
+    unsafe { clock_gettime(3, &mut t) };
+    Duration::new(t.sec as u64, t.nsec as u32)
+}
+
+/// Median submit wall time and thread CPU time (equal: the host is busy,
+/// not blocked) and the launch phase, bert-base at 1x128 and 32x128, right
+/// after the previous wait and with the previous call in flight. Run with
+/// and without RLX_COPY_NODES=1 for the memset/memcpy-node A/B of
+/// bench/gpu-perf.md (session 3).
+fn scale_experiment(g: &CudaBackend, runs: usize) {
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let bert = Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 };
+    println!("| model | shape | condition | submit wall us | submit cpu us | launch wall us |");
+    println!("|---|---|---|---|---|---|");
+    for model in [&bert] {
+        for batch in [1usize, 32] {
+            let seq = 128;
+            let (ids, mask) = inputs_for(batch, seq);
+            let inputs = [("ids", &ids), ("mask", &mask)];
+            let (s, w) = build(model, batch, seq, true);
+            let mut e = g
+                .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false })
+                .unwrap_or_else(|e| fail(&e.to_string()));
+            for _ in 0..10 {
+                e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
+            }
+            for cond in ["after wait", "in flight"] {
+                let (mut wall, mut cpu, mut launch) = (vec![], vec![], vec![]);
+                let mut prev = None;
+                for _ in 0..runs {
+                    match cond {
+                        "after wait + 2 ms spin" => {
+                            let t = Instant::now();
+                            while t.elapsed() < Duration::from_millis(2) {
+                                std::hint::spin_loop();
+                            }
+                        }
+                        "sync then 0.2 ms spin" => {
+                            let t = Instant::now();
+                            while t.elapsed() < Duration::from_micros(200) {
+                                std::hint::spin_loop();
+                            }
+                        }
+                        _ => {}
+                    }
+                    let (t0, c0) = (Instant::now(), thread_cpu());
+                    let t = e.submit(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
+                    let (w1, c1) = (t0.elapsed(), thread_cpu() - c0);
+                    wall.push(w1);
+                    cpu.push(c1);
+                    launch.push(e.last_submit_phases()[2]);
+                    if cond == "in flight" {
+                        if let Some(p) = prev.replace(t) {
+                            e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+                        }
+                    } else {
+                        e.wait(t).unwrap_or_else(|err| fail(&err.to_string()));
+                    }
+                }
+                if let Some(p) = prev {
+                    e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+                }
+                println!(
+                    "| {} | {batch}x{seq} | {cond} | {:.1} | {:.1} | {:.1} |",
+                    model.name,
+                    us(median(wall)),
+                    us(median(cpu)),
+                    us(median(launch))
+                );
+            }
+        }
+    }
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("scale") {
+        let g = CudaBackend::new(0).unwrap_or_else(|e| fail(&e.to_string()));
+        scale_experiment(&g, std::env::args().nth(2).and_then(|a| a.parse().ok()).unwrap_or(100));
+        return;
+    }
     let host_mode = std::env::args().nth(1).as_deref() == Some("host");
     let runs: usize = std::env::args().nth(if host_mode { 2 } else { 1 }).and_then(|a| a.parse().ok()).unwrap_or(200).max(1);
     let g = CudaBackend::new(0).unwrap_or_else(|e| fail(&e.to_string()));

@@ -201,6 +201,44 @@ extern "C" __global__ void copy_strided(const CopyP p) {
     }
 }
 
+// A memset as a kernel: height rows of width elements of esize bytes (1, 2
+// or 4) set to the low bytes of value, rows pitch bytes apart. In a CUDA
+// graph each memset node cost ~1 us of host time at every launch on the
+// H200 machine, a kernel node next to nothing (bench/gpu-perf.md), so
+// recorded graphs carry this instead (ours and cuBLASLt's memsets).
+struct FillP { void* dst; i64 pitch; i64 width; i64 height; i64 value; i64 esize; };
+
+extern "C" __global__ void fill_pitched(const FillP p) {
+    pdl_enter();
+    i64 n = p.width * p.height;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        char* row = (char*)p.dst + (i / p.width) * p.pitch;
+        i64 c = i % p.width;
+        switch (p.esize) {
+            case 1: ((unsigned char*)row)[c] = (unsigned char)p.value; break;
+            case 2: ((unsigned short*)row)[c] = (unsigned short)p.value; break;
+            default: ((unsigned int*)row)[c] = (unsigned int)p.value; break;
+        }
+    }
+}
+
+// bytes from src to dst, both device-accessible (the staging copies read and
+// write mapped pinned host memory): the copy-in/copy-out of a call as kernel
+// nodes instead of memcpy nodes, for the same reason as fill_pitched.
+struct BytesP { void* dst; const void* src; i64 bytes; };
+
+extern "C" __global__ void copy_bytes(const BytesP p) {
+    pdl_enter();
+    i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    i64 head = 0;
+    if ((((unsigned long long)p.dst | (unsigned long long)p.src) & 15) == 0) {
+        i64 nv = p.bytes / 16;
+        for (i64 i = t; i < nv; i += stride) ((uint4*)p.dst)[i] = ((const uint4*)p.src)[i];
+        head = nv * 16;
+    }
+    for (i64 i = head + t; i < p.bytes; i += stride) ((char*)p.dst)[i] = ((const char*)p.src)[i];
+}
+
 struct SwiGluP { const void* gate; const void* up; void* out; i64 rows; i64 cols; i64 gs; i64 us; };
 
 template <typename T>

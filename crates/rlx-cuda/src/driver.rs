@@ -167,6 +167,7 @@ impl Drop for DeviceBuffer {
 pub(crate) struct PinnedBuffer {
     ptr: *mut u8,
     len: usize,
+    device: Option<u64>,
 }
 
 // SAFETY: plain memory; access is serialised by the owning executable.
@@ -180,10 +181,18 @@ impl PinnedBuffer {
         check(unsafe { sys::cuMemHostAlloc(&mut p, len.max(8), sys::CU_MEMHOSTALLOC_PORTABLE) }, &format!("cuMemHostAlloc({len} bytes)"))?;
         // SAFETY: p points to at least len.max(8) bytes.
         unsafe { std::ptr::write_bytes(p as *mut u8, 0, len.max(8)) };
-        Ok(PinnedBuffer { ptr: p as *mut u8, len })
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: p came from cuMemHostAlloc above; out-pointer to a local.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0) } == CUresult::CUDA_SUCCESS;
+        Ok(PinnedBuffer { ptr: p as *mut u8, len, device: mapped.then_some(d) })
     }
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
+    }
+    /// The buffer's address for kernels (mapped pinned memory), if the
+    /// driver maps it (always with unified addressing).
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.device
     }
     /// Bytes off..off + len, or `None` when that range is not all inside
     /// the buffer (never a silently shorter slice).
@@ -306,6 +315,10 @@ pub(crate) struct GraphExec {
     pub nodes: usize,
     /// Edges recorded as programmatic (programmatic dependent launch).
     pub pdl_edges: usize,
+    /// Memset and memcpy nodes left in the graph.
+    pub copy_nodes: usize,
+    /// Memset nodes replaced by fill kernels.
+    pub converted: usize,
 }
 // SAFETY: as for Stream.
 unsafe impl Send for GraphExec {}
@@ -313,7 +326,10 @@ unsafe impl Send for GraphExec {}
 impl GraphExec {
     /// Records whatever `body` enqueues on `s` into a graph. Thread-local
     /// capture mode: other threads' allocations and syncs stay legal.
-    pub fn capture(s: &Stream, body: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
+    /// With `fill` (the `fill_pitched` kernel), memset nodes (cuBLASLt
+    /// records some) become kernel nodes: each memset node cost ~1 µs of
+    /// host time at every launch (bench/gpu-perf.md, session 3).
+    pub fn capture(s: &Stream, fill: Option<Func>, body: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
         // SAFETY: live stream; capture is always ended below, even if body fails.
         unsafe {
             check(
@@ -325,8 +341,31 @@ impl GraphExec {
             let end = sys::cuStreamEndCapture(s.0, &mut graph);
             res?;
             check(end, "cuStreamEndCapture")?;
-            let mut nodes = 0usize;
-            check(sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes), "cuGraphGetNodes")?;
+            let converted = match fill.map(|f| memsets_to_kernels(graph, f)).transpose() {
+                Ok(n) => n.unwrap_or(0),
+                Err(e) => {
+                    sys::cuGraphDestroy(graph);
+                    return Err(e);
+                }
+            };
+            let kinds = match node_types(graph) {
+                Ok(k) => k,
+                Err(e) => {
+                    sys::cuGraphDestroy(graph);
+                    return Err(e);
+                }
+            };
+            let nodes = kinds.len();
+            if std::env::var("RLX_GRAPH_DUMP").as_deref() == Ok("1") {
+                // A diagnostic: a failure to describe a node is only reported.
+                if let Err(e) = dump_graph(graph) {
+                    eprintln!("rlx-cuda: graph dump: {e}");
+                }
+            }
+            let copy_nodes = kinds
+                .iter()
+                .filter(|t| matches!(t, sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET | sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY))
+                .count();
             let pdl_edges = programmatic_edges(graph).unwrap_or(0);
             let mut exec = std::ptr::null_mut();
             let r = sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0);
@@ -334,7 +373,7 @@ impl GraphExec {
                 sys::cuGraphDestroy(graph);
                 return Err(err(format!("cuGraphInstantiate failed: {}", describe(r))));
             }
-            let g = GraphExec { graph, exec, nodes, pdl_edges };
+            let g = GraphExec { graph, exec, nodes, pdl_edges, copy_nodes, converted };
             // Uploading now moves the one-time setup of the executable graph
             // out of the first replayed call.
             check(sys::cuGraphUpload(exec, s.0), "cuGraphUpload")?;
@@ -345,6 +384,127 @@ impl GraphExec {
         // SAFETY: live exec and stream.
         check(unsafe { sys::cuGraphLaunch(self.exec, s.0) }, "cuGraphLaunch")
     }
+}
+
+/// Node handles of a captured graph.
+unsafe fn graph_nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>> {
+    let mut n = 0usize;
+    check(sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n), "cuGraphGetNodes")?;
+    let mut nodes = vec![std::ptr::null_mut(); n];
+    check(sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n), "cuGraphGetNodes")?;
+    nodes.truncate(n);
+    Ok(nodes)
+}
+
+/// The type of every node of a graph.
+unsafe fn node_types(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNodeType>> {
+    graph_nodes(graph)?
+        .into_iter()
+        .map(|node| {
+            let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            check(sys::cuGraphNodeGetType(node, &mut ty), "cuGraphNodeGetType").map(|_| ty)
+        })
+        .collect()
+}
+
+/// Replaces every memset node of `graph` by a launch of `fill`
+/// (`fill_pitched(dst, pitch, width, height, value, esize)`) with the same
+/// incoming and outgoing edges (edge data kept); returns how many.
+unsafe fn memsets_to_kernels(graph: sys::CUgraph, fill: Func) -> Result<usize> {
+    let mut converted = 0;
+    for (node, ty) in graph_nodes(graph)?.into_iter().zip(node_types(graph)?) {
+        if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET {
+            continue;
+        }
+        let mut mp: sys::CUDA_MEMSET_NODE_PARAMS = std::mem::zeroed();
+        check(sys::cuGraphMemsetNodeGetParams(node, &mut mp), "cuGraphMemsetNodeGetParams")?;
+        let edges = |out: bool| -> Result<(Vec<sys::CUgraphNode>, Vec<sys::CUgraphEdgeData>)> {
+            let get = |nodes: *mut sys::CUgraphNode, data: *mut sys::CUgraphEdgeData, n: *mut usize| {
+                if out {
+                    sys::cuGraphNodeGetDependentNodes_v2(node, nodes, data, n)
+                } else {
+                    sys::cuGraphNodeGetDependencies_v2(node, nodes, data, n)
+                }
+            };
+            let mut n = 0usize;
+            check(get(std::ptr::null_mut(), std::ptr::null_mut(), &mut n), "cuGraphNodeGetDependencies")?;
+            let mut nodes = vec![std::ptr::null_mut(); n];
+            let mut data: Vec<sys::CUgraphEdgeData> = vec![std::mem::zeroed(); n];
+            check(get(nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n), "cuGraphNodeGetDependencies")?;
+            nodes.truncate(n);
+            data.truncate(n);
+            Ok((nodes, data))
+        };
+        let (ins, in_data) = edges(false)?;
+        let (outs, out_data) = edges(true)?;
+        let elems = (mp.width as u64) * (mp.height as u64);
+        let args: [u64; 6] = [mp.dst, mp.pitch as u64, mp.width as u64, mp.height as u64, mp.value as u64, mp.elementSize as u64];
+        let mut kparams = [args.as_ptr() as *mut c_void];
+        let mut kp: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+        kp.func = fill.0;
+        kp.gridDimX = elems.div_ceil(256).clamp(1, 1024) as u32;
+        kp.gridDimY = 1;
+        kp.gridDimZ = 1;
+        kp.blockDimX = 256;
+        kp.blockDimY = 1;
+        kp.blockDimZ = 1;
+        kp.kernelParams = kparams.as_mut_ptr();
+        let mut k = std::ptr::null_mut();
+        check(sys::cuGraphAddKernelNode_v2(&mut k, graph, std::ptr::null(), 0, &kp), "cuGraphAddKernelNode")?;
+        for (from, d) in ins.iter().zip(&in_data) {
+            check(sys::cuGraphAddDependencies_v2(graph, from, &k, d, 1), "cuGraphAddDependencies")?;
+        }
+        for (to, d) in outs.iter().zip(&out_data) {
+            check(sys::cuGraphAddDependencies_v2(graph, &k, to, d, 1), "cuGraphAddDependencies")?;
+        }
+        check(sys::cuGraphDestroyNode(node), "cuGraphDestroyNode")?;
+        converted += 1;
+    }
+    Ok(converted)
+}
+
+/// Diagnostic (`RLX_GRAPH_DUMP=1`): one line per node of a recorded graph on
+/// stderr: its type, or for a kernel its grid, block, dynamic shared memory,
+/// parameter bytes, cluster shape and name. It showed cuBLASLt's memset
+/// nodes behind the slow launches at 32×128 (bench/gpu-perf.md, session 3).
+unsafe fn dump_graph(graph: sys::CUgraph) -> Result<()> {
+    for (i, (nd, ty)) in graph_nodes(graph)?.into_iter().zip(node_types(graph)?).enumerate() {
+        if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            eprintln!("node {i}: {ty:?}");
+            continue;
+        }
+        let mut p: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+        check(sys::cuGraphKernelNodeGetParams_v2(nd, &mut p), "cuGraphKernelNodeGetParams")?;
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        let nm = if sys::cuFuncGetName(&mut name, p.func) == CUresult::CUDA_SUCCESS && !name.is_null() {
+            CStr::from_ptr(name).to_string_lossy().chars().take(90).collect()
+        } else {
+            "?".to_string()
+        };
+        let mut bytes = 0usize;
+        for k in 0..256 {
+            let (mut off, mut sz) = (0usize, 0usize);
+            if sys::cuFuncGetParamInfo(p.func, k, &mut off, &mut sz) != CUresult::CUDA_SUCCESS {
+                break;
+            }
+            bytes = off + sz;
+        }
+        let mut v: sys::CUkernelNodeAttrValue = std::mem::zeroed();
+        sys::cuGraphKernelNodeGetAttribute(nd, sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, &mut v);
+        let c = v.clusterDim;
+        eprintln!(
+            "node {i}: grid {}x{}x{} block {} smem {} params {bytes}B cluster {}x{}x{} {nm}",
+            p.gridDimX,
+            p.gridDimY,
+            p.gridDimZ,
+            p.blockDimX * p.blockDimY * p.blockDimZ,
+            p.sharedMemBytes,
+            c.x,
+            c.y,
+            c.z
+        );
+    }
+    Ok(())
 }
 
 /// How many of a graph's edges are programmatic (a kernel launched as a

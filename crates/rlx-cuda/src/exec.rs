@@ -13,7 +13,7 @@ use rlx_compile::{Schedule, Space, Thunk};
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, Tensor, Ticket, WeightStore};
 
 use crate::blas::{Blas, MatMulPlan};
-use crate::driver::{err, Device, DeviceBuffer, Event, GraphExec, PinnedBuffer, Stream};
+use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
 use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
@@ -133,6 +133,10 @@ impl CudaExecutable {
         // Diagnostic for the host cost of a replayed submit (bench/gpu-perf.md):
         // RLX_GRAPH_IO=0 enqueues the staging copies outside the recorded graphs.
         let graph_io = env_flag("RLX_GRAPH_IO") != Some(false);
+        // RLX_COPY_NODES=1: memset and memcpy operations for the error flag
+        // and staging, and cuBLASLt's memsets kept, as before session 3 (A/B).
+        let copy_nodes = env_flag("RLX_COPY_NODES") == Some(true);
+        let fill = if copy_nodes { None } else { Some(kernels.get("fill_pitched")?) };
         // Programmatic dependent launch between consecutive kernels (Hopper
         // and later); RLX_PDL=0 turns it off (diagnostic, A/B timing).
         let pdl = dev.cc.0 >= 9 && env_flag("RLX_PDL") != Some(false);
@@ -213,11 +217,22 @@ impl CudaExecutable {
                 consts: consts.iter().map(|b| b.ptr).collect(),
                 err: errbuf.ptr,
             };
-            let mut steps = vec![Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")];
+            // The error flag is cleared and the staging copies run as kernels
+            // (mapped pinned memory) unless RLX_COPY_NODES=1: in a recorded
+            // graph every memset or memcpy node costs host time at each launch.
+            let mut steps = vec![if copy_nodes {
+                Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")
+            } else {
+                kernels.fill32(errbuf.ptr, 0, 1, "io")?
+            }];
+            let (pin_in_dev, pin_out_dev) = if copy_nodes { (None, None) } else { (pin_in.device_ptr(), pin_out.device_ptr()) };
             for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
-                // SAFETY: off + bytes lies inside pin_in (layout above).
-                let src = unsafe { pin_in.as_ptr().add(*off) };
-                steps.push(Step::new(Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, "io"));
+                let dst = bases.ptr(&s.buf)?;
+                steps.push(match pin_in_dev {
+                    Some(d) => kernels.copy(dst, d + *off as u64, *bytes as u64, "io")?,
+                    // SAFETY: off + bytes lies inside pin_in (layout above).
+                    None => Step::new(Op::HtoD { dst, src: unsafe { pin_in.as_ptr().add(*off) }, bytes: *bytes }, "io"),
+                });
             }
             for (i, t) in schedule.thunks.iter().enumerate() {
                 let host = HostTask::for_thunk(&dev, t)?;
@@ -241,18 +256,20 @@ impl CudaExecutable {
                 }
                 steps.extend(lowered);
             }
-            for (s, (off, bytes)) in schedule.outputs.iter().zip(&out_layout) {
-                // SAFETY: inside pin_out.
-                let dst = unsafe { pin_out.as_ptr().add(*off) };
-                steps.push(Step::new(Op::DtoH { dst, src: bases.ptr(&s.buf)?, bytes: *bytes }, "io"));
+            // The outputs, then the error flag in pin_out's last 4 bytes.
+            let outs = schedule.outputs.iter().zip(&out_layout).map(|(s, (off, bytes))| Ok((bases.ptr(&s.buf)?, *off, *bytes)));
+            for out in outs.chain([Ok((errbuf.ptr, out_bytes, 4))]) {
+                let (src, off, bytes) = out?;
+                steps.push(match pin_out_dev {
+                    Some(d) => kernels.copy(d + off as u64, src, bytes as u64, "io")?,
+                    // SAFETY: off + bytes lies inside pin_out (layout above).
+                    None => Step::new(Op::DtoH { dst: unsafe { pin_out.as_ptr().add(off) }, src, bytes }, "io"),
+                });
             }
-            // SAFETY: the last 4 bytes of pin_out hold the error flag.
-            let dst = unsafe { pin_out.as_ptr().add(out_bytes) };
-            steps.push(Step::new(Op::DtoH { dst, src: errbuf.ptr, bytes: 4 }, "io"));
             if pdl {
                 launch::mark_pdl(&mut steps);
             }
-            let segments = if replay { record(&stream, &steps, graph_io)? } else { Vec::new() };
+            let segments = if replay { record(&stream, &steps, graph_io, fill)? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
                 _arena: arena,
@@ -266,7 +283,8 @@ impl CudaExecutable {
                 pending: None,
             });
         }
-        let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel()).count()).unwrap_or(0);
+        // Staging copies and the error flag ("io") are not part of the forward.
+        let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel() && s.kind != "io").count()).unwrap_or(0);
         // RLX_PROFILE times every step with events, which needs eager launches.
         let mode = match (replay, profile) {
             (true, false) => "replay",
@@ -317,9 +335,11 @@ impl CudaExecutable {
             return s;
         }
         for (i, seg) in slot.segments.iter().enumerate() {
-            let (kind, r, nodes, pdl) = match seg {
-                Segment::Replay { steps, graph } => ("replay", steps.clone(), graph.nodes, graph.pdl_edges),
-                Segment::Host { steps } => ("host", steps.clone(), 0, 0),
+            let (kind, r, nodes, pdl, copies, conv) = match seg {
+                Segment::Replay { steps, graph } => {
+                    ("replay", steps.clone(), graph.nodes, graph.pdl_edges, graph.copy_nodes, graph.converted)
+                }
+                Segment::Host { steps } => ("host", steps.clone(), 0, 0, 0, 0),
             };
             let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
             for st in &slot.steps[r.clone()] {
@@ -327,13 +347,23 @@ impl CudaExecutable {
             }
             let list: Vec<String> = kinds.iter().map(|(k, n)| format!("{k}x{n}")).collect();
             s.push_str(&format!(
-                "  segment {i}: {kind} steps {}..{} ({nodes} graph nodes, {pdl} programmatic edges): {}\n",
+                "  segment {i}: {kind} steps {}..{} ({nodes} graph nodes, {pdl} programmatic edges, {copies} memset/memcpy nodes, {conv} memsets made kernels): {}\n",
                 r.start,
                 r.end,
                 list.join(" ")
             ));
         }
         s
+    }
+
+    /// Slot 0's recorded graphs: memset/memcpy nodes left in them, and
+    /// memset nodes (cuBLASLt's) replaced by fill kernels.
+    pub fn copy_node_counts(&self) -> (usize, usize) {
+        let Some(slot) = self.slots.first() else { return (0, 0) };
+        slot.segments.iter().fold((0, 0), |(c, v), s| match s {
+            Segment::Replay { graph, .. } => (c + graph.copy_nodes, v + graph.converted),
+            Segment::Host { .. } => (c, v),
+        })
     }
 
     /// Programmatic (PDL) edges in slot 0's recorded graphs: kernels that
@@ -437,7 +467,8 @@ impl CudaExecutable {
 
 /// Splits steps into segments and records each replayable one as a graph.
 /// With `graph_io` false, staging copies are enqueued directly, like host steps.
-fn record(stream: &Stream, steps: &[Step], graph_io: bool) -> Result<Vec<Segment>> {
+/// `fill` (the fill kernel) turns memset nodes into kernel nodes.
+fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>) -> Result<Vec<Segment>> {
     let direct = |s: &Step| s.host || (!graph_io && s.kind == "io");
     let mut segs = Vec::new();
     let mut i = 0;
@@ -450,7 +481,7 @@ fn record(stream: &Stream, steps: &[Step], graph_io: bool) -> Result<Vec<Segment
         if host {
             segs.push(Segment::Host { steps: i..j });
         } else {
-            let graph = GraphExec::capture(stream, || {
+            let graph = GraphExec::capture(stream, fill, || {
                 for st in &steps[i..j] {
                     st.enqueue(stream)?;
                 }

@@ -12,7 +12,7 @@ use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
 
 use crate::blas::{folded, Blas, LtAlgo, MatMulPlan};
-use crate::driver::{err, Event, GraphExec, Stream};
+use crate::driver::{err, Event, Func, GraphExec, Stream};
 use crate::launch::{Bases, Kernels, Op, Step};
 
 /// cuBLASLt heuristic answers to time per shape, and the cap on all
@@ -243,13 +243,13 @@ type Enqueue<'a> = dyn Fn(&Stream) -> Result<()> + 'a;
 /// into a CUDA graph (as replay runs it: no host launch cost in the figure),
 /// after a warm-up; the best of 5 graph launches. An alternative that cannot
 /// be recorded or launched reads infinite.
-fn time_alternatives(stream: &Stream, alts: &[&Enqueue]) -> Result<Vec<f64>> {
+fn time_alternatives(stream: &Stream, fill: Option<Func>, alts: &[&Enqueue]) -> Result<Vec<f64>> {
     const REPS: usize = 10;
     let (e0, e1) = (Event::new(true)?, Event::new(true)?);
     let graphs: Vec<Option<GraphExec>> = alts
         .iter()
         .map(|alt| {
-            let g = GraphExec::capture(stream, || {
+            let g = GraphExec::capture(stream, fill, || {
                 for _ in 0..REPS {
                     alt(stream)?;
                 }
@@ -380,7 +380,7 @@ pub(crate) fn choose(
     let own_alts: Vec<Box<Enqueue<'_>>> =
         own_steps.iter().map(|st| Box::new(move |s: &Stream| st.enqueue(s)) as Box<Enqueue<'_>>).collect();
     let alts: Vec<&Enqueue> = lt_alts.iter().chain(&own_alts).map(|b| b.as_ref()).collect();
-    let us = time_alternatives(stream, &alts)?;
+    let us = time_alternatives(stream, k.get("fill_pitched").ok(), &alts)?;
     let (lt_us, own_us) = us.split_at(lt.len());
     // A non-default choice must be clearly faster (3 %: timing noise), so a
     // tie never moves a shape off cuBLASLt's first answer.

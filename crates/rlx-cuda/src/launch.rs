@@ -191,6 +191,17 @@ impl Kernels {
         let want = n.div_ceil(BLOCK as u64).max(1);
         [want.min(self.sm_count as u64 * 32).max(1) as u32, 1, 1]
     }
+    /// `n` u32 values set to `value`, as a kernel step (kernels/elementwise.cu
+    /// `fill_pitched`; a memset node costs host time at every graph launch).
+    pub(crate) fn fill32(&self, dst: u64, value: u32, n: u64, kind: &'static str) -> Result<Step> {
+        let args = Args::default().p(dst).p(4 * n).p(n).p(1).p(value as u64).p(4);
+        Ok(self.flat(self.get("fill_pitched")?, n, args, kind))
+    }
+    /// A byte copy between device-accessible addresses as a kernel step.
+    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: u64, kind: &'static str) -> Result<Step> {
+        let args = Args::default().p(dst).p(src).p(bytes);
+        Ok(self.flat(self.get("copy_bytes")?, bytes.div_ceil(16), args, kind))
+    }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
         Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, args: args.0 }, kind)
     }
