@@ -182,3 +182,31 @@ fn small_rows_minilm_shapes() {
         check(n as u64, DType::F32, &c);
     }
 }
+
+/// The packed kernel at many rows (it replaces gemm for weights at any row
+/// count): several 192-row tasks per group and several 128-step k blocks
+/// (a short last one), ragged N, batches folded, the whole epilogue.
+#[test]
+fn many_rows_packed_random() {
+    for seed in 0..8 {
+        let mut r = rng(4000 + seed);
+        let batch = if seed % 2 == 0 { 1 } else { r.random_range(2..4) };
+        let m = r.random_range(193..500usize) / batch;
+        let k = r.random_range(129..420);
+        let n = r.random_range(1..200);
+        let residual = seed % 3 != 0;
+        let c = Case {
+            batch,
+            m,
+            n,
+            k,
+            lda: k + if seed % 2 == 0 { 5 } else { 0 },
+            ldb: k,
+            bias: seed % 4 != 1,
+            act: (seed % 2 == 0).then(|| ACTS[seed as usize % 5]),
+            residual,
+            in_place: residual && seed % 2 == 1,
+        };
+        check(seed, if seed % 3 == 2 { DType::BF16 } else { DType::F32 }, &c);
+    }
+}

@@ -68,7 +68,7 @@ pub enum WeightCopy {
 /// Whether the few-row path runs `mm` with a packed weight: its b is a
 /// weight (fixed at prepare) and `matmul_small` takes the shape.
 pub fn wants_packed(mm: &MatMulThunk) -> bool {
-    matches!(mm.b.space, rlx_compile::Space::Weight(_)) && matmul_small::applies(mm)
+    matches!(mm.b.space, rlx_compile::Space::Weight(_)) && matmul_small::applies_packed(mm)
 }
 
 /// `mm`'s weight in the packed layout, read from `mem` in its dtype.
@@ -182,7 +182,8 @@ fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, packed: Option<&[
     let out = mem.dst::<f32>(&mm.out).map_err(exec_err)?;
     let bias = mm.bias.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
     let residual = mm.residual.map(|x| mem.src::<f32>(&x)).transpose().map_err(exec_err)?;
-    if matmul_small::applies(mm) {
+    let packed = packed.filter(|_| matmul_small::applies_packed(mm));
+    if packed.is_some() || matmul_small::applies(mm) {
         matmul_small::run(mm, &SmallArgs { a: &a, b: &b, bias: bias.as_ref(), residual: residual.as_ref(), out: &out }, threads, packed);
         return Ok(());
     }
@@ -243,7 +244,7 @@ fn run_half<T: Elem>(
     let out = mem.dst::<T>(&mm.out).map_err(exec_err)?;
     let bias = mm.bias.map(|x| mem.src::<T>(&x)).transpose().map_err(exec_err)?;
     let residual = mm.residual.map(|x| mem.src::<T>(&x)).transpose().map_err(exec_err)?;
-    if let (Some(pk), true) = (packed, matmul_small::applies(mm)) {
+    if let (Some(pk), true) = (packed, matmul_small::applies_packed(mm)) {
         // The packed weight replaces b entirely: only a is widened.
         let a32 = scratch.c(a_extent(mm));
         a.load(0, a32);

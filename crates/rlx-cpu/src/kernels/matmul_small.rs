@@ -1,12 +1,14 @@
-//! Few-row matmul against a transposed b (`[N, K]`, K contiguous: every
-//! weight of a BERT linear layer), two kernels:
+//! Matmul against a transposed b (`[N, K]`, K contiguous: every weight of a
+//! BERT linear layer), two kernels:
 //!
-//! - b a weight (the usual case): the executable packs it once at prepare
-//!   (`pack`: 64-column groups, k-major) and a tile of 6 a rows × 64
-//!   columns accumulates broadcast-a × four 16-lane weight vectors per k
-//!   step, no horizontal sums. One group per task, so both cores stream
-//!   disjoint weight groups. 15% less matmul time than the dot kernel on
-//!   MiniLM at 1×128 (bench/cpu-perf.md).
+//! - b a weight (the usual case), any row count: the executable packs it
+//!   once at prepare (`pack`: 64-column groups, k-major) and a tile of 6 a
+//!   rows × 64 columns accumulates broadcast-a × four 16-lane weight
+//!   vectors per k step, no horizontal sums, over blocks of 128 k steps
+//!   that stay in L1 for every tile of a task. One group (and up to 192
+//!   rows) per task, so cores stream disjoint weight groups. 15% less
+//!   matmul time than the dot kernel on MiniLM at 1×128, and 4-5% less
+//!   forward time than gemm at 8×128 (bench/cpu-perf.md).
 //! - b anything else: dot products with nothing packed. gemm would pack b
 //!   into panels on every call, and with a handful of rows that copy costs
 //!   about as much as the multiply. A tile of MR a rows × NR b rows
@@ -22,9 +24,10 @@ use crate::act;
 use crate::elem::Elem;
 use crate::memory::{Dst, Src};
 
-/// Most rows (batch × m) this path takes: MiniLM at 1×128 ran 4% faster
-/// here than through gemm, at 8×128 gemm's packed microkernel wins (see
-/// bench/cpu-perf.md).
+/// Most rows (batch × m) the dot kernel (b read in place) takes: MiniLM at
+/// 1×128 ran 4% faster there than through gemm, at 8×128 gemm's packed
+/// microkernel won (see bench/cpu-perf.md). The packed kernel for weights
+/// has no limit.
 pub const MAX_ROWS: usize = 128;
 
 /// a rows per tile (the last tile of a block may be shorter).
@@ -46,11 +49,20 @@ fn has_avx512() -> bool {
     }
 }
 
-/// Whether this kernel runs `mm`: b transposed and shared by every batch,
-/// few rows, and a CPU with AVX-512 (without it gemm's AVX2 path is used).
+/// Whether the dot kernel runs `mm` (b read in place): b transposed and
+/// shared by every batch, few rows, and a CPU with AVX-512 (without it
+/// gemm's AVX2 path is used).
 pub fn applies(mm: &MatMulThunk) -> bool {
     let rows = mm.batch * mm.m;
-    mm.b_trans && (mm.batch == 1 || mm.b_batch_stride == 0) && rows > 0 && rows <= MAX_ROWS && mm.n > 0 && has_avx512()
+    applies_packed(mm) && rows <= MAX_ROWS
+}
+
+/// Whether the packed kernel can run `mm` given b in the packed layout: as
+/// `applies` at any row count. With the weight blocked by k (`KC`) it beat
+/// gemm at 1024 rows too (bench/cpu-perf.md, session 3).
+pub fn applies_packed(mm: &MatMulThunk) -> bool {
+    let rows = mm.batch * mm.m;
+    mm.b_trans && (mm.batch == 1 || mm.b_batch_stride == 0) && rows > 0 && mm.n > 0 && has_avx512()
 }
 
 /// The views one call reads and writes; a and b are f32 (half-precision
@@ -65,6 +77,16 @@ pub struct SmallArgs<'a, T> {
 
 /// Columns per group of the packed weight layout (four 16-lane vectors).
 pub const GROUP: usize = 64;
+
+/// k steps per block of the packed kernel: a group's 128 × 64 weights (32
+/// KB) stay in L1 while every row tile of a task uses them, instead of
+/// streaming the whole group from L2 for each tile. (64, 192 and 256
+/// measured no better at MiniLM 8×128.)
+const KC: usize = 128;
+
+/// Rows per task of the packed kernel (a multiple of its 6-row tiles; 96
+/// and 384 measured the same at MiniLM 8×128).
+const ROW_CHUNK: usize = 192;
 
 /// bᵀ (`n` rows of `k`, fetched by `row`) in the layout the packed kernel
 /// streams: 64-column groups, k-major within a group (`[g][k][64]`), the
@@ -109,28 +131,33 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize, pack
     // blocks left a thread idle at N = 384 (3 blocks on 2 threads), which
     // cost more than the per-task overhead.
     let nb = if packed.is_some() { GROUP } else { (n / (4 * threads.max(1))).clamp(16, 256).div_ceil(16) * 16 };
+    // Many rows: tasks of ROW_CHUNK rows per group (more tasks than
+    // groups for many threads, a product block that stays in L2).
+    let chunk = if packed.is_some() { ROW_CHUNK } else { rows };
+    let chunks = rows.div_ceil(chunk);
     let fast = v.out.as_f32().map(|out| F32Epilogue {
         bias: v.bias.and_then(|b| b.as_f32()),
         residual: v.residual.and_then(|r| r.as_f32()),
         in_place: v.residual.is_some_and(|r| v.out.same_start(r)),
         out,
     });
-    (0..n.div_ceil(nb)).into_par_iter().for_each_init(
-        || (vec![0f32; rows * nb], vec![0f32; nb]),
+    (0..n.div_ceil(nb) * chunks).into_par_iter().for_each_init(
+        || (vec![0f32; chunk.min(rows) * nb], vec![0f32; nb]),
         |(c, tmp), p| {
-            let j0 = p * nb;
-            let w = nb.min(n - j0);
-            let c = &mut c[..rows * w];
+            let (j0, r0) = ((p / chunks) * nb, (p % chunks) * chunk);
+            let (w, r1) = (nb.min(n - j0), (r0 + chunk).min(rows));
+            let c = &mut c[..(r1 - r0) * w];
             match packed {
-                Some(pk) => packed_dots(a_all, &a_off, k, pk, j0, w, c),
-                None => dots(a_all, &a_off, k, b_all, ldb, j0, w, c),
+                Some(pk) => packed_dots(a_all, &a_off[r0..r1], k, pk, j0, w, c),
+                None => dots(a_all, &a_off[r0..r1], k, b_all, ldb, j0, w, c),
             }
             if let Some(f) = &fast {
-                f.apply(mm, c, n, j0, w);
+                f.apply(mm, c, n, r0, j0, w);
                 return;
             }
             let tmp = &mut tmp[..w];
             for (r, row) in c.chunks_exact_mut(w).enumerate() {
+                let r = r0 + r;
                 if let Some(b) = v.bias {
                     b.load(j0, tmp);
                     row.iter_mut().zip(tmp.iter()).for_each(|(x, y)| *x += y);
@@ -161,9 +188,10 @@ struct F32Epilogue {
 }
 
 impl F32Epilogue {
-    /// Columns j0..j0 + w of every row, the products in c (rows of w).
-    fn apply(&self, mm: &MatMulThunk, c: &mut [f32], n: usize, j0: usize, w: usize) {
+    /// Columns j0..j0 + w of rows r0.., the products in c (rows of w).
+    fn apply(&self, mm: &MatMulThunk, c: &mut [f32], n: usize, r0: usize, j0: usize, w: usize) {
         for (r, row) in c.chunks_exact_mut(w).enumerate() {
+            let r = r0 + r;
             if let Some(b) = &self.bias {
                 row.iter_mut().zip(b.row(j0, w)).for_each(|(x, y)| *x += y);
             }
@@ -232,7 +260,7 @@ fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: u
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{GROUP, MR, NR};
+    use super::{GROUP, KC, MR, NR};
 
     /// Most rows for which the next weight block is prefetched.
     const PREFETCH_ROWS: usize = 32;
@@ -298,36 +326,56 @@ mod avx512 {
         let mut g0 = j0;
         while g0 < j0 + w {
             let gw = (j0 + w - g0).min(GROUP);
-            let bp = pk.as_ptr().add(g0 / GROUP * k * GROUP);
-            let mut i = 0;
-            while i < rows {
-                let mr = (rows - i).min(PR);
-                let mut ap = [a.as_ptr(); PR];
-                for (t, p) in ap.iter_mut().enumerate() {
-                    *p = a.as_ptr().add(a_off[i + t.min(mr - 1)]);
+            // k blocks of KC steps: each block of the group's weights is
+            // used by every row tile while it is in L1; the tiles of later
+            // blocks add onto c.
+            let mut k0 = 0;
+            while k0 < k {
+                let kc = (k - k0).min(KC);
+                let bp = pk.as_ptr().add((g0 / GROUP * k + k0) * GROUP);
+                let mut i = 0;
+                while i < rows {
+                    let mr = (rows - i).min(PR);
+                    let mut ap = [a.as_ptr(); PR];
+                    for (t, p) in ap.iter_mut().enumerate() {
+                        *p = a.as_ptr().add(a_off[i + t.min(mr - 1)] + k0);
+                    }
+                    // Rows i..i + mr, columns g0 - j0 .. + gw of c: inside c,
+                    // whose rows are w long (asserted by the caller).
+                    let dst = c.as_mut_ptr().add(i * w + (g0 - j0));
+                    let add = k0 > 0;
+                    match mr {
+                        6 => ptile::<6>(&ap, bp, kc, dst, w, gw, add),
+                        5 => ptile::<5>(&ap, bp, kc, dst, w, gw, add),
+                        4 => ptile::<4>(&ap, bp, kc, dst, w, gw, add),
+                        3 => ptile::<3>(&ap, bp, kc, dst, w, gw, add),
+                        2 => ptile::<2>(&ap, bp, kc, dst, w, gw, add),
+                        _ => ptile::<1>(&ap, bp, kc, dst, w, gw, add),
+                    }
+                    i += mr;
                 }
-                // Rows i..i + mr, columns g0 - j0 .. + gw of c: inside c,
-                // whose rows are w long (asserted by the caller).
-                let dst = c.as_mut_ptr().add(i * w + (g0 - j0));
-                match mr {
-                    6 => ptile::<6>(&ap, bp, k, dst, w, gw),
-                    5 => ptile::<5>(&ap, bp, k, dst, w, gw),
-                    4 => ptile::<4>(&ap, bp, k, dst, w, gw),
-                    3 => ptile::<3>(&ap, bp, k, dst, w, gw),
-                    2 => ptile::<2>(&ap, bp, k, dst, w, gw),
-                    _ => ptile::<1>(&ap, bp, k, dst, w, gw),
-                }
-                i += mr;
+                k0 += kc;
             }
             g0 += GROUP;
         }
     }
 
-    /// dst[r][..gw] = Σ_k a[r][k] · group[k][..gw] for the first R rows:
-    /// four weight vectors per k step, each a row's broadcast times them.
+    /// dst[r][..gw] (+)= Σ_k a[r][k] · group[k][..gw] for the first R rows
+    /// over k steps: four weight vectors per step, each a row's broadcast
+    /// times them. `add`: start from dst (a later k block).
     #[inline(always)]
-    unsafe fn ptile<const R: usize>(ap: &[*const f32; PR], bp: *const f32, k: usize, dst: *mut f32, ld: usize, gw: usize) {
+    unsafe fn ptile<const R: usize>(ap: &[*const f32; PR], bp: *const f32, k: usize, dst: *mut f32, ld: usize, gw: usize, add: bool) {
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        if add {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    let left = gw.saturating_sub(16 * j).min(16);
+                    if left > 0 {
+                        *v = _mm512_maskz_loadu_ps(((1u32 << left) - 1) as __mmask16, dst.add(r * ld + 16 * j));
+                    }
+                }
+            }
+        }
         for kk in 0..k {
             let b = bp.add(kk * GROUP);
             let bv = [_mm512_loadu_ps(b), _mm512_loadu_ps(b.add(16)), _mm512_loadu_ps(b.add(32)), _mm512_loadu_ps(b.add(48))];
