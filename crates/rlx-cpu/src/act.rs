@@ -1,4 +1,5 @@
-//! Activation functions, computed in f32 (exact GELU through an f64 erf).
+//! Activation functions, computed in f32 (exact GELU through a rational erf;
+//! `erf` itself, in f64, for references).
 
 use rlx_ir::Activation;
 
@@ -47,48 +48,33 @@ pub fn erf(x: f64) -> f64 {
     odd.mul_add(t, even).copysign(x)
 }
 
+/// erf(a)/a ≈ P(a²)/Q(a²) on [0, 4]: a rational fit made for RLX
+/// (least squares on Chebyshev nodes against an accurate erf, reweighted
+/// by 1/Q), |erf error| ≤ 3.5e-7 evaluated in f32 — a few ulp of f32 near
+/// 1, where GELU's own f32 rounding is of the same size.
+const ERF_P: [f32; 6] = [1.128_379_1, 0.194_366_62, 0.053_214_457, 0.003_921_289, 0.000_285_894_96, 1.985_711e-6];
+const ERF_Q: [f32; 6] = [1.0, 0.505_584_84, 0.115_694_13, 0.015_280_583, 0.001_195_793_9, 3.748_076_8e-5];
+
+/// GELU in f32 through the rational erf above: branch-free, so the loop
+/// over a slice vectorises 16 lanes wide (the f64 polynomial it replaced
+/// took 0.71 ms per 1024×1536 block on one core, 5% of MiniLM at 8×128).
 #[inline(always)]
-pub fn gelu(x: f32) -> f32 {
-    let x = x as f64;
-    (0.5 * x * (1.0 + erf(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+fn gelu32(x: f32) -> f32 {
+    let a = (x * std::f32::consts::FRAC_1_SQRT_2).abs().min(4.0);
+    let z = a * a;
+    let mut p = ERF_P[5];
+    let mut q = ERF_Q[5];
+    for j in (0..5).rev() {
+        p = p.mul_add(z, ERF_P[j]);
+        q = q.mul_add(z, ERF_Q[j]);
+    }
+    let e = (a * p / q).min(1.0).copysign(x);
+    0.5 * x * (1.0 + e)
 }
 
-/// GELU over a slice, 32 elements at a time: the two Horner chains of 32
-/// lanes each stay in registers (8 independent vector chains), so the FMA
-/// units are kept busy instead of waiting on one chain's latency.
 #[inline(always)]
 fn gelu_slice(v: &mut [f32]) {
-    const B: usize = 32;
-    const D: usize = ERF_POLY.len() - 1;
-    let mut chunks = v.chunks_exact_mut(B);
-    for c in &mut chunks {
-        let mut x = [0f64; B];
-        let mut t = [0f64; B];
-        for l in 0..B {
-            x[l] = c[l] as f64;
-            t[l] = (x[l] * std::f64::consts::FRAC_1_SQRT_2).abs().min(4.0) - 2.0;
-        }
-        let mut t2 = [0f64; B];
-        for l in 0..B {
-            t2[l] = t[l] * t[l];
-        }
-        let (mut even, mut odd) = ([0f64; B], [0f64; B]);
-        for j in (0..=D / 2).rev() {
-            for l in 0..B {
-                even[l] = even[l].mul_add(t2[l], ERF_POLY[2 * j]);
-            }
-        }
-        for j in (0..D.div_ceil(2)).rev() {
-            for l in 0..B {
-                odd[l] = odd[l].mul_add(t2[l], ERF_POLY[2 * j + 1]);
-            }
-        }
-        for l in 0..B {
-            let e = odd[l].mul_add(t[l], even[l]).copysign(x[l]);
-            c[l] = (0.5 * x[l] * (1.0 + e)) as f32;
-        }
-    }
-    chunks.into_remainder().iter_mut().for_each(|x| *x = gelu(*x));
+    v.iter_mut().for_each(|x| *x = gelu32(*x));
 }
 
 #[inline(always)]

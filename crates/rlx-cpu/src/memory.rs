@@ -243,6 +243,15 @@ impl<T: Copy> Dst<T> {
         // SAFETY: in bounds; exclusivity per the contract above.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
     }
+    /// A raw pointer to element `start`, with `n` elements from there in
+    /// bounds, for kernels that write a strided block of rows (other tasks
+    /// own the columns between): no reference to the span is formed.
+    #[inline(always)]
+    pub fn ptr_at(&self, start: usize, n: usize) -> *mut T {
+        in_bounds(start, n, self.len);
+        // SAFETY: in bounds (checked above).
+        unsafe { self.ptr.add(start) }
+    }
     /// Copies elements in with memmove semantics (source may overlap).
     pub fn copy_from(&self, start: usize, src: &Src<T>, src_start: usize, n: usize) {
         in_bounds(start, n, self.len);
