@@ -82,6 +82,15 @@ __device__ void attention_body(const AttnP& p) {
         const i64 key = t0 + lane;
         bool key_ok = key < kv_end;
         if (key_ok && p.mask) key_ok = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+        // A masked key's V row becomes zeros: a padded row may hold NaN or
+        // inf, which its weight 0 would still pass on as 0 * NaN (the CPU
+        // backend zeroes them too). Every warp computed the same flags.
+        if (__syncthreads_or(!key_ok)) {
+            if (warp == 0 && !key_ok) {
+                for (int d = 0; d < HDP; ++d) sv[lane][d] = 0.0f;
+            }
+            __syncthreads();
+        }
 #pragma unroll
         for (int i = 0; i < RPW; ++i) {
             const int rl = warp * RPW + i;

@@ -244,6 +244,22 @@ __device__ void attention_mma_body(const AttnP& p) {
         const u16* cv = sv + buf * TK * KP;
         const float* cap = scap + (int)(t0 % FLAGS_ALL);
         const int mi = lane >> 3, mr = lane & 7;
+        // A masked key's V row becomes zeros (a padded row may hold NaN or
+        // inf, and its weight 0 would still pass it on as 0 * NaN), as the
+        // CPU backend does. One barrier per tile; the pass only runs when
+        // the tile has a masked key.
+        {
+            bool any = false;
+            for (int j = threadIdx.x; j < TK; j += NT) any |= cap[j] == -INFINITY;
+            if (__syncthreads_or(any)) {
+                u16* zv = sv + buf * TK * KP;
+                for (int e = threadIdx.x; e < TK * CH; e += NT) {
+                    const int j = e / CH, c = e % CH;
+                    if (cap[j] == -INFINITY) *(uint4*)(zv + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+                }
+                __syncthreads();
+            }
+        }
 
         // S = Q·Kᵀ; K's B fragments for two key blocks per ldmatrix.x4:
         // matrices (keys 8n.., dims +0..7), (8n.., +8..15), then keys 8(n+1).. .
@@ -480,6 +496,14 @@ __device__ void attention_split_body(const AttnP& p) {
         const i64 t0 = (i64)ti * TKS;
         cp_async_wait<0>();
         __syncwarp();
+        // Masked keys' V rows become zeros (see attention_mma_body).
+        if (__any_sync(0xffffffffu, lane < TKS && !sok[warp][lane])) {
+            for (int e = lane; e < TKS * CH; e += 32) {
+                const int j = e / CH, c = e % CH;
+                if (!sok[warp][j]) *(uint4*)(sv + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            __syncwarp();
+        }
         float s[TKS / 8][4];
 #pragma unroll
         for (int n = 0; n < TKS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;

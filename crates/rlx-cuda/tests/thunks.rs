@@ -471,9 +471,27 @@ fn attention_case_at(
     valid: Option<i32>,
     shift: usize,
 ) {
+    attention_case_full(g, r, dt, (batch, heads, kv_heads, hd, q_len, kv_len), causal, mask, valid, shift, false)
+}
+
+/// As `attention_case_at`; with `poison`, Q, K and V are separate tensors
+/// and every K and V row of a key that is masked or past the valid length
+/// is NaN: no output may see it (the CPU zeroes such rows).
+#[allow(clippy::too_many_arguments)]
+fn attention_case_full(
+    g: &Option<rlx_cuda::CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    dt: DType,
+    (batch, heads, kv_heads, hd, q_len, kv_len): (usize, usize, usize, usize, usize, usize),
+    causal: bool,
+    mask: bool,
+    valid: Option<i32>,
+    shift: usize,
+    poison: bool,
+) {
     let qw = heads * hd;
     let kw = kv_heads * hd;
-    let row = if q_len == kv_len { qw + 2 * kw + shift } else { 0 };
+    let row = if q_len == kv_len && !poison { qw + 2 * kw + shift } else { 0 };
     let mut sb = Sb::new();
     let (q, k, v);
     let mut inputs = Vec::new();
@@ -513,6 +531,24 @@ fn attention_case_at(
     } else {
         None
     };
+    if poison {
+        let masked: Vec<bool> = match inputs.iter().find(|(n, _)| *n == "mask") {
+            Some((_, m)) => m.to_f32().iter().map(|x| *x == 0.0).collect(),
+            None => vec![false; batch * kv_len],
+        };
+        let cut = valid.map(|v| v as usize).unwrap_or(kv_len);
+        for name in ["k", "v"] {
+            let Some((_, t)) = inputs.iter_mut().find(|(n, _)| *n == name) else { continue };
+            let mut vals = t.to_f32();
+            for (i, x) in vals.iter_mut().enumerate() {
+                let (b, j) = (i / (kv_len * kw), (i / kw) % kv_len);
+                if masked[b * kv_len + j] || j >= cut {
+                    *x = f32::NAN;
+                }
+            }
+            *t = Tensor::from_f32(vec![batch, kv_len, kw], &vals).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+        }
+    }
     let valid_buf = valid.map(|vl| {
         let b = sb.input("valid", &[1], DType::I32);
         inputs.push(("valid", Tensor::from_i32(vec![1], &[vl]).unwrap_or_else(|e| panic!("{e}"))));
@@ -539,7 +575,7 @@ fn attention_case_at(
     }));
     let (s, w) = sb.finish();
     let what = format!(
-        "attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift}"
+        "attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift} poison={poison}"
     );
     check(&what, g, &s, &w, &named(inputs), 1.0);
 }
@@ -596,6 +632,29 @@ fn attention_128_row_blocks() {
         attention_case(&g, &mut r, dt, 6, 12, 4, 32, 250, 250, true, true, None);
         attention_case(&g, &mut r, dt, 1, 28, 4, 80, 600, 600, false, true, None);
         attention_case(&g, &mut r, dt, 11, 12, 6, 128, 128, 300, true, true, Some(290));
+    }
+}
+
+/// NaN in the K and V rows of masked keys and of keys past the valid
+/// length (padding that holds garbage) never reaches an output, on every
+/// attention kernel: 64-row tensor-core blocks, 128-row blocks, 16-row
+/// split-key blocks at batch 1, and the scalar kernel (f32, head dim 40).
+/// The CPU backend zeroes such rows; the GPU must match it, NaN-free.
+#[test]
+fn attention_masked_nan_rows_stay_out() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(10);
+    for dt in FLOATS {
+        for (shape, causal, mask, valid) in [
+            ((4, 8, 8, 64, 300, 300), false, true, None),
+            ((12, 12, 12, 64, 128, 128), false, true, None),
+            ((1, 12, 12, 64, 128, 128), false, true, None),
+            ((1, 12, 12, 32, 128, 128), false, true, None),
+            ((2, 4, 2, 64, 3, 600), true, false, Some(517)),
+            ((1, 2, 2, 40, 20, 20), false, true, None),
+        ] {
+            attention_case_full(&g, &mut r, dt, shape, causal, mask, valid, 0, true);
+        }
     }
 }
 
