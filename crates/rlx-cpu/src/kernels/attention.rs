@@ -84,6 +84,17 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
     let out_w = t.heads * hd;
     // Keys padded to whole 16-lane vectors, head dims too (for P·V).
     let (vp, hdp) = (valid.div_ceil(16) * 16, hd.div_ceil(16) * 16);
+    // Every key's mask flag once, not once per head: 1.0 kept, 0.0 masked.
+    let kept: Vec<f32> = (0..t.batch * valid)
+        .map(|i| {
+            let (b, j) = (i / valid, i % valid);
+            if mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j)) {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
     (0..t.batch * t.heads * blocks).into_par_iter().for_each_init(
         || TaskBuf {
             kt: vec![0.0; hd * vp],
@@ -102,10 +113,7 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             let g = h / group;
             let q0 = blk * Q_BLOCK;
             let qn = Q_BLOCK.min(t.q_len - q0);
-            for j in 0..valid {
-                let kept = mask.as_ref().is_none_or(|m| keep(m, t.mask_dtype, b * t.kv_len + j));
-                buf.keep[j] = if kept { 1.0 } else { 0.0 };
-            }
+            buf.keep[..valid].copy_from_slice(&kept[b * valid..(b + 1) * valid]);
             // This head's keys transposed and values row by row, in f32. A
             // masked key's K and V are zeros: whatever the buffer holds there
             // (NaN, inf) must not reach a score or a weighted sum as 0 · NaN.
@@ -270,9 +278,30 @@ fn softmax_row(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
         return 0.0;
     }
     // Masked weights are exactly 0 (a select, so even a non-finite score
-    // there cannot leak through as 0 · NaN).
-    head.iter_mut().zip(keep).for_each(|(x, &k)| *x = if k != 0.0 { lanes::exp(*x - m) } else { 0.0 });
-    1.0 / lanes::sum(head)
+    // there cannot leak through as 0 · NaN). Summed in the same pass, in
+    // 32 independent lanes folded pairwise.
+    const L: usize = 32;
+    let mut acc = [0f32; L];
+    let mut rest = 0f32;
+    let mut hc = head.chunks_exact_mut(L);
+    let mut kc = keep.chunks_exact(L);
+    for (x, k) in (&mut hc).zip(&mut kc) {
+        for l in 0..L {
+            let e = if k[l] != 0.0 { lanes::exp(x[l] - m) } else { 0.0 };
+            x[l] = e;
+            acc[l] += e;
+        }
+    }
+    for (x, &k) in hc.into_remainder().iter_mut().zip(kc.remainder()) {
+        *x = if k != 0.0 { lanes::exp(*x - m) } else { 0.0 };
+        rest += *x;
+    }
+    for w in [16, 8, 4, 2, 1] {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    1.0 / (acc[0] + rest)
 }
 
 /// Max of the kept entries (-inf when none is kept).
@@ -282,9 +311,12 @@ fn fold_max(v: &[f32], keep: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; L];
     let (vc, kc) = (v.chunks_exact(L), keep.chunks_exact(L));
     let (vr, kr) = (vc.remainder(), kc.remainder());
+    // Plain compares (not f32::max, whose NaN rule costs extra
+    // instructions per lane); a NaN score is skipped either way.
     for (a, b) in vc.zip(kc) {
         for l in 0..L {
-            acc[l] = acc[l].max(if b[l] != 0.0 { a[l] } else { f32::NEG_INFINITY });
+            let x = if b[l] != 0.0 { a[l] } else { f32::NEG_INFINITY };
+            acc[l] = if x > acc[l] { x } else { acc[l] };
         }
     }
     let mut m = f32::NEG_INFINITY;
