@@ -66,9 +66,9 @@ struct TaskBuf {
     v: Vec<f32>,
     /// 1.0 for a kept key, 0.0 for a masked one or past `valid`.
     keep: Vec<f32>,
-    /// Q rows pre-multiplied by the scale: [Q_BLOCK][head_dim].
+    /// Q rows pre-multiplied by the scale: [qb][head_dim].
     q: Vec<f32>,
-    /// Scores, then unnormalised probabilities: [Q_BLOCK][vp].
+    /// Scores, then unnormalised probabilities: [qb][vp].
     s: Vec<f32>,
     out: Vec<f32>,
     row: Vec<f32>,
@@ -81,6 +81,8 @@ struct TaskBuf {
 fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Src<T>, k: Src<T>, v: Src<T>, out: Dst<T>) {
     let (hd, group) = (t.head_dim, t.heads / t.kv_heads.max(1));
     let blocks = t.q_len.div_ceil(Q_BLOCK);
+    // Rows of the largest block: the task buffers are sized to it.
+    let qb = Q_BLOCK.min(t.q_len);
     let out_w = t.heads * hd;
     // Keys padded to whole 16-lane vectors, head dims too (for P·V).
     let (vp, hdp) = (valid.div_ceil(16) * 16, hd.div_ceil(16) * 16);
@@ -100,12 +102,12 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             kt: vec![0.0; hd * vp],
             v: vec![0.0; valid * hdp],
             keep: vec![0.0; vp],
-            q: vec![0.0; Q_BLOCK * hd],
-            s: vec![0.0; Q_BLOCK * vp],
-            out: vec![0.0; Q_BLOCK * hdp],
+            q: vec![0.0; qb * hd],
+            s: vec![0.0; qb * vp],
+            out: vec![0.0; qb * hdp],
             row: vec![0.0; hd],
-            limit: vec![0; Q_BLOCK],
-            inv: vec![0.0; Q_BLOCK],
+            limit: vec![0; qb],
+            inv: vec![0.0; qb],
         },
         |buf, task| {
             let (b, rest) = (task / (t.heads * blocks), task % (t.heads * blocks));
