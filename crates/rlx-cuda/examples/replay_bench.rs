@@ -321,38 +321,8 @@ fn host_experiment(g: &CudaBackend, runs: usize) {
                     e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
                 }
                 for cond in ["after wait", "after wait + 3 ms spin", "after wait + 3 ms sleep", "previous in flight"] {
-                    let mut ph: [Vec<Duration>; 5] = Default::default();
-                    let mut prev = None;
-                    for _ in 0..runs {
-                        match cond {
-                            "after wait + 3 ms spin" => {
-                                let t = Instant::now();
-                                while t.elapsed() < Duration::from_millis(3) {
-                                    std::hint::spin_loop();
-                                }
-                            }
-                            "after wait + 3 ms sleep" => std::thread::sleep(Duration::from_millis(3)),
-                            _ => {}
-                        }
-                        let t0 = Instant::now();
-                        let t = e.submit(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
-                        let total = t0.elapsed();
-                        let p = e.last_submit_phases();
-                        for (i, d) in p.iter().chain([&total]).enumerate() {
-                            ph[i].push(*d);
-                        }
-                        if cond == "previous in flight" {
-                            if let Some(p) = prev.replace(t) {
-                                e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
-                            }
-                        } else {
-                            e.wait(t).unwrap_or_else(|err| fail(&err.to_string()));
-                        }
-                    }
-                    if let Some(p) = prev {
-                        e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
-                    }
-                    let m: Vec<String> = ph.into_iter().map(|v| format!("{:.1}", us(median(v)))).collect();
+                    let ph = timed_submits(&mut e, &inputs, runs, cond);
+                    let m: Vec<String> = ph.into_iter().take(5).map(|v| format!("{:.1}", us(median(v)))).collect();
                     println!(
                         "| {batch}x{seq} | {} {} | {variant} | {cond} | {} |",
                         model.name,
@@ -383,6 +353,44 @@ fn thread_cpu() -> Duration {
     Duration::new(t.sec as u64, t.nsec as u32)
 }
 
+/// `runs` submits of one executable under `cond` ("after wait", "after
+/// wait + 3 ms spin", "after wait + 3 ms sleep" or "previous in flight"):
+/// per submit its four phases (check, stage, launch, record), its wall time
+/// and the calling thread's CPU time.
+fn timed_submits(e: &mut rlx_cuda::CudaExecutable, inputs: &[(&str, &Tensor)], runs: usize, cond: &str) -> [Vec<Duration>; 6] {
+    let mut ph: [Vec<Duration>; 6] = Default::default();
+    let mut prev = None;
+    for _ in 0..runs {
+        match cond {
+            "after wait + 3 ms spin" => {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_millis(3) {
+                    std::hint::spin_loop();
+                }
+            }
+            "after wait + 3 ms sleep" => std::thread::sleep(Duration::from_millis(3)),
+            _ => {}
+        }
+        let (t0, c0) = (Instant::now(), thread_cpu());
+        let t = e.submit(inputs).unwrap_or_else(|err| fail(&err.to_string()));
+        let (wall, cpu) = (t0.elapsed(), thread_cpu() - c0);
+        for (i, d) in e.last_submit_phases().into_iter().chain([wall, cpu]).enumerate() {
+            ph[i].push(d);
+        }
+        if cond == "previous in flight" {
+            if let Some(p) = prev.replace(t) {
+                e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+            }
+        } else {
+            e.wait(t).unwrap_or_else(|err| fail(&err.to_string()));
+        }
+    }
+    if let Some(p) = prev {
+        e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
+    }
+    ph
+}
+
 /// Median submit wall time and thread CPU time (equal: the host is busy,
 /// not blocked) and the launch phase, bert-base at 1x128 and 32x128, right
 /// after the previous wait and with the previous call in flight. Run with
@@ -405,42 +413,8 @@ fn scale_experiment(g: &CudaBackend, runs: usize) {
             for _ in 0..10 {
                 e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
             }
-            for cond in ["after wait", "in flight"] {
-                let (mut wall, mut cpu, mut launch) = (vec![], vec![], vec![]);
-                let mut prev = None;
-                for _ in 0..runs {
-                    match cond {
-                        "after wait + 2 ms spin" => {
-                            let t = Instant::now();
-                            while t.elapsed() < Duration::from_millis(2) {
-                                std::hint::spin_loop();
-                            }
-                        }
-                        "sync then 0.2 ms spin" => {
-                            let t = Instant::now();
-                            while t.elapsed() < Duration::from_micros(200) {
-                                std::hint::spin_loop();
-                            }
-                        }
-                        _ => {}
-                    }
-                    let (t0, c0) = (Instant::now(), thread_cpu());
-                    let t = e.submit(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
-                    let (w1, c1) = (t0.elapsed(), thread_cpu() - c0);
-                    wall.push(w1);
-                    cpu.push(c1);
-                    launch.push(e.last_submit_phases()[2]);
-                    if cond == "in flight" {
-                        if let Some(p) = prev.replace(t) {
-                            e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
-                        }
-                    } else {
-                        e.wait(t).unwrap_or_else(|err| fail(&err.to_string()));
-                    }
-                }
-                if let Some(p) = prev {
-                    e.wait(p).unwrap_or_else(|err| fail(&err.to_string()));
-                }
+            for cond in ["after wait", "previous in flight"] {
+                let [_, _, launch, _, wall, cpu] = timed_submits(&mut e, &inputs, runs, cond);
                 println!(
                     "| {} | {batch}x{seq} | {cond} | {:.1} | {:.1} | {:.1} |",
                     model.name,
