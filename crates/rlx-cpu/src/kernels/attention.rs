@@ -186,8 +186,11 @@ crate::simd::multiversion! {
             }
             i += nr;
         }
+        // No masked key before any row's limit: the select-free softmax.
+        let all = keep[..limit.iter().copied().max().unwrap_or(0)].iter().all(|&k| k != 0.0);
         for (i, &lim) in limit.iter().enumerate() {
-            inv[i] = softmax_row(&mut s[i * vp..(i + 1) * vp], keep, lim);
+            let row = &mut s[i * vp..(i + 1) * vp];
+            inv[i] = if all { softmax_row::<true>(row, keep, lim) } else { softmax_row::<false>(row, keep, lim) };
         }
         let mut i = 0;
         while i < qn {
@@ -270,11 +273,13 @@ fn pv_tile<const N: usize, const W: usize>(
 /// before `limit` that the mask keeps (every other weight exactly 0) and
 /// returns 1 / Σ weights, or 0 for a row with no key left (zeros, not NaN).
 #[inline(always)]
-fn softmax_row(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
+/// `ALL`: every key before `limit` is kept (no key-padding mask in this
+/// batch row), so `keep` is not read and no lane needs a select.
+fn softmax_row<const ALL: bool>(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
     let (head, tail) = row.split_at_mut(limit.min(row.len()));
     tail.fill(0.0);
     let keep = &keep[..head.len()];
-    let m = fold_max(head, keep);
+    let m = fold_max::<ALL>(head, keep);
     if m == f32::NEG_INFINITY {
         head.fill(0.0);
         return 0.0;
@@ -289,13 +294,13 @@ fn softmax_row(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
     let mut kc = keep.chunks_exact(L);
     for (x, k) in (&mut hc).zip(&mut kc) {
         for l in 0..L {
-            let e = if k[l] != 0.0 { lanes::exp(x[l] - m) } else { 0.0 };
+            let e = if ALL || k[l] != 0.0 { lanes::exp(x[l] - m) } else { 0.0 };
             x[l] = e;
             acc[l] += e;
         }
     }
     for (x, &k) in hc.into_remainder().iter_mut().zip(kc.remainder()) {
-        *x = if k != 0.0 { lanes::exp(*x - m) } else { 0.0 };
+        *x = if ALL || k != 0.0 { lanes::exp(*x - m) } else { 0.0 };
         rest += *x;
     }
     for w in [16, 8, 4, 2, 1] {
@@ -308,7 +313,7 @@ fn softmax_row(row: &mut [f32], keep: &[f32], limit: usize) -> f32 {
 
 /// Max of the kept entries (-inf when none is kept).
 #[inline(always)]
-fn fold_max(v: &[f32], keep: &[f32]) -> f32 {
+fn fold_max<const ALL: bool>(v: &[f32], keep: &[f32]) -> f32 {
     const L: usize = 32;
     let mut acc = [f32::NEG_INFINITY; L];
     let (vc, kc) = (v.chunks_exact(L), keep.chunks_exact(L));
@@ -317,13 +322,13 @@ fn fold_max(v: &[f32], keep: &[f32]) -> f32 {
     // instructions per lane); a NaN score is skipped either way.
     for (a, b) in vc.zip(kc) {
         for l in 0..L {
-            let x = if b[l] != 0.0 { a[l] } else { f32::NEG_INFINITY };
+            let x = if ALL || b[l] != 0.0 { a[l] } else { f32::NEG_INFINITY };
             acc[l] = if x > acc[l] { x } else { acc[l] };
         }
     }
     let mut m = f32::NEG_INFINITY;
     for (&a, &b) in vr.iter().zip(kr) {
-        if b != 0.0 {
+        if ALL || b != 0.0 {
             m = m.max(a);
         }
     }
