@@ -152,8 +152,14 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize, pack
                 // copy of every output element through c (memmove was 4%
                 // of MiniLM at 8×128).
                 (Some(pk), Some(f)) if !f.in_place => {
-                    packed_dots_into(a_all, &a_off[r0..r1], k, pk, j0, w, &f.out, r0, n);
-                    f.apply_in_out(mm, n, r0..r1, j0, w);
+                    // Bias, erf-GELU and residual on the tile's registers
+                    // before the one store; other activations in a pass after.
+                    let fuse = matches!(mm.act, None | Some(rlx_ir::Activation::Gelu));
+                    let epi = fuse.then(|| f.tile_epilogue(mm, n, r0, r1, j0, w));
+                    packed_dots_into(a_all, &a_off[r0..r1], k, pk, j0, w, &f.out, r0, n, epi.as_ref());
+                    if !fuse {
+                        f.apply_in_out(mm, n, r0..r1, j0, w);
+                    }
                     return;
                 }
                 (Some(pk), _) => packed_dots(a_all, &a_off[r0..r1], k, pk, j0, w, c),
@@ -195,7 +201,29 @@ struct F32Epilogue {
     out: Dst<f32>,
 }
 
+/// The fused epilogue of the packed kernel's last k block (f32 out, not in
+/// place): pointers at column j0 of the task's first row, bounds checked by
+/// `F32Epilogue::tile_epilogue`.
+pub struct TileEpilogue {
+    bias: *const f32,
+    gelu: bool,
+    residual: *const f32,
+}
+
 impl F32Epilogue {
+    /// Bias at column j0 and the residual at (r0, j0), both range checked
+    /// for rows r0..r1 and columns j0..j0 + w.
+    fn tile_epilogue(&self, mm: &MatMulThunk, n: usize, r0: usize, r1: usize, j0: usize, w: usize) -> TileEpilogue {
+        let rows = r1 - r0;
+        TileEpilogue {
+            bias: self.bias.as_ref().map(|b| b.row(j0, w).as_ptr()).unwrap_or(std::ptr::null()),
+            gelu: mm.act == Some(rlx_ir::Activation::Gelu),
+            residual: match (&self.residual, rows) {
+                (Some(res), 1..) => res.row(r0 * n + j0, (rows - 1) * n + w).as_ptr(),
+                _ => std::ptr::null(),
+            },
+        }
+    }
     /// Columns j0..j0 + w of `rows`, the products already in out: bias,
     /// activation and a residual that is not out itself, in place.
     fn apply_in_out(&self, mm: &MatMulThunk, n: usize, rows: std::ops::Range<usize>, j0: usize, w: usize) {
@@ -284,7 +312,18 @@ fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: u
 /// As `packed_dots`, the products written straight into out's rows
 /// r0.. (row length n) at columns j0..j0 + w.
 #[allow(clippy::too_many_arguments)]
-fn packed_dots_into(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, out: &Dst<f32>, r0: usize, n: usize) {
+fn packed_dots_into(
+    a: &[f32],
+    a_off: &[usize],
+    k: usize,
+    pk: &[f32],
+    j0: usize,
+    w: usize,
+    out: &Dst<f32>,
+    r0: usize,
+    n: usize,
+    epi: Option<&TileEpilogue>,
+) {
     let rows = a_off.len();
     assert!(j0 % GROUP == 0 && j0 + w <= n && a_off.iter().all(|&o| o + k <= a.len()) && (j0 + w).div_ceil(GROUP) * GROUP * k <= pk.len());
     if rows == 0 {
@@ -297,7 +336,7 @@ fn packed_dots_into(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize,
     if has_avx512() {
         // SAFETY: AVX-512F was detected; bounds asserted above; the tiles
         // write only columns j0..j0 + w of these rows.
-        unsafe { avx512::packed_dots_ptr(a, a_off, k, pk, j0, w, dst, n) };
+        unsafe { avx512::packed_dots_ptr(a, a_off, k, pk, j0, w, dst, n, epi) };
         return;
     }
     for (r, &o) in a_off.iter().enumerate() {
@@ -305,6 +344,23 @@ fn packed_dots_into(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize,
         for (j, x) in row.iter_mut().enumerate() {
             let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
             *x = (0..k).map(|kk| a[o + kk] * pk[(g * k + kk) * GROUP + col]).sum();
+            if let Some(e) = epi {
+                // SAFETY: tile_epilogue range-checked bias (w columns) and
+                // residual (these rows, w columns).
+                unsafe {
+                    if !e.bias.is_null() {
+                        *x += *e.bias.add(j);
+                    }
+                    if e.gelu {
+                        let mut one = [*x];
+                        act::apply(rlx_ir::Activation::Gelu, &mut one);
+                        *x = one[0];
+                    }
+                    if !e.residual.is_null() {
+                        *x += *e.residual.add(r * n + j);
+                    }
+                }
+            }
         }
     }
 }
@@ -313,7 +369,7 @@ fn packed_dots_into(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize,
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{GROUP, KC, MR, NR};
+    use super::{TileEpilogue, GROUP, KC, MR, NR};
 
     /// Most rows for which the next weight block is prefetched.
     const PREFETCH_ROWS: usize = 32;
@@ -375,14 +431,26 @@ mod avx512 {
     /// See `super::packed_dots`; the caller checked the bounds and feature.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
-        packed_dots_ptr(a, a_off, k, pk, j0, w, c.as_mut_ptr(), w)
+        packed_dots_ptr(a, a_off, k, pk, j0, w, c.as_mut_ptr(), w, None)
     }
 
     /// As `packed_dots` into rows `ldc` apart from `c` (column j0 of the
     /// first row); the caller checked every row's w columns are in bounds.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn packed_dots_ptr(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: *mut f32, ldc: usize) {
+    /// `epi`: applied by the last k block's tiles (pointers at column j0
+    /// of the first row; the residual's rows are `ldc` apart, like c's).
+    pub unsafe fn packed_dots_ptr(
+        a: &[f32],
+        a_off: &[usize],
+        k: usize,
+        pk: &[f32],
+        j0: usize,
+        w: usize,
+        c: *mut f32,
+        ldc: usize,
+        epi: Option<&TileEpilogue>,
+    ) {
         let rows = a_off.len();
         let mut g0 = j0;
         while g0 < j0 + w {
@@ -405,6 +473,13 @@ mod avx512 {
                     // (checked by the caller).
                     let dst = c.add(i * ldc + (g0 - j0));
                     let add = k0 > 0;
+                    // The last k block finishes the tile: bias, GELU,
+                    // residual at this tile's rows and columns.
+                    let fin = epi.filter(|_| k0 + kc == k).map(|e| Fin {
+                        bias: if e.bias.is_null() { e.bias } else { e.bias.add(g0 - j0) },
+                        gelu: e.gelu,
+                        residual: if e.residual.is_null() { e.residual } else { e.residual.add(i * ldc + (g0 - j0)) },
+                    });
                     match mr {
                         6 => ptile::<6>(&ap, bp, kc, dst, ldc, gw, add),
                         5 => ptile::<5>(&ap, bp, kc, dst, ldc, gw, add),
@@ -412,6 +487,11 @@ mod avx512 {
                         3 => ptile::<3>(&ap, bp, kc, dst, ldc, gw, add),
                         2 => ptile::<2>(&ap, bp, kc, dst, ldc, gw, add),
                         _ => ptile::<1>(&ap, bp, kc, dst, ldc, gw, add),
+                    }
+                    // While the tile is in L1 (a separate function: inside
+                    // the tile's loop its pointers crowded the registers).
+                    if let Some(f) = fin {
+                        finish(f, dst, ldc, mr, gw);
                     }
                     i += mr;
                 }
@@ -458,6 +538,58 @@ mod avx512 {
                 }
             }
         }
+    }
+
+    /// Applies `f` to the `rows` × `gw` tile at dst (rows `ld` apart).
+    #[inline(never)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn finish(f: Fin, dst: *mut f32, ld: usize, rows: usize, gw: usize) {
+        for r in 0..rows {
+            for j in 0..gw.div_ceil(16) {
+                let left = (gw - 16 * j).min(16);
+                let mask = ((1u32 << left) - 1) as __mmask16;
+                let o = dst.add(r * ld + 16 * j);
+                let mut v = _mm512_maskz_loadu_ps(mask, o);
+                if !f.bias.is_null() {
+                    v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, f.bias.add(16 * j)));
+                }
+                if f.gelu {
+                    v = gelu(v);
+                }
+                if !f.residual.is_null() {
+                    v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, f.residual.add(r * ld + 16 * j)));
+                }
+                _mm512_mask_storeu_ps(o, mask, v);
+            }
+        }
+    }
+
+    /// A tile's epilogue: bias at its first column, erf-GELU, residual at
+    /// its first row and column (rows `ld` apart); null pointers: none.
+    #[derive(Clone, Copy)]
+    pub struct Fin {
+        pub bias: *const f32,
+        pub gelu: bool,
+        pub residual: *const f32,
+    }
+
+    /// `act::gelu32` on 16 lanes, the same operations in the same order (so
+    /// the same bits as the separate pass).
+    #[inline(always)]
+    unsafe fn gelu(x: __m512) -> __m512 {
+        use crate::act::{ERF_P, ERF_Q};
+        let a = _mm512_min_ps(_mm512_abs_ps(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::FRAC_1_SQRT_2))), _mm512_set1_ps(4.0));
+        let z = _mm512_mul_ps(a, a);
+        let (mut p, mut q) = (_mm512_set1_ps(ERF_P[5]), _mm512_set1_ps(ERF_Q[5]));
+        for j in (0..5).rev() {
+            p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(ERF_P[j]));
+            q = _mm512_fmadd_ps(q, z, _mm512_set1_ps(ERF_Q[j]));
+        }
+        let e = _mm512_min_ps(_mm512_div_ps(_mm512_mul_ps(a, p), q), _mm512_set1_ps(1.0));
+        // copysign(e, x): e ≥ 0, so OR in x's sign bit.
+        let sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(i32::MIN));
+        let e = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(e), sign));
+        _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5), x), _mm512_add_ps(_mm512_set1_ps(1.0), e))
     }
 
     /// Requests the next block's weight rows into L2 one cache line at a
