@@ -290,7 +290,7 @@ fn dots(a: &[f32], a_off: &[usize], k: usize, b: &[f32], ldb: usize, j0: usize, 
 fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
     // Every pointer the tiles form lies in these ranges.
     assert!(
-        j0 % GROUP == 0
+        j0.is_multiple_of(GROUP)
             && a_off.iter().all(|&o| o + k <= a.len())
             && (j0 + w).div_ceil(GROUP) * GROUP * k <= pk.len()
             && c.len() == a_off.len() * w
@@ -325,7 +325,12 @@ fn packed_dots_into(
     epi: Option<&TileEpilogue>,
 ) {
     let rows = a_off.len();
-    assert!(j0 % GROUP == 0 && j0 + w <= n && a_off.iter().all(|&o| o + k <= a.len()) && (j0 + w).div_ceil(GROUP) * GROUP * k <= pk.len());
+    assert!(
+        j0.is_multiple_of(GROUP)
+            && j0 + w <= n
+            && a_off.iter().all(|&o| o + k <= a.len())
+            && (j0 + w).div_ceil(GROUP) * GROUP * k <= pk.len()
+    );
     if rows == 0 {
         return;
     }
