@@ -71,7 +71,6 @@ struct TaskBuf {
     /// Scores, then unnormalised probabilities: [qb][vp].
     s: Vec<f32>,
     out: Vec<f32>,
-    row: Vec<f32>,
     /// Per query: keys before this one may be attended, and 1 / Σ p.
     limit: Vec<usize>,
     inv: Vec<f32>,
@@ -105,7 +104,6 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             q: vec![0.0; qb * hd],
             s: vec![0.0; qb * vp],
             out: vec![0.0; qb * hdp],
-            row: vec![0.0; hd],
             limit: vec![0; qb],
             inv: vec![0.0; qb],
         },
@@ -119,24 +117,26 @@ fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Sr
             // This head's keys transposed and values row by row, in f32. A
             // masked key's K and V are zeros: whatever the buffer holds there
             // (NaN, inf) must not reach a score or a weighted sum as 0 · NaN.
+            // Read in place and converted element by element: a library
+            // copy per 32-float row cost more than the row (memmove was 2%
+            // of MiniLM at 8×128).
             for j in 0..valid {
                 let vrow = &mut buf.v[j * hdp..j * hdp + hd];
                 if buf.keep[j] == 0.0 {
-                    buf.row.fill(0.0);
                     vrow.fill(0.0);
+                    (0..hd).for_each(|d| buf.kt[d * vp + j] = 0.0);
                 } else {
-                    k.load(b * t.k.batch_stride as usize + j * t.k.row_stride as usize + g * hd, &mut buf.row);
-                    v.load(b * t.v.batch_stride as usize + j * t.v.row_stride as usize + g * hd, vrow);
-                }
-                for (d, &x) in buf.row.iter().enumerate() {
-                    buf.kt[d * vp + j] = x;
+                    let kr = k.row(b * t.k.batch_stride as usize + j * t.k.row_stride as usize + g * hd, hd);
+                    let vr = v.row(b * t.v.batch_stride as usize + j * t.v.row_stride as usize + g * hd, hd);
+                    vrow.iter_mut().zip(vr).for_each(|(o, x)| *o = x.to_f32());
+                    for (d, x) in kr.iter().enumerate() {
+                        buf.kt[d * vp + j] = x.to_f32();
+                    }
                 }
             }
             for i in 0..qn {
-                let qr = b * t.q.batch_stride as usize + (q0 + i) * t.q.row_stride as usize + h * hd;
-                let row = &mut buf.q[i * hd..(i + 1) * hd];
-                q.load(qr, row);
-                row.iter_mut().for_each(|x| *x *= t.scale);
+                let qr = q.row(b * t.q.batch_stride as usize + (q0 + i) * t.q.row_stride as usize + h * hd, hd);
+                buf.q[i * hd..(i + 1) * hd].iter_mut().zip(qr).for_each(|(o, x)| *o = x.to_f32() * t.scale);
                 buf.limit[i] = if t.causal {
                     // Query i sits at absolute position valid - q_len + i.
                     let p = valid as isize - t.q_len as isize + (q0 + i) as isize;
