@@ -50,6 +50,15 @@ fn rows<T: Elem>(a: &NormArgs<'_>, x: Src<T>, res: Option<Src<T>>, gamma: &[f32]
     (0..a.rows).into_par_iter().with_min_len((1 << 13) / cols.max(1) + 1).for_each_init(
         || (vec![0f32; cols], vec![0f32; cols]),
         |(v, t), r| {
+            // f32: x (+ residual) read in place into v, then normalised
+            // straight into the output row (no library copies; out may be x
+            // or the residual itself: both are read before out is written).
+            if let (Some(xf), Some(of)) = (x.as_f32(), out.as_f32()) {
+                let rf = res.as_ref().and_then(|r| r.as_f32());
+                add_into(xf.row(r * cols, cols), rf.as_ref().map(|s| s.row(r * cols, cols)), v);
+                norm_to(v, of.row_mut(r * cols, cols), gamma, beta, a.eps, a.rms, inv_n);
+                return;
+            }
             let residual = match &res {
                 Some(res) => {
                     res.load(r * cols, t);
@@ -57,19 +66,40 @@ fn rows<T: Elem>(a: &NormArgs<'_>, x: Src<T>, res: Option<Src<T>>, gamma: &[f32]
                 }
                 None => None,
             };
-            // f32: normalise in the output row itself (one copy, none in place).
-            if let (Some(xf), Some(of)) = (x.as_f32(), out.as_f32()) {
-                if !of.same_start(&x) {
-                    of.copy_from(r * cols, &xf, r * cols, cols);
-                }
-                norm_row(of.row_mut(r * cols, cols), residual, gamma, beta, a.eps, a.rms, inv_n);
-                return;
-            }
             x.load(r * cols, v);
             norm_row(v, residual, gamma, beta, a.eps, a.rms, inv_n);
             out.store(r * cols, v);
         },
     );
+}
+
+crate::simd::multiversion! {
+    /// v = x (+ residual).
+    fn add_into(x: &[f32], residual: Option<&[f32]>, v: &mut [f32]) {
+        match residual {
+            Some(t) => v.iter_mut().zip(x).zip(t).for_each(|((o, a), b)| *o = a + b),
+            None => v.copy_from_slice(x),
+        }
+    }
+}
+
+crate::simd::multiversion! {
+    /// out = LayerNorm or RmsNorm of v (v is not changed).
+    fn norm_to(v: &[f32], out: &mut [f32], gamma: &[f32], beta: Option<&[f32]>, eps: f32, rms: bool, inv_n: f32) {
+        if rms {
+            let ms = lanes::sum_sq_dev(v, 0.0) * inv_n;
+            let s = 1.0 / (ms + eps).sqrt();
+            out.iter_mut().zip(v).zip(gamma).for_each(|((o, x), g)| *o = *x * s * g);
+        } else {
+            let mean = lanes::sum(v) * inv_n;
+            let var = lanes::sum_sq_dev(v, mean) * inv_n;
+            let s = 1.0 / (var + eps).sqrt();
+            match beta {
+                Some(beta) => out.iter_mut().zip(v).zip(gamma).zip(beta).for_each(|(((o, x), g), b)| *o = (*x - mean) * s * g + b),
+                None => out.iter_mut().zip(v).zip(gamma).for_each(|((o, x), g)| *o = (*x - mean) * s * g),
+            }
+        }
+    }
 }
 
 crate::simd::multiversion! {
