@@ -9,6 +9,9 @@
 //! (end-to-end rounds, default 5), RLX_BENCH_THREADS (default: cores),
 //! RLX_BENCH_PEERS=0 (RLX alone), RLX_BENCH_BF16=0 (no bf16-weight rows).
 //! Without the peers it prints RLX's numbers alone.
+//! Three views of the forward times: medians, fastest runs, and the median
+//! of per-round ratios (each round runs every engine seconds apart, so the
+//! VM's slow phases cancel within a pair).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -158,6 +161,7 @@ fn main() -> Result<(), String> {
 
     let mut table: Vec<(String, Vec<f64>)> = vec![];
     let mut table_min: Vec<(String, Vec<f64>)> = vec![];
+    let mut paired: Vec<(String, Vec<f64>)> = vec![];
     for &(b, s) in SHAPES {
         let ids = ids_for(b, s);
         let mut times: Vec<Vec<f64>> = vec![vec![]; names.len()];
@@ -198,6 +202,17 @@ fn main() -> Result<(), String> {
                 }
             }
         }
+        // Per round, RLX f32 over each engine (runs seconds apart, order
+        // rotated): the VM's minute-long slow phases cancel in each pair.
+        paired.push((
+            format!("{b}×{s}"),
+            (0..names.len())
+                .map(|j| {
+                    let mut r: Vec<f64> = times[0].iter().zip(&times[j]).map(|(a, x)| a / x).collect();
+                    median(&mut r)
+                })
+                .collect(),
+        ));
         table.push((format!("{b}×{s}"), times.iter_mut().map(|t| median(t)).collect()));
         // The fastest run: what each engine does when nothing else competes
         // for the cores (the median also carries the machine's noise).
@@ -281,6 +296,19 @@ fn main() -> Result<(), String> {
     print_table(&format!("median of {rounds}"), &table, &format!("median of {e2e_rounds}"), &e2e);
     println!();
     print_table(&format!("fastest of {rounds}"), &table_min, &format!("best of {e2e_rounds}"), &e2e_best);
+    println!();
+    print!("| forward: median over rounds of the round's RLX f32 / engine ratio |");
+    for n in names.iter().skip(1) {
+        print!(" RLX / {} |", label(n));
+    }
+    println!("\n|---|{}", "---|".repeat(names.len() - 1));
+    for (shape, r) in &paired {
+        print!("| {shape} |");
+        for x in r.iter().skip(1) {
+            print!(" {x:.2}× |");
+        }
+        println!();
+    }
     println!("\nRatios are RLX time / peer time (end to end: peer texts/s over RLX texts/s); below 1 is RLX faster.");
     Ok(())
 }
