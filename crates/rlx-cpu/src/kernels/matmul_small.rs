@@ -141,6 +141,16 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize, pack
         in_place: v.residual.is_some_and(|r| v.out.same_start(r)),
         out,
     });
+    // Through the task buffer (half-precision out, or the residual is out
+    // itself) the packed kernel still applies bias and erf-GELU to each
+    // finished tile; the store pass adds the residual and converts.
+    let through_c = fast.as_ref().is_none_or(|f| f.in_place);
+    let tile_done = packed.is_some() && through_c && matches!(mm.act, None | Some(rlx_ir::Activation::Gelu));
+    let bias32: Option<Vec<f32>> = v.bias.filter(|_| tile_done).map(|b| {
+        let mut t = vec![0f32; n];
+        b.load(0, &mut t);
+        t
+    });
     (0..n.div_ceil(nb) * chunks).into_par_iter().for_each_init(
         || (vec![0f32; chunk.min(rows) * nb], vec![0f32; nb]),
         |(c, tmp), p| {
@@ -162,21 +172,28 @@ pub fn run<T: Elem>(mm: &MatMulThunk, v: &SmallArgs<'_, T>, threads: usize, pack
                     }
                     return;
                 }
-                (Some(pk), _) => packed_dots(a_all, &a_off[r0..r1], k, pk, j0, w, c),
+                (Some(pk), _) => {
+                    let epi = tile_done.then(|| TileEpilogue {
+                        bias: bias32.as_ref().map(|b| b[j0..j0 + w].as_ptr()).unwrap_or(std::ptr::null()),
+                        gelu: mm.act.is_some(),
+                        residual: std::ptr::null(),
+                    });
+                    packed_dots(a_all, &a_off[r0..r1], k, pk, j0, w, c, epi.as_ref())
+                }
                 (None, _) => dots(a_all, &a_off[r0..r1], k, b_all, ldb, j0, w, c),
             }
             if let Some(f) = &fast {
-                f.apply(mm, c, n, r0, j0, w);
+                f.apply(mm, c, n, r0, j0, w, tile_done);
                 return;
             }
             let tmp = &mut tmp[..w];
             for (r, row) in c.chunks_exact_mut(w).enumerate() {
                 let r = r0 + r;
-                if let Some(b) = v.bias {
+                if let (Some(b), false) = (v.bias, tile_done) {
                     b.load(j0, tmp);
                     row.iter_mut().zip(tmp.iter()).for_each(|(x, y)| *x += y);
                 }
-                if let Some(a) = mm.act {
+                if let (Some(a), false) = (mm.act, tile_done) {
                     act::apply(a, row);
                 }
                 // Loaded into tmp before the store: the residual may be out.
@@ -241,14 +258,16 @@ impl F32Epilogue {
         }
     }
 
-    /// Columns j0..j0 + w of rows r0.., the products in c (rows of w).
-    fn apply(&self, mm: &MatMulThunk, c: &mut [f32], n: usize, r0: usize, j0: usize, w: usize) {
+    /// Columns j0..j0 + w of rows r0.., the products in c (rows of w);
+    /// `tile_done`: bias and activation were applied by the kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn apply(&self, mm: &MatMulThunk, c: &mut [f32], n: usize, r0: usize, j0: usize, w: usize, tile_done: bool) {
         for (r, row) in c.chunks_exact_mut(w).enumerate() {
             let r = r0 + r;
-            if let Some(b) = &self.bias {
+            if let (Some(b), false) = (&self.bias, tile_done) {
                 row.iter_mut().zip(b.row(j0, w)).for_each(|(x, y)| *x += y);
             }
-            if let Some(a) = mm.act {
+            if let (Some(a), false) = (mm.act, tile_done) {
                 act::apply(a, row);
             }
             let o = self.out.row_mut(r * n + j0, w);
@@ -287,7 +306,8 @@ fn dots(a: &[f32], a_off: &[usize], k: usize, b: &[f32], ldb: usize, j0: usize, 
 
 /// c[r * w + j] = a row r · column (j0 + j) of the packed weight, for a
 /// block starting at a group boundary (j0 a multiple of GROUP).
-fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32], epi: Option<&TileEpilogue>) {
     // Every pointer the tiles form lies in these ranges.
     assert!(
         j0.is_multiple_of(GROUP)
@@ -298,13 +318,23 @@ fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: u
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
         // SAFETY: AVX-512F was detected; bounds asserted above.
-        unsafe { avx512::packed_dots(a, a_off, k, pk, j0, w, c) };
+        unsafe { avx512::packed_dots(a, a_off, k, pk, j0, w, c, epi) };
         return;
     }
     for (r, &o) in a_off.iter().enumerate() {
         for j in 0..w {
             let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
             c[r * w + j] = (0..k).map(|kk| a[o + kk] * pk[(g * k + kk) * GROUP + col]).sum();
+        }
+        if let Some(e) = epi {
+            let row = &mut c[r * w..(r + 1) * w];
+            if !e.bias.is_null() {
+                // SAFETY: the caller's bias covers columns j0..j0 + w.
+                row.iter_mut().enumerate().for_each(|(j, x)| *x += unsafe { *e.bias.add(j) });
+            }
+            if e.gelu {
+                act::apply(rlx_ir::Activation::Gelu, row);
+            }
         }
     }
 }
@@ -435,8 +465,18 @@ mod avx512 {
 
     /// See `super::packed_dots`; the caller checked the bounds and feature.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: usize, c: &mut [f32]) {
-        packed_dots_ptr(a, a_off, k, pk, j0, w, c.as_mut_ptr(), w, None)
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn packed_dots(
+        a: &[f32],
+        a_off: &[usize],
+        k: usize,
+        pk: &[f32],
+        j0: usize,
+        w: usize,
+        c: &mut [f32],
+        epi: Option<&TileEpilogue>,
+    ) {
+        packed_dots_ptr(a, a_off, k, pk, j0, w, c.as_mut_ptr(), w, epi)
     }
 
     /// As `packed_dots` into rows `ldc` apart from `c` (column j0 of the
