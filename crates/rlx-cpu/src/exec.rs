@@ -147,7 +147,7 @@ impl Worker {
     }
 
     /// Validates every thunk and prepares each matmul's weight operand: the
-    /// packed layout where the few-row kernel runs, an f32 copy of a half
+    /// packed layout where the packed kernel runs, an f32 copy of a half
     /// weight elsewhere. Both are shared process-wide by every executable
     /// reading the same store tensor (see `widened.rs`).
     fn weight_caches(&self) -> Result<Vec<Option<WeightCopy>>> {

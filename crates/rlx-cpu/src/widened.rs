@@ -1,5 +1,5 @@
 //! Prepared matmul weights (f32 copies of half-precision weights, and the
-//! few-row kernel's packed layout), shared process-wide.
+//! packed matmul kernel's layout), shared process-wide.
 //!
 //! The matmul kernels read f16/bf16 weights through an f32 copy made at
 //! prepare. Every shape bucket of a model is its own executable, so without
