@@ -95,6 +95,68 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// One warp's online-softmax step over a tile of NK keys for its 16 rows,
+// then O += P·V; shared by both tensor-core kernels. s: the tile's scaled,
+// masked scores (log2 domain), becoming the probabilities; mx: this lane's
+// row maxima over the tile; m, l: running maxima and sums; v: the tile's V
+// rows in shared memory (pitch KP). The score accumulators are already the
+// A fragments of P; V's B fragments (k = keys 2t.., n = dim g) are
+// ldmatrix.trans of row-major V: matrices (keys +0..7, dims 8n..), (keys
+// +8..15, 8n..), then the same for dims 8(n+1).. . APPROX: ex2.approx
+// instead of exp2f.
+template <typename T, int NK, int HDP, int KP, bool APPROX>
+__device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2], float (&m)[2], float (&l)[2], float (&o)[HDP / 8][4],
+                                           const unsigned short* v, int lane) {
+    const int mi = lane >> 3, mr = lane & 7;
+    float corr[2], mu[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        float mn = fmaxf(m[half], mx[half]);
+        mu[half] = mn == -INFINITY ? 0.0f : mn;  // all masked so far: keep zeros, no NaN
+        corr[half] = APPROX ? ex2(m[half] - mu[half]) : exp2f(m[half] - mu[half]);
+        m[half] = mn;
+    }
+    float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float pv = APPROX ? ex2(s[n][e] - mu[e >> 1]) : exp2f(s[n][e] - mu[e >> 1]);
+            s[n][e] = pv;
+            rs[e >> 1] += pv;
+        }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 1);
+        rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 2);
+        l[half] = l[half] * corr[half] + rs[half];
+    }
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) {
+        o[n][0] *= corr[0]; o[n][1] *= corr[0];
+        o[n][2] *= corr[1]; o[n][3] *= corr[1];
+    }
+#pragma unroll
+    for (int ks = 0; ks < NK / 16; ++ks) {
+        unsigned pa[4];
+        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; n += 2) {
+            unsigned vf[4];
+            ldsm_x4_trans(vf, vrow + n * 8);
+            Mma<T>::run(o[n], pa, vf[0], vf[1]);
+            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
+        }
+    }
+}
+
 // Key flags of up to FLAGS_ALL keys are read at once into shared memory:
 // the whole key range for sequences up to 512 keys (one memory round trip
 // at the start instead of one per tile); longer ranges reload the next 512
@@ -307,57 +369,7 @@ __device__ void attention_mma_body(const AttnP& p) {
             mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
             mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
         }
-        float corr[2], mu[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-            float mn = fmaxf(m[half], mx[half]);
-            mu[half] = mn == -INFINITY ? 0.0f : mn;  // all masked so far: keep zeros, no NaN
-            corr[half] = ex2(m[half] - mu[half]);
-            m[half] = mn;
-        }
-        float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < TK / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float pv = ex2(s[n][e] - mu[e >> 1]);
-                s[n][e] = pv;
-                rs[e >> 1] += pv;
-            }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 1);
-            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 2);
-            l[half] = l[half] * corr[half] + rs[half];
-        }
-#pragma unroll
-        for (int n = 0; n < HDP / 8; ++n) {
-            o[n][0] *= corr[0]; o[n][1] *= corr[0];
-            o[n][2] *= corr[1]; o[n][3] *= corr[1];
-        }
-        // O += P·V: the score accumulators are already the A fragments of P.
-        // V's B fragments (k = keys 2t.., n = dim g) are ldmatrix.trans of
-        // row-major V: matrices (keys +0..7, dims 8n..), (keys +8..15, 8n..),
-        // then the same for dims 8(n+1).. .
-#pragma unroll
-        for (int ks = 0; ks < TK / 16; ++ks) {
-            unsigned pa[4];
-            pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-            pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-            pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-            const u16* vrow = cv + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
-#pragma unroll
-            for (int n = 0; n < HDP / 8; n += 2) {
-                unsigned vf[4];
-                ldsm_x4_trans(vf, vrow + n * 8);
-                Mma<T>::run(o[n], pa, vf[0], vf[1]);
-                Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
-            }
-        }
+        softmax_pv<T, TK, HDP, KP, true>(s, mx, m, l, o, cv, lane);
         __syncthreads();  // every warp is done with this buffer (and these flags)
         // The freed buffer takes the tile STAGES ahead.
         if (ti + STAGES < ntiles) load_tile(buf, t0 + STAGES * TK);
@@ -490,7 +502,6 @@ __device__ void attention_split_body(const AttnP& p) {
 #pragma unroll
     for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const int mi = lane >> 3, mr = lane & 7;
 
     for (int ti = warp; ti < ntiles; ti += 4) {
         const i64 t0 = (i64)ti * TKS;
@@ -531,53 +542,7 @@ __device__ void attention_split_body(const AttnP& p) {
                 }
             }
         }
-        float corr[2], mu[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-            float mn = fmaxf(m[half], mx[half]);
-            mu[half] = mn == -INFINITY ? 0.0f : mn;
-            corr[half] = exp2f(m[half] - mu[half]);
-            m[half] = mn;
-        }
-        float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int n = 0; n < TKS / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float pv = exp2f(s[n][e] - mu[e >> 1]);
-                s[n][e] = pv;
-                rs[e >> 1] += pv;
-            }
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 1);
-            rs[half] += __shfl_xor_sync(0xffffffffu, rs[half], 2);
-            l[half] = l[half] * corr[half] + rs[half];
-        }
-#pragma unroll
-        for (int n = 0; n < HDP / 8; ++n) {
-            o[n][0] *= corr[0]; o[n][1] *= corr[0];
-            o[n][2] *= corr[1]; o[n][3] *= corr[1];
-        }
-#pragma unroll
-        for (int ks = 0; ks < TKS / 16; ++ks) {
-            unsigned pa[4];
-            pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-            pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-            pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-            pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-            const u16* vrow = sv + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
-#pragma unroll
-            for (int n = 0; n < HDP / 8; n += 2) {
-                unsigned vf[4];
-                ldsm_x4_trans(vf, vrow + n * 8);
-                Mma<T>::run(o[n], pa, vf[0], vf[1]);
-                Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
-            }
-        }
+        softmax_pv<T, TKS, HDP, KP, false>(s, mx, m, l, o, sv, lane);
         __syncwarp();  // every lane is done with this warp's buffers
         if (ti + 4 < ntiles) load_tile(t0 + 4 * TKS);
     }

@@ -32,6 +32,23 @@ __device__ void binary_body(const BinaryP& p) {
 }
 RLX_FLOAT_KERNELS(binary, BinaryP)
 
+// Element offsets in a and b of flat output index i (32-bit: the host
+// takes this path only when every offset fits).
+__device__ __forceinline__ void bcast_offsets(const BinaryP& p, unsigned i, unsigned& ai, unsigned& bi) {
+    unsigned rem = i;
+    ai = 0;
+    bi = 0;
+    for (int d = (int)p.rank - 1; d > 0; --d) {
+        unsigned s = (unsigned)p.shape[d];
+        unsigned c = rem % s;
+        rem /= s;
+        ai += c * (unsigned)p.as[d];
+        bi += c * (unsigned)p.bs[d];
+    }
+    ai += rem * (unsigned)p.as[0];
+    bi += rem * (unsigned)p.bs[0];
+}
+
 // The same op with 32-bit index math, for calls whose element count and
 // every operand offset fit in 31 bits (the host checks; it also merges
 // dims walked contiguously, so rank is usually 1 or 2 here). 64-bit
@@ -40,18 +57,9 @@ template <typename T>
 __device__ void binary32_body(const BinaryP& p) {
     const T* a = (const T*)p.a; const T* b = (const T*)p.b; T* out = (T*)p.out;
     const unsigned n = (unsigned)p.n;
-    const int rank = (int)p.rank;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        unsigned rem = i, ai = 0, bi = 0;
-        for (int d = rank - 1; d > 0; --d) {
-            unsigned s = (unsigned)p.shape[d];
-            unsigned c = rem % s;
-            rem /= s;
-            ai += c * (unsigned)p.as[d];
-            bi += c * (unsigned)p.bs[d];
-        }
-        ai += rem * (unsigned)p.as[0];
-        bi += rem * (unsigned)p.bs[0];
+        unsigned ai, bi;
+        bcast_offsets(p, i, ai, bi);
         float x = ld(a, ai), y = ld(b, bi), r;
         switch (p.op) {
             case 0: r = x + y; break;
@@ -74,18 +82,9 @@ __device__ void binary_vec_body(const BinaryP& p) {
     constexpr int E = Vec16<T>::E;
     const T* a = (const T*)p.a; const T* b = (const T*)p.b;
     const unsigned nv = (unsigned)(p.n / E);
-    const int rank = (int)p.rank;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += gridDim.x * blockDim.x) {
-        unsigned rem = i * E, ai = 0, bi = 0;
-        for (int d = rank - 1; d > 0; --d) {
-            unsigned s = (unsigned)p.shape[d];
-            unsigned c = rem % s;
-            rem /= s;
-            ai += c * (unsigned)p.as[d];
-            bi += c * (unsigned)p.bs[d];
-        }
-        ai += rem * (unsigned)p.as[0];
-        bi += rem * (unsigned)p.bs[0];
+        unsigned ai, bi;
+        bcast_offsets(p, i * E, ai, bi);
         float x[E], y[E];
         Vec16<T>::load(*(const uint4*)(a + ai), x);
         Vec16<T>::load(*(const uint4*)(b + bi), y);

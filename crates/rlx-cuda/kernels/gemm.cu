@@ -222,17 +222,20 @@ __device__ void gemm_body(const GemmP& p) {
     // Row / column of accumulator element (mf, nf, e) within the tile.
     auto tile_row = [&](int mf, int e) { return warp * 32 + mf * 16 + g + (e >> 1) * 8; };
     auto tile_col = [&](int nf, int e) { return nf * 8 + 2 * t + (e & 1); };
-
-    if (gridDim.z > 1) {
-        const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x;
-        float* ws = p.ws + ((i64)tile * gridDim.z + blockIdx.z) * (BM * BN);
+    // The f32 accumulators as a BM × BN tile at dst, rows `pitch` apart.
+    auto store_acc = [&](float* dst, int pitch) {
 #pragma unroll
         for (int mf = 0; mf < 2; ++mf)
 #pragma unroll
             for (int nf = 0; nf < NF; ++nf)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    *(float2*)(ws + tile_row(mf, 2 * h) * BN + tile_col(nf, 0)) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
+                    *(float2*)(dst + tile_row(mf, 2 * h) * pitch + tile_col(nf, 0)) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
+    };
+
+    if (gridDim.z > 1) {
+        const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x;
+        store_acc(p.ws + ((i64)tile * gridDim.z + blockIdx.z) * (BM * BN), BN);
         __threadfence();
         __syncthreads();
         if (tid == 0) s_last = atomicAdd(&p.counters[tile], 1u) == gridDim.z - 1;
@@ -266,13 +269,7 @@ __device__ void gemm_body(const GemmP& p) {
     // kernel ~180 KB of code, and instruction fetch dominated its time.
     constexpr int SP = BN + 8;
     float* so = (float*)gemm_smem;
-#pragma unroll
-    for (int mf = 0; mf < 2; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                *(float2*)(so + tile_row(mf, 2 * h) * SP + tile_col(nf, 0)) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
+    store_acc(so, SP);
     __syncthreads();
     T* out = (T*)p.out;
     const T* rs = (const T*)s_res;

@@ -322,20 +322,8 @@ fn packed_dots(a: &[f32], a_off: &[usize], k: usize, pk: &[f32], j0: usize, w: u
         return;
     }
     for (r, &o) in a_off.iter().enumerate() {
-        for j in 0..w {
-            let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
-            c[r * w + j] = (0..k).map(|kk| a[o + kk] * pk[(g * k + kk) * GROUP + col]).sum();
-        }
-        if let Some(e) = epi {
-            let row = &mut c[r * w..(r + 1) * w];
-            if !e.bias.is_null() {
-                // SAFETY: the caller's bias covers columns j0..j0 + w.
-                row.iter_mut().enumerate().for_each(|(j, x)| *x += unsafe { *e.bias.add(j) });
-            }
-            if e.gelu {
-                act::apply(rlx_ir::Activation::Gelu, row);
-            }
-        }
+        // No residual on this path (the store pass adds it).
+        packed_row_scalar(&a[o..o + k], pk, j0, &mut c[r * w..(r + 1) * w], epi, std::ptr::null());
     }
 }
 
@@ -375,28 +363,63 @@ fn packed_dots_into(
         return;
     }
     for (r, &o) in a_off.iter().enumerate() {
-        let row = out.row_mut((r0 + r) * n + j0, w);
-        for (j, x) in row.iter_mut().enumerate() {
-            let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
-            *x = (0..k).map(|kk| a[o + kk] * pk[(g * k + kk) * GROUP + col]).sum();
-            if let Some(e) = epi {
-                // SAFETY: tile_epilogue range-checked bias (w columns) and
-                // residual (these rows, w columns).
-                unsafe {
-                    if !e.bias.is_null() {
-                        *x += *e.bias.add(j);
-                    }
-                    if e.gelu {
-                        let mut one = [*x];
-                        act::apply(rlx_ir::Activation::Gelu, &mut one);
-                        *x = one[0];
-                    }
-                    if !e.residual.is_null() {
-                        *x += *e.residual.add(r * n + j);
-                    }
-                }
-            }
+        // SAFETY: tile_epilogue range-checked the residual for these rows.
+        let res = epi.map(|e| e.residual).filter(|p| !p.is_null()).map(|p| unsafe { p.add(r * n) }).unwrap_or(std::ptr::null());
+        packed_row_scalar(&a[o..o + k], pk, j0, out.row_mut((r0 + r) * n + j0, w), epi, res);
+    }
+}
+
+/// One output row of the packed kernel in plain code: row[j] = a_row ·
+/// column j0 + j of the packed weight, then the epilogue (`res`: the
+/// residual at column j0, or null). CPUs without AVX-512 never take the
+/// packed path (`applies_packed`); this keeps the functions total, and the
+/// unit test below checks it against the AVX-512 tiles.
+fn packed_row_scalar(a_row: &[f32], pk: &[f32], j0: usize, row: &mut [f32], epi: Option<&TileEpilogue>, res: *const f32) {
+    let k = a_row.len();
+    for (j, x) in row.iter_mut().enumerate() {
+        let (g, col) = ((j0 + j) / GROUP, (j0 + j) % GROUP);
+        *x = a_row.iter().enumerate().map(|(kk, v)| v * pk[(g * k + kk) * GROUP + col]).sum();
+        if let Some(e) = epi.filter(|e| !e.bias.is_null()) {
+            // SAFETY: the caller's bias covers columns j0..j0 + row.len().
+            *x += unsafe { *e.bias.add(j) };
         }
+    }
+    if epi.is_some_and(|e| e.gelu) {
+        act::apply(rlx_ir::Activation::Gelu, row);
+    }
+    if !res.is_null() {
+        // SAFETY: the caller's residual row covers row.len() columns.
+        row.iter_mut().enumerate().for_each(|(j, x)| *x += unsafe { *res.add(j) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plain row against the AVX-512 tiles (which the integration tests
+    /// check against f64): 13 rows (two full tiles and a short one), 200
+    /// columns (a ragged last group), K 300 (three k blocks), bias and GELU.
+    #[test]
+    fn scalar_row_matches_the_tiles() {
+        if !has_avx512() {
+            return;
+        }
+        let (rows, n, k) = (13, 200, 300);
+        let val = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 0.2;
+        let a: Vec<f32> = (0..rows * k).map(val).collect();
+        let bias: Vec<f32> = (0..n).map(|i| val(i + 5)).collect();
+        let pk = pack(n, k, |col, out| out.iter_mut().enumerate().for_each(|(kk, x)| *x = val(col * k + kk + 11)));
+        let a_off: Vec<usize> = (0..rows).map(|r| r * k).collect();
+        let (mut fast, mut plain) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+        let epi = TileEpilogue { bias: bias.as_ptr(), gelu: true, residual: std::ptr::null() };
+        // SAFETY: AVX-512F detected; every range is inside the buffers above.
+        unsafe { avx512::packed_dots(&a, &a_off, k, &pk, 0, n, &mut fast, Some(&epi)) };
+        for r in 0..rows {
+            packed_row_scalar(&a[r * k..(r + 1) * k], &pk, 0, &mut plain[r * n..(r + 1) * n], Some(&epi), std::ptr::null());
+        }
+        let worst = fast.iter().zip(&plain).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "plain row vs tiles: max |diff| {worst:e}");
     }
 }
 
