@@ -589,11 +589,13 @@ impl Func {
     /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits
     /// for its predecessor first (`pdl_enter` in kernels/common.cuh). Stream
-    /// capture records it as a programmatic graph edge.
-    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, args: &[u64], pdl: bool) -> Result<()> {
+    /// capture records it as a programmatic graph edge. `cluster` > 1: blocks
+    /// run in thread-block clusters of (1, 1, cluster) (sm_90+).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, cluster: u32, args: &[u64], pdl: bool) -> Result<()> {
         // The kernel's one parameter is the struct: kernelParams[0] points at it.
         let mut params = [args.as_ptr() as *mut c_void];
-        if !pdl {
+        if !pdl && cluster <= 1 {
             // SAFETY: args outlives the call (the driver copies parameters at launch).
             let r = unsafe {
                 sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
@@ -602,9 +604,18 @@ impl Func {
         }
         // SAFETY: an all-zero attribute is a valid value of the C union; the
         // id and the one field it selects are set right after.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
+            n += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid[0],
             gridDimY: grid[1],
@@ -614,12 +625,12 @@ impl Func {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: s.0,
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
-        // SAFETY: cfg and attr are live locals; args as above.
+        // SAFETY: cfg and attrs are live locals; args as above.
         let r = unsafe { sys::cuLaunchKernelEx(&cfg, self.0, params.as_mut_ptr(), std::ptr::null_mut()) };
-        check(r, "cuLaunchKernelEx (programmatic dependent launch)")
+        check(r, "cuLaunchKernelEx (programmatic dependent launch / cluster)")
     }
 }
 

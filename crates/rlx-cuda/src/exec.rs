@@ -59,8 +59,6 @@ pub struct CudaExecutable {
     own_matmuls: usize,
     /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
     matmul_choices: Vec<(String, usize)>,
-    /// Own matmul's split-K workspace and tile counters (see src/gemm.rs).
-    _gemm_scratch: (DeviceBuffer, DeviceBuffer),
     // Drop synchronises the stream before any of these buffers are freed.
     slots: Vec<Slot>,
     stream: Stream,
@@ -184,21 +182,6 @@ impl CudaExecutable {
             })
             .collect::<Result<_>>()?;
 
-        // Split-K workspace and tile counters of the own matmul (src/gemm.rs):
-        // one set per executable (its calls run one after another on one stream).
-        let (ws_bytes, n_counters) = schedule
-            .thunks
-            .iter()
-            .filter_map(|t| match t {
-                Thunk::MatMul(m) => Some(gemm::scratch_need(m, kernels.sm_count as usize)),
-                _ => None,
-            })
-            .fold((0u64, 0usize), |a, b| (a.0.max(b.0), a.1.max(b.1)));
-        let gemm_ws = DeviceBuffer::alloc(&dev, ws_bytes.max(16))?;
-        let gemm_counters = DeviceBuffer::alloc(&dev, (n_counters.max(1) * 4) as u64)?;
-        gemm_counters.zero()?;
-        dev.synchronize()?;
-
         let (in_layout, in_bytes) = layout(schedule.inputs.iter().map(|s| s.buf.bytes as usize));
         let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
         let stream = Stream::new(&dev)?;
@@ -238,14 +221,13 @@ impl CudaExecutable {
                 let host = HostTask::for_thunk(&dev, t)?;
                 let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
                 if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[i]) {
-                    let (ws, ctr) = (gemm_ws.ptr, gemm_counters.ptr);
-                    let (choice, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &blas, plan, &lowered, ws, ctr)?;
+                    let (choice, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &blas, plan, &lowered)?;
                     if slots.is_empty() {
                         matmul_choices.push((choice.label(), n_lt));
                     }
                     match choice {
                         gemm::Choice::Own(cfg) => {
-                            steps.push(gemm::step(kernels, m, &bases, cfg, ws, ctr)?);
+                            steps.push(gemm::step(kernels, m, &bases, cfg)?);
                             if slots.is_empty() {
                                 own_matmuls += 1;
                             }
@@ -304,7 +286,6 @@ impl CudaExecutable {
             _blas: blas,
             own_matmuls,
             matmul_choices,
-            _gemm_scratch: (gemm_ws, gemm_counters),
             slots,
             stream,
             in_layout,

@@ -23,7 +23,14 @@ const MAX_LT: usize = 32;
 /// Rows per block and K per pipeline stage (kernels/gemm.cu).
 const BM: usize = 128;
 const BK: usize = 64;
-const STAGES: usize = 4;
+/// Most pipeline stages, and the dynamic shared memory a block may have on
+/// sm_90 (227 KB).
+const MAX_STAGES: usize = 8;
+const MAX_SMEM: usize = 227 * 1024;
+/// Most blocks of a K split: one thread-block cluster (portable size).
+const MAX_SPLIT: usize = 8;
+/// (columns per block, warps) of the compiled variants (kernels/gemm.cu).
+const VARIANTS: [(usize, usize); 4] = [(32, 8), (64, 8), (64, 16), (128, 16)];
 /// Few-row GEMMs only: past this, cuBLASLt's large tiles are the right tool.
 const MAX_ROWS: usize = 1024;
 /// Past this many rows `Library` and `Auto` keep cuBLASLt's first answer:
@@ -31,10 +38,12 @@ const MAX_ROWS: usize = 1024;
 /// algorithms 3-6 % faster there that were not faster in the forward.
 const TUNE_MAX_ROWS: usize = 1024;
 
-/// One tiling of the own kernel: `bn` columns per block, K split `split` ways.
+/// One tiling of the own kernel: `bn` columns per block, `warps` warps, K
+/// split `split` ways across a cluster of `split` blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct GemmCfg {
     pub bn: usize,
+    pub warps: usize,
     pub split: usize,
 }
 
@@ -58,9 +67,10 @@ pub enum GemmPolicy {
     Auto,
     /// The own kernel wherever it applies, in its fastest tiling (`RLX_GEMM=own`).
     Own,
-    /// The own kernel in this tiling (columns per block, K split) wherever
-    /// the tiling applies, cuBLASLt elsewhere (tests of each tiling).
-    Tiling(usize, usize),
+    /// The own kernel in this tiling (columns per block, warps, K split)
+    /// wherever the tiling applies, cuBLASLt elsewhere (tests of each
+    /// tiling).
+    Tiling(usize, usize, usize),
     /// cuBLASLt's i-th timing candidate (the default if there are fewer),
     /// nothing timed or cached (tests of every candidate).
     LtCandidate(usize),
@@ -134,8 +144,14 @@ impl Choice {
     pub fn label(&self) -> String {
         match self {
             Choice::Lt(a) => format!("cublasLt {}", a.label()),
-            Choice::Own(c) => format!("own {}x{}", c.bn, c.split),
+            Choice::Own(c) => format!("own {}", c.label()),
         }
+    }
+}
+
+impl GemmCfg {
+    fn label(&self) -> String {
+        format!("{}/{}wx{}", self.bn, self.warps, self.split)
     }
 }
 
@@ -145,10 +161,11 @@ fn choices() -> &'static Mutex<HashMap<Key, Choice>> {
 }
 
 /// Whether the own kernel can run this thunk by shape alone (pointers are
-/// checked by `eligible`).
-fn shape_ok(t: &MatMulThunk) -> bool {
+/// checked by `eligible`), on a GPU with thread-block clusters (sm_90+).
+fn shape_ok(k: &Kernels, t: &MatMulThunk) -> bool {
     let (rows, batch) = folded(t);
-    matches!(t.dtype, DType::F16 | DType::BF16)
+    k.clusters
+        && matches!(t.dtype, DType::F16 | DType::BF16)
         && batch == 1
         && rows <= MAX_ROWS
         && t.k.is_multiple_of(BK)
@@ -159,8 +176,8 @@ fn shape_ok(t: &MatMulThunk) -> bool {
 }
 
 /// Shape, alignment of every pointer, and an arena output (timing writes it).
-pub(crate) fn eligible(t: &MatMulThunk, b: &Bases) -> Result<bool> {
-    if !shape_ok(t) {
+pub(crate) fn eligible(k: &Kernels, t: &MatMulThunk, b: &Bases) -> Result<bool> {
+    if !shape_ok(k, t) {
         return Ok(false);
     }
     let mut ptrs = vec![b.ptr(&t.a)?, b.ptr(&t.b)?, b.ptr(&t.out)?];
@@ -174,51 +191,63 @@ fn tiles(rows: usize, n: usize, bn: usize) -> usize {
     (n / bn) * rows.div_ceil(BM)
 }
 
-/// The tilings worth timing: 32 or 64 columns per block, K split up to 8
-/// ways, at most 4 blocks per SM in all.
+/// The tilings worth timing: every compiled variant whose columns divide
+/// N, K split up to `MAX_SPLIT` ways in whole BK tiles, at most two blocks
+/// per SM in all.
 pub(crate) fn candidates(t: &MatMulThunk, sm_count: usize) -> Vec<GemmCfg> {
     let (rows, _) = folded(t);
     let mut v = Vec::new();
-    for bn in [32, 64] {
+    for (bn, warps) in VARIANTS {
         if !t.n.is_multiple_of(bn) {
             continue;
         }
         for split in [1, 2, 3, 4, 6, 8] {
-            if t.k.is_multiple_of(BK * split) && tiles(rows, t.n, bn) * split <= 4 * sm_count {
-                v.push(GemmCfg { bn, split });
+            if split <= MAX_SPLIT && t.k.is_multiple_of(BK * split) && tiles(rows, t.n, bn) * split <= 2 * sm_count {
+                v.push(GemmCfg { bn, warps, split });
             }
         }
     }
     v
 }
 
-/// (workspace bytes, counters) the own kernel may need for this thunk in
-/// any candidate tiling: the executable allocates the maximum once.
-pub(crate) fn scratch_need(t: &MatMulThunk, sm_count: usize) -> (u64, usize) {
-    if !shape_ok(t) {
-        return (0, 0);
+/// (pipeline stages, dynamic shared memory bytes) of a launch: the whole
+/// K-chunk in flight where it fits (at least two stages). Layout as in
+/// kernels/gemm.cu: bias slice [bn], residual share [ceil(BM/split)][bn],
+/// then the stages (A tile [BM][BK+8] each, then B tiles [bn][BK+8] or
+/// [BK][bn+8]), which the f32 partial tile [BM][bn+8] reuses.
+fn launch_smem(t: &MatMulThunk, cfg: GemmCfg) -> (usize, usize) {
+    let b_elems = if t.b_trans { cfg.bn * (BK + 8) } else { BK * (cfg.bn + 8) };
+    let stage = (BM * (BK + 8) + b_elems) * 2;
+    let fixed = cfg.bn * 2 + if t.residual.is_some() { BM.div_ceil(cfg.split) * cfg.bn * 2 } else { 0 };
+    let partial = BM * (cfg.bn + 8) * 4;
+    let nk = t.k / cfg.split / BK;
+    let mut stages = nk.clamp(2, MAX_STAGES);
+    while stages > 2 && fixed + stage * stages > MAX_SMEM {
+        stages -= 1;
     }
-    let (rows, _) = folded(t);
-    candidates(t, sm_count).iter().filter(|c| c.split > 1).fold((0, 0), |(w, n), c| {
-        let tl = tiles(rows, t.n, c.bn);
-        (w.max((tl * c.split * BM * c.bn * 4) as u64), n.max(tl))
-    })
+    (stages, fixed + (stage * stages).max(partial))
+}
+
+/// Whether a buffer is written only at prepare (weights, constants), so the
+/// kernel may read it before waiting for the previous kernel.
+fn prepared(r: &rlx_compile::BufRef) -> bool {
+    matches!(r.space, Space::Weight(_) | Space::Const(_))
 }
 
 /// The own kernel's launch for one slot.
-pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg, ws: u64, counters: u64) -> Result<Step> {
+pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Result<Step> {
     let (rows, _) = folded(t);
     let dt = if t.dtype == DType::BF16 { "bf16" } else { "f16" };
-    let func = k.get(&format!("gemm_{}_{}_{dt}", cfg.bn, if t.b_trans { "t" } else { "n" }))?;
+    let func = k.get(&format!("gemm_{}_{}w_{}_{dt}", cfg.bn, cfg.warps, if t.b_trans { "t" } else { "n" }))?;
     let opt = |x: &Option<rlx_compile::BufRef>| -> Result<u64> { x.as_ref().map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0)) };
+    let (stages, smem) = launch_smem(t, cfg);
+    let early = prepared(&t.b) && t.bias.as_ref().is_none_or(prepared);
     let args = vec![
         b.ptr(&t.a)?,
         b.ptr(&t.b)?,
         opt(&t.bias)?,
         opt(&t.residual)?,
         b.ptr(&t.out)?,
-        ws,
-        counters,
         rows as u64,
         t.n as u64,
         t.k as u64,
@@ -226,18 +255,20 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg, ws: u6
         t.ldb,
         crate::launch::act_code(t.act) as u64,
         (t.k / cfg.split) as u64,
+        stages as u64,
+        early as u64,
     ];
     let grid = [(t.n / cfg.bn) as u32, rows.div_ceil(BM) as u32, cfg.split as u32];
-    // STAGES x (A tile [BM][BK+8] + B tile [BN][BK+8] or [BK][BN+8]), then
-    // the residual tile [BM][BN] and the bias slice [BN]; 2-byte elements.
-    let b_elems = if t.b_trans { cfg.bn * (BK + 8) } else { BK * (cfg.bn + 8) };
-    let smem = ((STAGES * (BM * (BK + 8) + b_elems) + BM * cfg.bn + cfg.bn) * 2) as u32;
-    func.set_max_dynamic_smem(smem)?;
-    Ok(Step::new(Op::Kernel { func, grid, block: 128, smem, args }, "matmul"))
+    // The limit is per function and shapes share functions: always the most.
+    func.set_max_dynamic_smem(MAX_SMEM as u32)?;
+    let block = (cfg.warps * 32) as u32;
+    Ok(Step::new(Op::Kernel { func, grid, block, smem: smem as u32, cluster: cfg.split as u32, args }, "matmul"))
 }
 
-/// One timing alternative: enqueues its work once on the stream.
-type Enqueue<'a> = dyn Fn(&Stream) -> Result<()> + 'a;
+/// One timing alternative: enqueues its work once on the stream; the flag
+/// says a kernel of the same alternative precedes it (programmatic
+/// dependent launch allowed, as in the forward).
+type Enqueue<'a> = dyn Fn(&Stream, bool) -> Result<()> + 'a;
 
 /// Device time of each alternative, in µs per run: each recorded 10 times
 /// into a CUDA graph (as replay runs it: no host launch cost in the figure),
@@ -250,8 +281,8 @@ fn time_alternatives(stream: &Stream, fill: Option<Func>, alts: &[&Enqueue]) -> 
         .iter()
         .map(|alt| {
             let g = GraphExec::capture(stream, fill, || {
-                for _ in 0..REPS {
-                    alt(stream)?;
+                for i in 0..REPS {
+                    alt(stream, i > 0)?;
                 }
                 Ok(())
             })
@@ -309,8 +340,6 @@ pub(crate) fn choose(
     blas: &Blas,
     plan: &MatMulPlan,
     library: &[Step],
-    ws: u64,
-    counters: u64,
 ) -> Result<(Choice, usize)> {
     let pol = policy();
     let default = Choice::Lt(plan.algo);
@@ -322,7 +351,7 @@ pub(crate) fn choose(
     if matches!(pol, GemmPolicy::Library | GemmPolicy::Auto) && rows * batch > TUNE_MAX_ROWS {
         return Ok((default, 0));
     }
-    let own_ok = eligible(t, b)?;
+    let own_ok = eligible(k, t, b)?;
     if matches!(pol, GemmPolicy::Own | GemmPolicy::Tiling(..)) && !own_ok {
         return Ok((default, 0));
     }
@@ -348,8 +377,8 @@ pub(crate) fn choose(
         return Ok((*c, 0));
     }
     let own_cands = if own_ok { candidates(t, k.sm_count as usize) } else { Vec::new() };
-    if let GemmPolicy::Tiling(bn, split) = pol {
-        let c = GemmCfg { bn, split };
+    if let GemmPolicy::Tiling(bn, warps, split) = pol {
+        let c = GemmCfg { bn, warps, split };
         return Ok((if own_cands.contains(&c) { Choice::Own(c) } else { default }, 0));
     }
     // cuBLASLt candidates: only the default under `Own` (the reference the
@@ -368,17 +397,20 @@ pub(crate) fn choose(
         .iter()
         .map(|a| {
             let algo = a.algo;
-            Box::new(move |s: &Stream| -> Result<()> {
+            Box::new(move |s: &Stream, _: bool| -> Result<()> {
                 call.enqueue_algo(s, &algo)?;
                 rest.iter().try_for_each(|st| st.enqueue(s))
             }) as Box<Enqueue<'_>>
         })
         .collect();
     let own_use = matches!(pol, GemmPolicy::Auto | GemmPolicy::Own);
-    let own_steps: Vec<Step> =
-        if own_use { own_cands.iter().map(|c| step(k, t, b, *c, ws, counters)).collect::<Result<_>>()? } else { Vec::new() };
+    let own_steps: Vec<Step> = if own_use { own_cands.iter().map(|c| step(k, t, b, *c)).collect::<Result<_>>()? } else { Vec::new() };
+    // Timed as the forward launches it: a programmatic dependent of the
+    // kernel before (its weight copies overlap that kernel's tail; 0.3-0.7 µs
+    // of the figure at M = 128). cuBLASLt launches its kernels itself.
+    let own_steps: Vec<Step> = own_steps.into_iter().map(|st| Step { pdl: true, ..st }).collect();
     let own_alts: Vec<Box<Enqueue<'_>>> =
-        own_steps.iter().map(|st| Box::new(move |s: &Stream| st.enqueue(s)) as Box<Enqueue<'_>>).collect();
+        own_steps.iter().map(|st| Box::new(move |s: &Stream, pdl: bool| st.enqueue_with(s, pdl)) as Box<Enqueue<'_>>).collect();
     let alts: Vec<&Enqueue> = lt_alts.iter().chain(&own_alts).map(|b| b.as_ref()).collect();
     let us = time_alternatives(stream, k.get("fill_pitched").ok(), &alts)?;
     let (lt_us, own_us) = us.split_at(lt.len());
@@ -398,7 +430,7 @@ pub(crate) fn choose(
     }
     if std::env::var("RLX_TRACE").map(|v| v == "1").unwrap_or(false) {
         let ll: Vec<String> = lt.iter().zip(lt_us).map(|(a, u)| format!("{}:{u:.2}", a.label())).collect();
-        let ol: Vec<String> = own_cands.iter().zip(own_us).map(|(c, u)| format!("{}x{}:{u:.2}", c.bn, c.split)).collect();
+        let ol: Vec<String> = own_cands.iter().zip(own_us).map(|(c, u)| format!("{}:{u:.2}", c.label())).collect();
         let name = pick.0.label();
         eprintln!(
             "rlx-cuda gemm {rows}x{}x{} {} batch {batch}: -> {name} {:.2}us (default {:.2}us); cublasLt [{}] own [{}]",

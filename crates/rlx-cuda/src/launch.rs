@@ -81,6 +81,8 @@ pub(crate) enum Op {
         block: u32,
         /// Dynamic shared memory bytes (0 for kernels with static shared memory only).
         smem: u32,
+        /// Blocks per thread-block cluster along z (1: no cluster).
+        cluster: u32,
         args: Vec<u64>,
     },
     MatMul(MatMulCall),
@@ -131,7 +133,7 @@ impl Step {
     /// timing events between steps).
     pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, smem, args } => func.launch(s, *grid, *block, *smem, args, pdl && self.pdl),
+            Op::Kernel { func, grid, block, smem, cluster, args } => func.launch(s, *grid, *block, *smem, *cluster, args, pdl && self.pdl),
             Op::MatMul(call) => call.enqueue(s),
             Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
@@ -177,6 +179,8 @@ impl Bases {
 pub(crate) struct Kernels {
     pub funcs: HashMap<String, Func>,
     pub sm_count: u32,
+    /// Thread-block clusters (sm_90+): the own matmul needs them.
+    pub clusters: bool,
 }
 
 impl Kernels {
@@ -203,10 +207,10 @@ impl Kernels {
         Ok(self.flat(self.get("copy_bytes")?, bytes.div_ceil(16), args, kind))
     }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, args: args.0 }, kind)
+        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: 1, args: args.0 }, kind)
     }
     fn rows(&self, name: Func, rows: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, args: args.0 }, kind)
+        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, cluster: 1, args: args.0 }, kind)
     }
 }
 
@@ -374,7 +378,10 @@ pub(crate) fn lower(
                 Some(nv) => {
                     let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;
                     let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
-                    steps.push(Step::new(Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, args: args.0 }, kind));
+                    steps.push(Step::new(
+                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: 1, args: args.0 },
+                        kind,
+                    ));
                 }
                 None => steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind)),
             }
@@ -509,7 +516,7 @@ pub(crate) fn lower(
                     (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128)
                 }
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, args: args.0 }, kind));
+            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, cluster: 1, args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;

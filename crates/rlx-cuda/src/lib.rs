@@ -98,7 +98,7 @@ fn open(ordinal: usize) -> Result<Opened> {
         let module: &'static Module = Box::leak(Box::new(Module::load(&dev, &cubin)?));
         funcs.extend(module.functions()?);
     }
-    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32 });
+    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9 });
     g.insert(ordinal, (dev.clone(), kernels.clone()));
     Ok((dev, kernels))
 }

@@ -1,7 +1,8 @@
 //! The own skinny-M matmul (kernels/gemm.cu) in every tiling against the
 //! CPU backend: fused bias / activation / residual, both B layouts, row
-//! counts that are not whole blocks, split-K. Its own test binary because
-//! the kernel policy is process-wide.
+//! counts that are not whole blocks, split-K across clusters of up to 8
+//! blocks, B read before and after the programmatic-launch wait. Its own
+//! test binary because the kernel policy is process-wide.
 
 mod common;
 
@@ -15,10 +16,17 @@ use rlx_runtime::{Executable, PrepareOptions};
 type Case = (usize, usize, usize, usize, bool, bool, Option<Activation>, bool);
 
 fn build(dt: DType, c: Case, r: &mut rand::rngs::StdRng) -> (Sb, Vec<(&'static str, rlx_runtime::Tensor)>) {
+    build_b(dt, c, r, false)
+}
+
+/// As `build`; `b_input`: B is an input (written before the matmul runs)
+/// rather than a weight, so the kernel must not read it before its wait.
+fn build_b(dt: DType, c: Case, r: &mut rand::rngs::StdRng, b_input: bool) -> (Sb, Vec<(&'static str, rlx_runtime::Tensor)>) {
     let (batch, m, n, k, b_trans, bias, act, residual) = c;
     let mut sb = Sb::new();
     let a = sb.input("a", &[batch, m, k], dt);
-    let bb = sb.weight("w", &if b_trans { [n, k] } else { [k, n] }, dt, r);
+    let b_shape = if b_trans { [n, k] } else { [k, n] };
+    let bb = if b_input { sb.input("w", &b_shape, dt) } else { sb.weight("w", &b_shape, dt, r) };
     let bias_buf = bias.then(|| sb.weight("bias", &[n], dt, r));
     let res_buf = residual.then(|| sb.input("res", &[batch, m, n], dt));
     let out = sb.output("out", &[batch, m, n], dt);
@@ -41,6 +49,9 @@ fn build(dt: DType, c: Case, r: &mut rand::rngs::StdRng) -> (Sb, Vec<(&'static s
         out,
     }));
     let mut inputs = vec![("a", rand_tensor(r, &[batch, m, k], dt))];
+    if b_input {
+        inputs.push(("w", rand_tensor(r, &b_shape, dt)));
+    }
     if residual {
         inputs.push(("res", rand_tensor(r, &[batch, m, n], dt)));
     }
@@ -55,43 +66,56 @@ fn own_matmul_every_tiling_matches_cpu() {
     let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(51);
-    let cases: [Case; 5] = [
+    // (case, B an input rather than a weight)
+    let cases: [(Case, bool); 8] = [
         // BERT's out-projection at batch 1, residual fused (through C in cuBLASLt).
-        (1, 128, 768, 768, true, true, None, true),
-        // Rows not a whole block; erf-GELU fused; B as [K, N].
-        (1, 100, 192, 384, false, true, Some(Activation::Gelu), false),
-        // Two row blocks (the second nearly empty), tanh-GELU then residual.
-        (1, 130, 64, 192, true, false, Some(Activation::GeluTanh), true),
+        ((1, 128, 768, 768, true, true, None, true), false),
+        // Rows not a whole block; erf-GELU fused; B as [K, N]; split 6 leaves one K tile per block.
+        ((1, 100, 192, 384, false, true, Some(Activation::Gelu), false), false),
+        // Two row blocks (the second nearly empty), tanh-GELU then residual; split 3
+        // gives row shares of 42/43/43 in the cluster reduction.
+        ((1, 130, 128, 192, true, false, Some(Activation::GeluTanh), true), false),
         // A batch folded into one tall GEMM; N 96 takes only 32-column blocks.
-        (2, 19, 96, 128, false, true, Some(Activation::Relu), true),
-        // Long K (FFN2-like), split up to 8 ways.
-        (1, 64, 128, 1536, true, true, None, false),
+        ((2, 19, 96, 128, false, true, Some(Activation::Relu), true), false),
+        // Long K (FFN2-like), split up to 8 ways (a cluster of 8).
+        ((1, 64, 128, 1536, true, true, None, false), false),
+        // 48 K tiles: unsplit, more tiles than pipeline stages (buffers reused).
+        ((1, 77, 256, 3072, false, true, Some(Activation::Gelu), true), false),
+        // Eight row blocks, the last partial.
+        ((1, 1000, 64, 128, true, true, Some(Activation::Relu), true), false),
+        // B and residual written by earlier work: read only after the wait.
+        ((1, 96, 128, 384, true, true, None, true), true),
     ];
-    let tilings = [(32, 1), (32, 2), (32, 3), (64, 1), (64, 2), (64, 4), (64, 6), (64, 8)];
+    let variants = [(32, 8), (64, 8), (64, 16), (128, 16)];
+    let mut runs = 0;
     for dt in [DType::F16, DType::BF16] {
-        for c in cases {
+        for (c, b_input) in cases {
             let (batch, m, n, k, b_trans, bias, act, residual) = c;
-            for (bn, split) in tilings {
-                if n % bn != 0 || k % (64 * split) != 0 {
-                    continue;
+            for (bn, warps) in variants {
+                for split in [1, 2, 3, 4, 6, 8] {
+                    if n % bn != 0 || k % (64 * split) != 0 {
+                        continue;
+                    }
+                    set_gemm_policy(GemmPolicy::Tiling(bn, warps, split));
+                    let (sb, inputs) = build_b(dt, c, &mut r, b_input);
+                    let (s, w) = sb.finish();
+                    if let Some(g) = &g {
+                        let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+                        assert_eq!(e.own_matmul_count(), 1, "tiling {bn}/{warps}wx{split} not taken for {c:?}");
+                    }
+                    let what = format!(
+                        "own matmul {dt} {batch}x{m}x{n}x{k} trans={b_trans} bias={bias} act={act:?} res={residual} b_input={b_input} tiling {bn}/{warps}wx{split}"
+                    );
+                    check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
+                    runs += 1;
                 }
-                set_gemm_policy(GemmPolicy::Tiling(bn, split));
-                let (sb, inputs) = build(dt, c, &mut r);
-                let (s, w) = sb.finish();
-                if let Some(g) = &g {
-                    let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-                    assert_eq!(e.own_matmul_count(), 1, "tiling {bn}x{split} not taken for {c:?}");
-                }
-                let what = format!(
-                    "own matmul {dt} {batch}x{m}x{n}x{k} trans={b_trans} bias={bias} act={act:?} res={residual} tiling {bn}x{split}"
-                );
-                check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
             }
         }
     }
+    assert!(runs >= 200, "only {runs} tilings checked");
     // Auto: timed against cuBLASLt; either way the result must match.
     set_gemm_policy(GemmPolicy::Auto);
-    let (sb, inputs) = build(DType::F16, cases[0], &mut r);
+    let (sb, inputs) = build(DType::F16, cases[0].0, &mut r);
     let (s, w) = sb.finish();
     check("matmul auto-chosen f16 1x128x768x768", &g, &s, &w, &named(inputs), (768f64).sqrt() / 2.0);
     // Ineligible (f32, odd N): cuBLASLt, whatever the policy.
