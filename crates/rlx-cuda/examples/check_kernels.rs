@@ -18,8 +18,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     match res {
         Ok(files) => {
-            for (f, n) in files {
-                println!("ok  {f}: {n} bytes of sm_{}{} CUBIN", cc.0, cc.1);
+            for (f, name, n) in files {
+                println!("ok  {f}: {n} bytes of {name} CUBIN");
             }
         }
         Err(e) => {

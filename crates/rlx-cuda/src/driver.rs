@@ -589,13 +589,14 @@ impl Func {
     /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits
     /// for its predecessor first (`pdl_enter` in kernels/common.cuh). Stream
-    /// capture records it as a programmatic graph edge. `cluster` > 1: blocks
-    /// run in thread-block clusters of (1, 1, cluster) (sm_90+).
+    /// capture records it as a programmatic graph edge. `cluster` other than
+    /// [1, 1, 1]: blocks run in thread-block clusters of those dimensions (sm_90+).
     #[allow(clippy::too_many_arguments)]
-    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, cluster: u32, args: &[u64], pdl: bool) -> Result<()> {
+    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, cluster: [u32; 3], args: &[u64], pdl: bool) -> Result<()> {
+        let clustered = cluster != [1, 1, 1];
         // The kernel's one parameter is the struct: kernelParams[0] points at it.
         let mut params = [args.as_ptr() as *mut c_void];
-        if !pdl && cluster <= 1 {
+        if !pdl && !clustered {
             // SAFETY: args outlives the call (the driver copies parameters at launch).
             let r = unsafe {
                 sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
@@ -611,9 +612,10 @@ impl Func {
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
             n += 1;
         }
-        if cluster > 1 {
+        if clustered {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
+            let [x, y, z] = cluster;
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
             n += 1;
         }
         let cfg = sys::CUlaunchConfig {

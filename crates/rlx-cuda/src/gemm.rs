@@ -1,8 +1,9 @@
-//! Our own skinny-M matmul (kernels/gemm.cu) against cuBLASLt: which MatMul
-//! thunks it can run, its tilings, and the per-shape choice, made by timing
-//! both at prepare and kept for the life of the process (every executable of
-//! a shape then runs the same kernel, so replay and eager executables give
-//! the same bits).
+//! Our own skinny-M matmul (kernels/gemm.cu: mma.sync, any sm_90 device;
+//! kernels/gemm_wgmma.cu: TMA + wgmma, cc 9.0 only, B as [N, K]) against
+//! cuBLASLt: which MatMul thunks it can run, its tilings, and the per-shape
+//! choice, made by timing both at prepare and kept for the life of the
+//! process (every executable of a shape then runs the same kernel, so replay
+//! and eager executables give the same bits).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -31,6 +32,16 @@ const MAX_SMEM: usize = 227 * 1024;
 const MAX_SPLIT: usize = 8;
 /// (columns per block, warps) of the compiled variants (kernels/gemm.cu).
 const VARIANTS: [(usize, usize); 4] = [(32, 8), (64, 8), (64, 16), (128, 16)];
+/// The wgmma + TMA kernel (kernels/gemm_wgmma.cu, sm_90a): its warps (two
+/// consumer warpgroups and a producer warp) stand in for `warps` in a
+/// tiling, and its columns per block. B as [N, K] only.
+const WG_WARPS: usize = 9;
+const WG_BNS: [usize; 3] = [32, 64, 128];
+/// (columns, A multicast factor) of the compiled multicast variants.
+const WG_MC: [(usize, usize); 5] = [(32, 2), (32, 4), (64, 2), (64, 4), (128, 2)];
+/// Its shared memory: mbarriers, alignment slack to the 1024-byte boundary
+/// the 128-byte swizzle needs, then the stages.
+const WG_SMEM_HEAD: usize = 256 + 1024;
 /// Few-row GEMMs only: past this, cuBLASLt's large tiles are the right tool.
 const MAX_ROWS: usize = 1024;
 /// Past this many rows `Library` and `Auto` keep cuBLASLt's first answer:
@@ -39,12 +50,15 @@ const MAX_ROWS: usize = 1024;
 const TUNE_MAX_ROWS: usize = 1024;
 
 /// One tiling of the own kernel: `bn` columns per block, `warps` warps, K
-/// split `split` ways across a cluster of `split` blocks.
+/// split `split` ways across a cluster of `split` blocks; `mc` > 1 (wgmma
+/// kernel only): clusters also span `mc` N-tiles, which share each A tile
+/// by TMA multicast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct GemmCfg {
     pub bn: usize,
     pub warps: usize,
     pub split: usize,
+    pub mc: usize,
 }
 
 /// How MatMul thunks pick their kernel.
@@ -67,10 +81,10 @@ pub enum GemmPolicy {
     Auto,
     /// The own kernel wherever it applies, in its fastest tiling (`RLX_GEMM=own`).
     Own,
-    /// The own kernel in this tiling (columns per block, warps, K split)
-    /// wherever the tiling applies, cuBLASLt elsewhere (tests of each
-    /// tiling).
-    Tiling(usize, usize, usize),
+    /// The own kernel in this tiling (columns per block, warps, K split, A
+    /// multicast factor) wherever the tiling applies, cuBLASLt elsewhere
+    /// (tests of each tiling).
+    Tiling(usize, usize, usize, usize),
     /// cuBLASLt's i-th timing candidate (the default if there are fewer),
     /// nothing timed or cached (tests of every candidate).
     LtCandidate(usize),
@@ -151,7 +165,9 @@ impl Choice {
 
 impl GemmCfg {
     fn label(&self) -> String {
-        format!("{}/{}wx{}", self.bn, self.warps, self.split)
+        let wg = if self.warps == WG_WARPS { "wg" } else { "" };
+        let mc = if self.mc > 1 { format!("mc{}", self.mc) } else { String::new() };
+        format!("{wg}{}/{}wx{}{mc}", self.bn, self.warps, self.split)
     }
 }
 
@@ -193,17 +209,25 @@ fn tiles(rows: usize, n: usize, bn: usize) -> usize {
 
 /// The tilings worth timing: every compiled variant whose columns divide
 /// N, K split up to `MAX_SPLIT` ways in whole BK tiles, at most two blocks
-/// per SM in all.
-pub(crate) fn candidates(t: &MatMulThunk, sm_count: usize) -> Vec<GemmCfg> {
+/// per SM in all; the multicast variants where the N-tiles group by `mc`,
+/// the cluster stays within 8 blocks and every K tile has its own stage.
+pub(crate) fn candidates(k: &Kernels, t: &MatMulThunk) -> Vec<GemmCfg> {
     let (rows, _) = folded(t);
+    let sm_count = k.sm_count as usize;
     let mut v = Vec::new();
-    for (bn, warps) in VARIANTS {
-        if !t.n.is_multiple_of(bn) {
+    let wg_ok = k.wgmma && t.b_trans;
+    let wg = WG_BNS.iter().filter(|_| wg_ok).map(|bn| (*bn, WG_WARPS, 1));
+    let mc = WG_MC.iter().filter(|_| wg_ok).map(|(bn, mc)| (*bn, WG_WARPS, *mc));
+    let plain = VARIANTS.iter().map(|(bn, warps)| (*bn, *warps, 1));
+    for (bn, warps, mc) in plain.chain(wg).chain(mc) {
+        if !t.n.is_multiple_of(bn * mc) {
             continue;
         }
         for split in [1, 2, 3, 4, 6, 8] {
-            if split <= MAX_SPLIT && t.k.is_multiple_of(BK * split) && tiles(rows, t.n, bn) * split <= 2 * sm_count {
-                v.push(GemmCfg { bn, warps, split });
+            let cfg = GemmCfg { bn, warps, split, mc };
+            let fits = mc == 1 || (mc * split <= MAX_SPLIT && wg_launch_smem(t, cfg).0 * BK * split >= t.k);
+            if split <= MAX_SPLIT && t.k.is_multiple_of(BK * split) && tiles(rows, t.n, bn) * split <= 2 * sm_count && fits {
+                v.push(cfg);
             }
         }
     }
@@ -216,6 +240,9 @@ pub(crate) fn candidates(t: &MatMulThunk, sm_count: usize) -> Vec<GemmCfg> {
 /// then the stages (A tile [BM][BK+8] each, then B tiles [bn][BK+8] or
 /// [BK][bn+8]), which the f32 partial tile [BM][bn+8] reuses.
 fn launch_smem(t: &MatMulThunk, cfg: GemmCfg) -> (usize, usize) {
+    if cfg.warps == WG_WARPS {
+        return wg_launch_smem(t, cfg);
+    }
     let b_elems = if t.b_trans { cfg.bn * (BK + 8) } else { BK * (cfg.bn + 8) };
     let stage = (BM * (BK + 8) + b_elems) * 2;
     let fixed = cfg.bn * 2 + if t.residual.is_some() { BM.div_ceil(cfg.split) * cfg.bn * 2 } else { 0 };
@@ -228,6 +255,89 @@ fn launch_smem(t: &MatMulThunk, cfg: GemmCfg) -> (usize, usize) {
     (stages, fixed + (stage * stages).max(partial))
 }
 
+/// As `launch_smem` for the wgmma kernel: after the head, the bias slice
+/// [bn] and residual share [ceil(BM/split)][bn], then stages of an A tile
+/// [BM][BK] and a B tile [bn][BK] (no padding: the swizzle spreads the
+/// banks), as many as the K-chunk has tiles where they fit; the f32
+/// partial tile [BM][bn+8] reuses them.
+fn wg_launch_smem(t: &MatMulThunk, cfg: GemmCfg) -> (usize, usize) {
+    let head = WG_SMEM_HEAD + cfg.bn * 2 + if t.residual.is_some() { BM.div_ceil(cfg.split) * cfg.bn * 2 } else { 0 };
+    let stage = (BM + cfg.bn) * BK * 2;
+    let nk = t.k / cfg.split / BK;
+    let stages = nk.min((MAX_SMEM - head) / stage).max(1);
+    let partial = BM * (cfg.bn + 8) * 4;
+    (stages, head + (stage * stages).max(partial))
+}
+
+/// A 2-D tensor map over a row-major [rows, cols] matrix of 2-byte
+/// elements, `ld` elements per row: boxes of [box_rows][BK] with the
+/// 128-byte swizzle, rows past the end read as zeros.
+fn tensor_map(dt: DType, ptr: u64, rows: usize, cols: usize, ld: u64, box_rows: usize) -> Result<[u64; 16]> {
+    use cudarc::driver::sys;
+    let ty = if dt == DType::BF16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    };
+    let dims = [cols as u64, rows as u64];
+    let strides = [ld * 2];
+    let boxes = [BK as u32, box_rows as u32];
+    let elem = [1u32, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local of the length the rank (2) implies;
+    // the global address is only recorded, not dereferenced.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            ty,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    crate::driver::check(r, "cuTensorMapEncodeTiled")?;
+    Ok(map.opaque)
+}
+
+/// The wgmma kernel's launch: its parameter struct (kernels/gemm_wgmma.cu
+/// `GemmWgP`, 384 bytes) is the two tensor maps, then the words below.
+fn wg_step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Result<Step> {
+    let (rows, _) = folded(t);
+    let dt = if t.dtype == DType::BF16 { "bf16" } else { "f16" };
+    let mc = if cfg.mc > 1 { format!("_mc{}", cfg.mc) } else { String::new() };
+    let func = k.get(&format!("gemm_wg_{}{mc}_{dt}", cfg.bn))?;
+    let opt = |x: &Option<rlx_compile::BufRef>| -> Result<u64> { x.as_ref().map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0)) };
+    let (stages, smem) = wg_launch_smem(t, cfg);
+    let early = prepared(&t.b) && t.bias.as_ref().is_none_or(prepared);
+    let mut args = Vec::with_capacity(48);
+    args.extend(tensor_map(t.dtype, b.ptr(&t.a)?, rows, t.k, t.lda, BM / cfg.mc)?);
+    args.extend(tensor_map(t.dtype, b.ptr(&t.b)?, t.n, t.k, t.ldb, cfg.bn)?);
+    args.extend([
+        opt(&t.bias)?,
+        opt(&t.residual)?,
+        b.ptr(&t.out)?,
+        rows as u64,
+        t.n as u64,
+        (t.k / cfg.split) as u64,
+        crate::launch::act_code(t.act) as u64,
+        stages as u64,
+        early as u64,
+    ]);
+    args.resize(48, 0);
+    let grid = [(t.n / cfg.bn) as u32, rows.div_ceil(BM) as u32, cfg.split as u32];
+    func.set_max_dynamic_smem(MAX_SMEM as u32)?;
+    let block = (WG_WARPS * 32) as u32;
+    let cluster = [cfg.mc as u32, 1, cfg.split as u32];
+    Ok(Step::new(Op::Kernel { func, grid, block, smem: smem as u32, cluster, args }, "matmul"))
+}
+
 /// Whether a buffer is written only at prepare (weights, constants), so the
 /// kernel may read it before waiting for the previous kernel.
 fn prepared(r: &rlx_compile::BufRef) -> bool {
@@ -236,6 +346,9 @@ fn prepared(r: &rlx_compile::BufRef) -> bool {
 
 /// The own kernel's launch for one slot.
 pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Result<Step> {
+    if cfg.warps == WG_WARPS {
+        return wg_step(k, t, b, cfg);
+    }
     let (rows, _) = folded(t);
     let dt = if t.dtype == DType::BF16 { "bf16" } else { "f16" };
     let func = k.get(&format!("gemm_{}_{}w_{}_{dt}", cfg.bn, cfg.warps, if t.b_trans { "t" } else { "n" }))?;
@@ -262,7 +375,8 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Res
     // The limit is per function and shapes share functions: always the most.
     func.set_max_dynamic_smem(MAX_SMEM as u32)?;
     let block = (cfg.warps * 32) as u32;
-    Ok(Step::new(Op::Kernel { func, grid, block, smem: smem as u32, cluster: cfg.split as u32, args }, "matmul"))
+    let cluster = [1, 1, cfg.split as u32];
+    Ok(Step::new(Op::Kernel { func, grid, block, smem: smem as u32, cluster, args }, "matmul"))
 }
 
 /// One timing alternative: enqueues its work once on the stream; the flag
@@ -376,9 +490,9 @@ pub(crate) fn choose(
     if let Some(c) = choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?.get(&key) {
         return Ok((*c, 0));
     }
-    let own_cands = if own_ok { candidates(t, k.sm_count as usize) } else { Vec::new() };
-    if let GemmPolicy::Tiling(bn, warps, split) = pol {
-        let c = GemmCfg { bn, warps, split };
+    let own_cands = if own_ok { candidates(k, t) } else { Vec::new() };
+    if let GemmPolicy::Tiling(bn, warps, split, mc) = pol {
+        let c = GemmCfg { bn, warps, split, mc };
         return Ok((if own_cands.contains(&c) { Choice::Own(c) } else { default }, 0));
     }
     // cuBLASLt candidates: only the default under `Own` (the reference the

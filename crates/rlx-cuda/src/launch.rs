@@ -81,8 +81,8 @@ pub(crate) enum Op {
         block: u32,
         /// Dynamic shared memory bytes (0 for kernels with static shared memory only).
         smem: u32,
-        /// Blocks per thread-block cluster along z (1: no cluster).
-        cluster: u32,
+        /// Thread-block cluster dimensions ([1, 1, 1]: no cluster).
+        cluster: [u32; 3],
         args: Vec<u64>,
     },
     MatMul(MatMulCall),
@@ -181,6 +181,8 @@ pub(crate) struct Kernels {
     pub sm_count: u32,
     /// Thread-block clusters (sm_90+): the own matmul needs them.
     pub clusters: bool,
+    /// The sm_90a wgmma + TMA matmul (kernels/gemm_wgmma.cu) was loaded.
+    pub wgmma: bool,
 }
 
 impl Kernels {
@@ -207,10 +209,13 @@ impl Kernels {
         Ok(self.flat(self.get("copy_bytes")?, bytes.div_ceil(16), args, kind))
     }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: 1, args: args.0 }, kind)
+        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind)
     }
     fn rows(&self, name: Func, rows: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, cluster: 1, args: args.0 }, kind)
+        Step::new(
+            Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 },
+            kind,
+        )
     }
 }
 
@@ -379,7 +384,7 @@ pub(crate) fn lower(
                     let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;
                     let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
                     steps.push(Step::new(
-                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: 1, args: args.0 },
+                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
                         kind,
                     ));
                 }
@@ -516,7 +521,7 @@ pub(crate) fn lower(
                     (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128)
                 }
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, cluster: 1, args: args.0 }, kind));
+            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;

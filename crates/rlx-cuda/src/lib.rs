@@ -92,13 +92,14 @@ fn open(ordinal: usize) -> Result<Opened> {
     }
     let dev = Device::open(ordinal)?;
     let mut funcs = HashMap::new();
-    for (file, src) in nvrtc::SOURCES {
-        let cubin = nvrtc::compile_cubin(file, src, dev.cc)?;
+    for (file, src, arch) in nvrtc::sources_for(dev.cc) {
+        let cubin = nvrtc::compile_cubin(file, src, &arch)?;
         // Modules live for the process: functions are used by every executable.
         let module: &'static Module = Box::leak(Box::new(Module::load(&dev, &cubin)?));
         funcs.extend(module.functions()?);
     }
-    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9 });
+    let wgmma = funcs.contains_key("gemm_wg_64_f16");
+    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, wgmma });
     g.insert(ordinal, (dev.clone(), kernels.clone()));
     Ok((dev, kernels))
 }
@@ -145,8 +146,8 @@ impl Backend for CudaBackend {
 }
 
 /// Compiles every kernel file for `arch` (CI check without a GPU); returns
-/// (file, CUBIN bytes).
-pub fn check_kernels(arch: (i32, i32)) -> Result<Vec<(&'static str, usize)>> {
+/// (file, architecture compiled for, CUBIN bytes).
+pub fn check_kernels(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
     nvrtc::compile_all(arch)
 }
 

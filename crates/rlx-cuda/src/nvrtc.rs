@@ -24,6 +24,22 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gemm.cu", include_str!("../kernels/gemm.cu")),
 ];
 
+/// Kernel files that use sm_90a-only instructions (wgmma): compiled for
+/// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere
+/// (their users check that the functions were loaded).
+pub const SM90A_SOURCES: &[(&str, &str)] = &[("gemm_wgmma.cu", include_str!("../kernels/gemm_wgmma.cu"))];
+
+/// The files to compile for a device of compute capability `cc`, each with
+/// the architecture name to compile it for.
+pub fn sources_for(cc: (i32, i32)) -> Vec<(&'static str, &'static str, String)> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    let mut v: Vec<_> = SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect();
+    if cc == (9, 0) {
+        v.extend(SM90A_SOURCES.iter().map(|(f, s)| (*f, *s, "sm_90a".to_string())));
+    }
+    v
+}
+
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen candidate names.
@@ -113,17 +129,18 @@ fn toolkit_headers_digest(include: &Path) -> [u8; 32] {
     d
 }
 
-fn options(arch: (i32, i32), include: &Path) -> Vec<String> {
-    vec![format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), format!("-I{}", include.display()), "--std=c++17".into()]
+fn options(arch: &str, include: &Path) -> Vec<String> {
+    vec![format!("--gpu-architecture={arch}"), format!("-I{}", include.display()), "--std=c++17".into()]
 }
 
-/// Compiles (or loads from the disk cache) one source file to a CUBIN.
-pub fn compile_cubin(file: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u8>> {
+/// Compiles (or loads from the disk cache) one source file to a CUBIN for
+/// `arch` (`sm_90`, `sm_90a`, ...).
+pub fn compile_cubin(file: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let version = nvrtc_version()?;
     let include = find_include_dir()?;
     let opts = options(arch, &include);
     let mut h = Sha256::new();
-    for part in [source, HEADER.1, &opts.join(" "), &format!("{arch:?} {version:?}")] {
+    for part in [source, HEADER.1, &opts.join(" "), &format!("{arch} {version:?}")] {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
@@ -131,7 +148,7 @@ pub fn compile_cubin(file: &str, source: &str, arch: (i32, i32)) -> Result<Vec<u
     // updated toolkit in the same place must not reuse stale CUBINs.
     h.update(toolkit_headers_digest(&include));
     let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let path = cache_dir().join(format!("{}-sm{}{}-{key}.cubin", file.trim_end_matches(".cu"), arch.0, arch.1));
+    let path = cache_dir().join(format!("{}-{arch}-{key}.cubin", file.trim_end_matches(".cu")));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
             return Ok(bytes);
@@ -194,13 +211,13 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
     }
 }
 
-/// Compiles every kernel file for `arch` without a GPU (the CI check);
-/// returns (file, CUBIN bytes) pairs.
-pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, usize)>> {
+/// Compiles every kernel file for a device of compute capability `arch`
+/// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
+pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
     let mut out = Vec::new();
-    for (file, src) in SOURCES {
-        let bin = compile_cubin(file, src, arch)?;
-        out.push((*file, bin.len()));
+    for (file, src, name) in sources_for(arch) {
+        let bin = compile_cubin(file, src, &name)?;
+        out.push((file, name, bin.len()));
     }
     Ok(out)
 }

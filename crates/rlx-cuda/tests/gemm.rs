@@ -1,7 +1,8 @@
 //! The own skinny-M matmul (kernels/gemm.cu) in every tiling against the
 //! CPU backend: fused bias / activation / residual, both B layouts, row
 //! counts that are not whole blocks, split-K across clusters of up to 8
-//! blocks, B read before and after the programmatic-launch wait. Its own
+//! blocks, B read before and after the programmatic-launch wait; the
+//! wgmma + TMA variants (9 warps, sm_90a, B as [N, K]) the same way. Its own
 //! test binary because the kernel policy is process-wide.
 
 mod common;
@@ -61,50 +62,65 @@ fn build_b(dt: DType, c: Case, r: &mut rand::rngs::StdRng, b_input: bool) -> (Sb
 /// The kernel policy is process-wide: tests of this binary take turns.
 static POLICY_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-#[test]
-fn own_matmul_every_tiling_matches_cpu() {
-    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(g) = gpu_or_dry() else { return };
-    let mut r = rng(51);
-    // (case, B an input rather than a weight)
-    let cases: [(Case, bool); 8] = [
-        // BERT's out-projection at batch 1, residual fused (through C in cuBLASLt).
-        ((1, 128, 768, 768, true, true, None, true), false),
-        // Rows not a whole block; erf-GELU fused; B as [K, N]; split 6 leaves one K tile per block.
-        ((1, 100, 192, 384, false, true, Some(Activation::Gelu), false), false),
-        // Two row blocks (the second nearly empty), tanh-GELU then residual; split 3
-        // gives row shares of 42/43/43 in the cluster reduction.
-        ((1, 130, 128, 192, true, false, Some(Activation::GeluTanh), true), false),
-        // A batch folded into one tall GEMM; N 96 takes only 32-column blocks.
-        ((2, 19, 96, 128, false, true, Some(Activation::Relu), true), false),
-        // Long K (FFN2-like), split up to 8 ways (a cluster of 8).
-        ((1, 64, 128, 1536, true, true, None, false), false),
-        // 48 K tiles: unsplit, more tiles than pipeline stages (buffers reused).
-        ((1, 77, 256, 3072, false, true, Some(Activation::Gelu), true), false),
-        // Eight row blocks, the last partial.
-        ((1, 1000, 64, 128, true, true, Some(Activation::Relu), true), false),
-        // B and residual written by earlier work: read only after the wait.
-        ((1, 96, 128, 384, true, true, None, true), true),
-    ];
-    let variants = [(32, 8), (64, 8), (64, 16), (128, 16)];
+/// (case, B an input rather than a weight)
+const TILING_CASES: [(Case, bool); 9] = [
+    // BERT's out-projection at batch 1, residual fused (through C in cuBLASLt).
+    ((1, 128, 768, 768, true, true, None, true), false),
+    // Rows not a whole block; erf-GELU fused; B as [K, N]; split 6 leaves one K tile per block.
+    ((1, 100, 192, 384, false, true, Some(Activation::Gelu), false), false),
+    // Two row blocks (the second nearly empty), tanh-GELU then residual; split 3
+    // gives row shares of 42/43/43 in the cluster reduction.
+    ((1, 130, 128, 192, true, false, Some(Activation::GeluTanh), true), false),
+    // A batch folded into one tall GEMM; N 96 takes only 32-column blocks.
+    ((2, 19, 96, 128, false, true, Some(Activation::Relu), true), false),
+    // Long K (FFN2-like), split up to 8 ways (a cluster of 8).
+    ((1, 64, 128, 1536, true, true, None, false), false),
+    // 48 K tiles: unsplit, more tiles than pipeline stages (buffers reused).
+    ((1, 77, 256, 3072, false, true, Some(Activation::Gelu), true), false),
+    // Eight row blocks, the last partial.
+    ((1, 1000, 64, 128, true, true, Some(Activation::Relu), true), false),
+    // B and residual written by earlier work: read only after the wait.
+    ((1, 96, 128, 384, true, true, None, true), true),
+    // B as [N, K] with 48 K tiles unsplit: the wgmma kernel's stage ring wraps 8 times.
+    ((1, 77, 256, 3072, true, true, Some(Activation::Gelu), true), false),
+];
+
+/// Pipeline stages of the wgmma kernel (src/gemm.rs `wg_launch_smem`): its
+/// multicast variants run only where every K tile has one.
+fn wg_stages(bn: usize, split: usize, k: usize, residual: bool) -> usize {
+    let head = 256 + 1024 + bn * 2 + if residual { 128usize.div_ceil(split) * bn * 2 } else { 0 };
+    (k / split / 64).min((227 * 1024 - head) / ((128 + bn) * 64 * 2))
+}
+
+/// Every applicable (variant, split) of `variants` ((columns, warps, A
+/// multicast factor); 9 warps: the wgmma kernel, B as [N, K] only) on
+/// every case, f16 and bf16, against the CPU; replay == eager bit for bit.
+/// Returns how many ran.
+fn check_tilings(variants: &[(usize, usize, usize)], seed: u64) -> usize {
+    let Some(g) = gpu_or_dry() else { return 0 };
+    let mut r = rng(seed);
     let mut runs = 0;
     for dt in [DType::F16, DType::BF16] {
-        for (c, b_input) in cases {
+        for (c, b_input) in TILING_CASES {
             let (batch, m, n, k, b_trans, bias, act, residual) = c;
-            for (bn, warps) in variants {
+            for &(bn, warps, mc) in variants {
                 for split in [1, 2, 3, 4, 6, 8] {
-                    if n % bn != 0 || k % (64 * split) != 0 {
+                    if n % (bn * mc) != 0 || k % (64 * split) != 0 || (warps == 9 && !b_trans) {
                         continue;
                     }
-                    set_gemm_policy(GemmPolicy::Tiling(bn, warps, split));
+                    if mc > 1 && (mc * split > 8 || wg_stages(bn, split, k, residual) * 64 * split < k) {
+                        continue;
+                    }
+                    set_gemm_policy(GemmPolicy::Tiling(bn, warps, split, mc));
                     let (sb, inputs) = build_b(dt, c, &mut r, b_input);
                     let (s, w) = sb.finish();
+                    let tiling = format!("{bn}/{warps}wx{split} mc{mc}");
                     if let Some(g) = &g {
                         let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-                        assert_eq!(e.own_matmul_count(), 1, "tiling {bn}/{warps}wx{split} not taken for {c:?}");
+                        assert_eq!(e.own_matmul_count(), 1, "tiling {tiling} not taken for {c:?}");
                     }
                     let what = format!(
-                        "own matmul {dt} {batch}x{m}x{n}x{k} trans={b_trans} bias={bias} act={act:?} res={residual} b_input={b_input} tiling {bn}/{warps}wx{split}"
+                        "own matmul {dt} {batch}x{m}x{n}x{k} trans={b_trans} bias={bias} act={act:?} res={residual} b_input={b_input} tiling {tiling}"
                     );
                     check(&what, &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
                     runs += 1;
@@ -112,10 +128,31 @@ fn own_matmul_every_tiling_matches_cpu() {
             }
         }
     }
+    runs
+}
+
+/// The wgmma kernel with A multicast across 2 or 4 N-tiles (clusters of
+/// up to 8 blocks with the K split). Its own test so that a failure here
+/// is told apart from the plain tilings'.
+#[test]
+fn wgmma_multicast_tilings_match_cpu() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let runs = check_tilings(&[(32, 9, 2), (32, 9, 4), (64, 9, 2), (64, 9, 4), (128, 9, 2)], 55);
+    set_gemm_policy(GemmPolicy::Library);
+    assert!(runs == 0 || runs >= 60, "only {runs} multicast tilings checked");
+}
+
+#[test]
+fn own_matmul_every_tiling_matches_cpu() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(51);
+    let variants = [(32, 8, 1), (64, 8, 1), (64, 16, 1), (128, 16, 1), (32, 9, 1), (64, 9, 1), (128, 9, 1)];
+    let runs = check_tilings(&variants, 51);
     assert!(runs >= 200, "only {runs} tilings checked");
     // Auto: timed against cuBLASLt; either way the result must match.
     set_gemm_policy(GemmPolicy::Auto);
-    let (sb, inputs) = build(DType::F16, cases[0].0, &mut r);
+    let (sb, inputs) = build(DType::F16, TILING_CASES[0].0, &mut r);
     let (s, w) = sb.finish();
     check("matmul auto-chosen f16 1x128x768x768", &g, &s, &w, &named(inputs), (768f64).sqrt() / 2.0);
     // Ineligible (f32, odd N): cuBLASLt, whatever the policy.
