@@ -258,15 +258,19 @@ fn main() -> Result<(), String> {
         for n in &names {
             print!(" {} |", label(n));
         }
-        let ratio_cols: Vec<usize> = (2..names.len()).collect();
+        // RLX f32 against every peer; bf16 weights against ORT when both ran
+        // (RLX_BENCH_BF16=0 or no peers leave either out).
+        let ratio_cols: Vec<usize> = (0..names.len()).filter(|&j| !names[j].starts_with("rlx")).collect();
+        let pos = |n: &str| names.iter().position(|x| *x == n);
+        let bf16_ort = pos("rlx_bf16").zip(pos("ort"));
         for &j in &ratio_cols {
             print!(" RLX / {} |", label(names[j]));
         }
-        if names.len() > 2 {
+        if bf16_ort.is_some() {
             print!(" bf16 / ORT |");
         }
         println!();
-        println!("|---|{}", "---|".repeat(names.len() + ratio_cols.len() + (names.len() > 2) as usize));
+        println!("|---|{}", "---|".repeat(names.len() + ratio_cols.len() + bf16_ort.is_some() as usize));
         for (shape, t) in rows {
             print!("| {shape} |");
             for x in t {
@@ -275,8 +279,8 @@ fn main() -> Result<(), String> {
             for &j in &ratio_cols {
                 print!(" {:.2}× |", t[0] / t[j]);
             }
-            if names.len() > 2 {
-                print!(" {:.2}× |", t[1] / t[2]);
+            if let Some((b, o)) = bf16_ort {
+                print!(" {:.2}× |", t[b] / t[o]);
             }
             println!();
         }
@@ -288,8 +292,8 @@ fn main() -> Result<(), String> {
             // Throughput: a ratio below 1 means RLX takes less time per text.
             print!(" {:.2}× |", e2e[j] / e2e[0]);
         }
-        if names.len() > 2 {
-            print!(" {:.2}× |", e2e[2] / e2e[1]);
+        if let Some((b, o)) = bf16_ort {
+            print!(" {:.2}× |", e2e[o] / e2e[b]);
         }
         println!();
     };
