@@ -84,17 +84,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// 16 bytes global -> shared without passing through registers; `full`
-// false writes 16 zero bytes (src-size 0: nothing is read).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = full ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // One warp's online-softmax step over a tile of NK keys for its 16 rows,
 // then O += P·V; shared by both tensor-core kernels. s: the tile's scaled,
 // masked scores (log2 domain), becoming the probabilities; mx: this lane's

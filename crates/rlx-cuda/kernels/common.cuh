@@ -187,6 +187,66 @@ template <> struct Vec16<__nv_bfloat16> {
 // results here, first thing, before any memory access; right after, it lets
 // its own successor start launching (the successor waits the same way, so
 // at most one grid runs ahead). Without the attribute the wait returns at once.
+// Shared by the tensor-core kernels (attention_mma.cu, gemm.cu, gemm_wgmma.cu).
+
+// 16 bytes global -> shared without passing through registers; `full`
+// false writes 16 zero bytes (src-size 0: nothing is read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    int n = full ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Two floats rounded to nearest (as `st`) and packed into one word.
+template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// The activation as a real call, so an epilogue loop stays small.
+template <typename T>
+__device__ __noinline__ float act_call(i64 act, float v) {
+    return act_t<T>(act, v);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// This block's rank in its thread-block cluster.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of every block of the cluster; orders shared-memory writes
+// before it with reads after it, across the cluster's blocks.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// As cluster_sync without ordering memory (no fence): only that every
+// thread of the cluster got here.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// A shared::cta address of this block -> the same offset in block `rank` of the cluster.
+__device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
+    unsigned r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+#endif
+
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");

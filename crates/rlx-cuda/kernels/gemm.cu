@@ -81,74 +81,21 @@ __device__ __forceinline__ void gemm_ldsm_x4_trans(unsigned* r, const void* p) {
                  : "r"(a)
                  : "memory");
 }
-__device__ __forceinline__ void gemm_cp16(void* smem, const void* gmem, bool full) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = full ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
-}
-__device__ __forceinline__ void gemm_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void gemm_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// Two floats rounded to nearest (as `st`) and packed into one word.
-template <typename T> __device__ __forceinline__ unsigned gemm_pack(float a, float b);
-template <> __device__ __forceinline__ unsigned gemm_pack<__half>(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned gemm_pack<__nv_bfloat16>(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-
-// The activation as a real call: the epilogue loop stays small (see below).
-template <typename T>
-__device__ __noinline__ float gemm_act(i64 act, float v) {
-    return act_t<T>(act, v);
-}
 
 
 // cp.async.wait_group with a run-time count (0..6).
 __device__ __forceinline__ void gemm_wait_dyn(int n) {
     switch (n) {
-    case 0: gemm_wait<0>(); break;
-    case 1: gemm_wait<1>(); break;
-    case 2: gemm_wait<2>(); break;
-    case 3: gemm_wait<3>(); break;
-    case 4: gemm_wait<4>(); break;
-    case 5: gemm_wait<5>(); break;
-    default: gemm_wait<6>(); break;
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    default: cp_async_wait<6>(); break;
     }
 }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned gemm_cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// Every thread of every block of the cluster; orders shared-memory writes
-// before it with reads after it, across the cluster's blocks.
-__device__ __forceinline__ void gemm_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// As gemm_cluster_sync without ordering memory (no fence): only that every
-// thread of the cluster got here.
-__device__ __forceinline__ void gemm_cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-// A shared::cta address of this block -> the same offset in block `rank` of the cluster.
-__device__ __forceinline__ unsigned gemm_mapa(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float4 gemm_ld_cluster(unsigned addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-    return v;
-}
-#endif
 
 template <typename T, int BN, int WM, int WC, bool BT>
 __device__ __forceinline__ void gemm_body(const GemmP& p) {
@@ -166,7 +113,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
     typedef unsigned short u16;
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     const int S = (int)gridDim.z;
-    const int rank = (int)gemm_cluster_rank();  // == blockIdx.z: clusters span z
+    const int rank = (int)cluster_rank();  // == blockIdx.z: clusters span z
     const int r0 = rank * BM / S, r1 = (rank + 1) * BM / S;
     const int stages = (int)p.stages;
     u16* const s_bias = (u16*)gemm_smem;
@@ -204,14 +151,14 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
 #pragma unroll
         for (int it = 0; it < A_IT; ++it) {
             const bool in = (a_in >> it) & 1u;
-            gemm_cp16(da + it * A_ROWS * AP, in ? src + it * a_step : A, in);
+            cp_async16(da + it * A_ROWS * AP, in ? src + it * a_step : A, in);
         }
     };
     auto load_b = [&](int stage, int kt) {
         u16* db = sb0 + stage * B_ELEMS + b_r * BP + b_c;
         const u16* src = b_src + kt * b_tile;
 #pragma unroll
-        for (int it = 0; it < B_IT; ++it) gemm_cp16(db + it * B_ROWS * BP, src + it * b_step, true);
+        for (int it = 0; it < B_IT; ++it) cp_async16(db + it * B_ROWS * BP, src + it * b_step, true);
     };
     // Copy groups: first the weights of the first stages - 1 tiles (and the
     // bias), then one group per A tile (the residual share rides in the
@@ -219,8 +166,8 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
     // younger than tile kt's may stay pending.
     auto weights = [&]() {
         for (int s = 0; s < stages - 1 && s < nk; ++s) load_b(s, s);
-        if (p.bias && tid < BN / 8) gemm_cp16(s_bias + tid * 8, (const u16*)p.bias + n0 + tid * 8, true);
-        gemm_commit();
+        if (p.bias && tid < BN / 8) cp_async16(s_bias + tid * 8, (const u16*)p.bias + n0 + tid * 8, true);
+        cp_async_commit();
     };
     if (p.early) weights();
     pdl_enter();
@@ -230,12 +177,12 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
             const int r = e / (BN / 8), c = e % (BN / 8);
             const i64 row = m0 + r0 + r;
             const bool in = row < p.m;
-            gemm_cp16(s_res + r * BN + c * 8, in ? (const u16*)p.res + row * p.n + n0 + c * 8 : (const u16*)p.res, in);
+            cp_async16(s_res + r * BN + c * 8, in ? (const u16*)p.res + row * p.n + n0 + c * 8 : (const u16*)p.res, in);
         }
     }
     for (int s = 0; s < stages - 1; ++s) {
         if (s < nk) load_a(s, s);
-        gemm_commit();
+        cp_async_commit();
     }
 
     float acc[MF][NF][4];
@@ -256,7 +203,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
             load_a(nxt_stage, kt + stages - 1);
             load_b(nxt_stage, kt + stages - 1);
         }
-        gemm_commit();
+        cp_async_commit();
         const u16* ca = sa0 + cur * A_ELEMS + a_frag;
         const u16* cb = sb0 + cur * B_ELEMS + b_frag;
 #pragma unroll
@@ -282,7 +229,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
         cur = cur + 1 == stages ? 0 : cur + 1;
         nxt_stage = nxt_stage + 1 == stages ? 0 : nxt_stage + 1;
     }
-    gemm_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();  // every warp is done with the pipeline buffers
 
     // The partial tile over the pipeline buffers (float2 stores: the +8
@@ -296,7 +243,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
                 const int row = wm * WM + mf * 16 + g + h * 8, col = wn * WC + nf * 8 + 2 * t;
                 *(float2*)(part + row * SP + col) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
             }
-    gemm_cluster_sync();  // every block's partial tile is complete
+    cluster_sync();  // every block's partial tile is complete
 
     // This block's share of rows, four columns per step: the S partials in
     // rank order, then bias, activation, residual. The epilogue stays one
@@ -306,7 +253,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
     const unsigned part_addr = (unsigned)__cvta_generic_to_shared(part);
     unsigned part_at[8];
 #pragma unroll
-    for (int z = 0; z < 8; ++z) part_at[z] = z < S ? gemm_mapa(part_addr, (unsigned)z) : 0u;
+    for (int z = 0; z < 8; ++z) part_at[z] = z < S ? cluster_map(part_addr, (unsigned)z) : 0u;
     const T* bs = (const T*)s_bias;
     const T* rs = (const T*)s_res;
     T* out = (T*)p.out;
@@ -323,7 +270,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
                 const unsigned off = (unsigned)((r * SP + c) * 4);
 #pragma unroll
                 for (int z = 0; z < 8; ++z)
-                    if (z < S) pz[u][z] = gemm_ld_cluster(part_at[z] + off);
+                    if (z < S) pz[u][z] = ld_cluster_f4(part_at[z] + off);
             }
         }
 #pragma unroll
@@ -344,16 +291,16 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 if (p.bias) v[j] += ld(bs, c + j);
-                if (p.act != ACT_NONE) v[j] = gemm_act<T>(p.act, v[j]);
+                if (p.act != ACT_NONE) v[j] = act_call<T>(p.act, v[j]);
                 if (p.res) v[j] += ld(rs, (r - r0) * BN + c + j);
             }
             // n, n0 and c are multiples of 4: one 8-byte store.
-            *(uint2*)(out + row * p.n + n0 + c) = make_uint2(gemm_pack<T>(v[0], v[1]), gemm_pack<T>(v[2], v[3]));
+            *(uint2*)(out + row * p.n + n0 + c) = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
         }
     }
     // No block leaves while others may still read its partial. Their reads
     // are complete: each fed a store before its thread arrived.
-    gemm_cluster_sync_relaxed();
+    cluster_sync_relaxed();
 #endif
 }
 

@@ -103,39 +103,6 @@ __device__ __forceinline__ unsigned wg_cluster_x() {
     asm volatile("mov.u32 %0, %%cluster_ctaid.x;\n" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ void wg_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wg_cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned wg_mapa(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float4 wg_ld_cluster(unsigned addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-    return v;
-}
-template <typename T> __device__ __forceinline__ unsigned wg_pack(float a, float b);
-template <> __device__ __forceinline__ unsigned wg_pack<__half>(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned wg_pack<__nv_bfloat16>(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-template <typename T>
-__device__ __noinline__ float wg_act(i64 act, float v) {
-    return act_t<T>(act, v);
-}
-
-__device__ __forceinline__ void gemm_wg_cp16(void* smem, const void* gmem, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(wg_smem(smem)), "l"(gmem), "r"(full ? 16 : 0) : "memory");
-}
 
 template <typename T> struct WgIsBf16 { static constexpr bool value = false; };
 template <> struct WgIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -219,7 +186,7 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     // With multicast, the other blocks' barriers must exist before any copy.
-    if (MC > 1) wg_cluster_sync();
+    if (MC > 1) cluster_sync();
     else __syncthreads();
 
     float d[BN / 2];  // consumers' accumulators
@@ -258,14 +225,14 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
         // Bias slice and residual share into shared memory while the tiles
         // arrive (the epilogue then waits on nothing global).
         pdl_enter();
-        if (p.bias && tid < BN / 8) gemm_wg_cp16(s_bias + tid * 8, (const unsigned short*)p.bias + n0 + tid * 8, true);
+        if (p.bias && tid < BN / 8) cp_async16(s_bias + tid * 8, (const unsigned short*)p.bias + n0 + tid * 8, true);
         if (p.res) {
             for (int e = tid; e < (r1 - r0) * (BN / 8); e += 256) {
                 const int r = e / (BN / 8), c = e % (BN / 8);
                 const i64 row = m0 + r0 + r;
                 const bool in = row < p.m;
                 const unsigned short* src = (const unsigned short*)p.res + (in ? row * p.n + n0 + c * 8 : 0);
-                gemm_wg_cp16(s_res + r * BN + c * 8, src, in);
+                cp_async16(s_res + r * BN + c * 8, src, in);
             }
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -306,14 +273,14 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
                 *(float2*)(part + row * SP + col) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
             }
     }
-    wg_cluster_sync();  // every block's partial tile is complete
+    cluster_sync();  // every block's partial tile is complete
 
     // This block's share of rows, four columns per step: the S partials in
     // rank order, then bias, activation, residual (as kernels/gemm.cu).
     const unsigned part_addr = wg_smem(part);
     unsigned part_at[8];
 #pragma unroll
-    for (int z = 0; z < 8; ++z) part_at[z] = z < S ? wg_mapa(part_addr, (unsigned)(cx + MC * z)) : 0u;
+    for (int z = 0; z < 8; ++z) part_at[z] = z < S ? cluster_map(part_addr, (unsigned)(cx + MC * z)) : 0u;
     const T* bs = (const T*)s_bias;
     const T* rs = (const T*)s_res;
     T* out = (T*)p.out;
@@ -328,7 +295,7 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
         float4 pz[8];
 #pragma unroll
         for (int z = 0; z < 8; ++z)
-            if (z < S) pz[z] = wg_ld_cluster(part_at[z] + (unsigned)((r * SP + c) * 4));
+            if (z < S) pz[z] = ld_cluster_f4(part_at[z] + (unsigned)((r * SP + c) * 4));
         if (row >= p.m) continue;
         float v[4] = {pz[0].x, pz[0].y, pz[0].z, pz[0].w};
 #pragma unroll
@@ -342,13 +309,13 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (p.bias) v[j] += ld(bs, c + j);
-            if (p.act != ACT_NONE) v[j] = wg_act<T>(p.act, v[j]);
+            if (p.act != ACT_NONE) v[j] = act_call<T>(p.act, v[j]);
             if (p.res) v[j] += ld(rs, (r - r0) * BN + c + j);
         }
-        *(uint2*)(out + row * p.n + n0 + c) = make_uint2(wg_pack<T>(v[0], v[1]), wg_pack<T>(v[2], v[3]));
+        *(uint2*)(out + row * p.n + n0 + c) = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
     }
     // No block leaves while others may still read its partial.
-    wg_cluster_sync_relaxed();
+    cluster_sync_relaxed();
 }
 #endif
 
