@@ -265,7 +265,9 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             const int i = i0 + u * NT;
-            if (i < count) {
+            // Rows past M are not read: an unused remote load could still be
+            // in flight at the relaxed barrier below when its block exits.
+            if (i < count && m0 + r0 + i / C4 < p.m) {
                 const int r = r0 + i / C4, c = 4 * (i % C4);
                 const unsigned off = (unsigned)((r * SP + c) * 4);
 #pragma unroll
@@ -299,7 +301,8 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
         }
     }
     // No block leaves while others may still read its partial. Their reads
-    // are complete: each fed a store before its thread arrived.
+    // are complete: each fed a store before its thread arrived (rows past M
+    // are never read; a relaxed arrive does not wait for an unused load).
     cluster_sync_relaxed();
 #endif
 }

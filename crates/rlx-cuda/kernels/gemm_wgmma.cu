@@ -292,11 +292,13 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
     for (int i = tid; i < count; i += NT) {
         const int r = r0 + i / C4, c = 4 * (i % C4);
         const i64 row = m0 + r;
+        // Rows past M are not read: an unused remote load could still be in
+        // flight at the relaxed barrier below when its block exits.
+        if (row >= p.m) continue;
         float4 pz[8];
 #pragma unroll
         for (int z = 0; z < 8; ++z)
             if (z < S) pz[z] = ld_cluster_f4(part_at[z] + (unsigned)((r * SP + c) * 4));
-        if (row >= p.m) continue;
         float v[4] = {pz[0].x, pz[0].y, pz[0].z, pz[0].w};
 #pragma unroll
         for (int z = 1; z < 8; ++z)
@@ -314,7 +316,8 @@ __device__ __forceinline__ void gemm_wg_body(const GemmWgP& p) {
         }
         *(uint2*)(out + row * p.n + n0 + c) = make_uint2(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]));
     }
-    // No block leaves while others may still read its partial.
+    // No block leaves while others may still read its partial; every read
+    // fed a store before its thread arrived.
     cluster_sync_relaxed();
 }
 #endif
