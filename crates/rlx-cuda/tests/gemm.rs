@@ -167,6 +167,38 @@ fn own_matmul_every_tiling_matches_cpu() {
     set_gemm_policy(GemmPolicy::Library);
 }
 
+/// Every own candidate as prepare times it under `Own` (each recorded 10×
+/// into a graph, back to back as programmatic dependents of one another),
+/// at MiniLM's shapes with a partial second row block: 8 texts padded to 24
+/// tokens give 192 rows, so split-K clusters reduce rows past M. The real
+/// model failed there (CUDA_ERROR_LAUNCH_FAILED, session 4) while the
+/// one-launch tiling checks above passed; the suspected cause was remote
+/// reads of those rows still in flight when a peer block left the cluster.
+/// Several rounds, so a timing-dependent fault has chances to show.
+#[test]
+fn own_candidates_timed_with_a_partial_row_block() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(57);
+    let cases: [Case; 4] = [
+        (1, 192, 1152, 384, true, true, None, false),
+        (1, 192, 384, 384, true, true, None, true),
+        (1, 192, 1536, 384, true, true, Some(Activation::Gelu), false),
+        (1, 192, 384, 1536, true, true, None, true),
+    ];
+    for round in 0..3 {
+        for c in cases {
+            // A fresh policy forgets the cached choices: every round times again.
+            set_gemm_policy(GemmPolicy::Own);
+            let (sb, inputs) = build(DType::F16, c, &mut r);
+            let (s, w) = sb.finish();
+            let (_, m, n, k, ..) = c;
+            check(&format!("own timed f16 1x{m}x{n}x{k} round {round}"), &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
+        }
+    }
+    set_gemm_policy(GemmPolicy::Library);
+}
+
 /// Every cuBLASLt algorithm the timed choice may pick (heuristic answers and
 /// their split-K variants) against the CPU, with replay == eager and two
 /// calls of one executable bit for bit: BERT's FFN2 at batch 1 (long K,
