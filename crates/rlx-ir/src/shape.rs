@@ -66,10 +66,10 @@ impl fmt::Display for Shape {
 pub fn broadcast_shapes(op: &str, a: &Shape, b: &Shape) -> Result<Shape, IrError> {
     let r = a.rank().max(b.rank());
     let mut out = vec![0; r];
-    for i in 0..r {
+    for (i, o) in out.iter_mut().enumerate() {
         let da = if i + a.rank() >= r { a.0[i + a.rank() - r] } else { 1 };
         let db = if i + b.rank() >= r { b.0[i + b.rank() - r] } else { 1 };
-        out[i] = if da == db || db == 1 {
+        *o = if da == db || db == 1 {
             da
         } else if da == 1 {
             db

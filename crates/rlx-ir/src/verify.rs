@@ -297,7 +297,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             if p.0 != [x.0[1]] && p.0 != [x.0[0], x.0[1]] {
                 return Err(IrError::shape(name, format!("positions must be [{}] or [{}, {}], found {p}", x.0[1], x.0[0], x.0[1])));
             }
-            if !(*theta > 0.0) {
+            if theta.is_nan() || *theta <= 0.0 {
                 return Err(IrError::attr(name, format!("theta must be positive, found {theta}")));
             }
             Ok((x.clone(), ins[0].1))
@@ -319,7 +319,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
 
 fn norm_checks(name: &str, eps: f32, x: (&Shape, DType), params: &[(&Shape, DType)]) -> Result<()> {
     float(name, x.1)?;
-    if !(eps >= 0.0) {
+    if eps.is_nan() || eps < 0.0 {
         return Err(IrError::attr(name, format!("eps must be >= 0, found {eps}")));
     }
     for (i, (s, d)) in params.iter().enumerate() {

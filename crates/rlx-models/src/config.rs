@@ -128,7 +128,7 @@ impl BertConfig {
             max_position_embeddings: need(raw.max_position_embeddings, "max_position_embeddings")?,
             type_vocab_size: raw.type_vocab_size.unwrap_or(2),
         };
-        if cfg.hidden_size % cfg.num_attention_heads != 0 {
+        if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(ModelError::format(
                 path,
                 format!("hidden_size {} is not a multiple of num_attention_heads {}", cfg.hidden_size, cfg.num_attention_heads),

@@ -228,7 +228,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()>
         offset += n;
     }
     let mut h = serde_json::Value::Object(header).to_string().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + h.len() + offset);

@@ -270,7 +270,7 @@ fn output_is_complete_or_absent() {
     assert_eq!(&bytes[..6], b"\x93NUMPY");
     let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
     let header = std::str::from_utf8(&bytes[10..10 + hlen]).expect("ascii");
-    assert!(header.contains("'shape': (2, 3)") && header.ends_with('\n') && (10 + hlen) % 64 == 0, "{header:?}");
+    assert!(header.contains("'shape': (2, 3)") && header.ends_with('\n') && (10 + hlen).is_multiple_of(64), "{header:?}");
     let data: Vec<f32> = bytes[10 + hlen..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
     assert_eq!(data, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
 

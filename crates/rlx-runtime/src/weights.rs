@@ -21,11 +21,14 @@ pub struct WeightStore {
     inner: RwLock<Inner>,
 }
 
+/// (parts, concat axis, dtype) -> the resolved tensor and the newest part version it was built from.
+type Derived = HashMap<(Vec<String>, usize, DType), (Arc<Tensor>, u64)>;
+
 #[derive(Debug, Default)]
 struct Inner {
     params: HashMap<String, (Arc<Tensor>, u64)>,
     /// Concatenated / converted forms asked for by schedules.
-    derived: HashMap<(Vec<String>, usize, DType), (Arc<Tensor>, u64)>,
+    derived: Derived,
     version: u64,
 }
 

@@ -108,7 +108,7 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     let mut worst = (0.0f64, 0usize);
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let err = (*g as f64 - w).abs() / w.abs().max(1.0);
-        if !(err <= worst.0) {
+        if err.is_nan() || err > worst.0 {
             worst = (err, i);
         }
     }

@@ -23,7 +23,8 @@ fn wrong_inputs_are_named() {
     let s = session();
     let mut exe = s.compile(&linear_graph()).unwrap();
     let good = Tensor::from_f32([2, 3], &[1.0; 6]).unwrap();
-    let cases: Vec<(Vec<(&str, Tensor)>, &[&str])> = vec![
+    type Case<'a> = (Vec<(&'a str, Tensor)>, &'a [&'a str]);
+    let cases: Vec<Case> = vec![
         (vec![("y", good.clone())], &["'y'", "not an input"]),
         (vec![], &["'x'", "missing"]),
         (vec![("x", Tensor::from_f32([3, 2], &[1.0; 6]).unwrap())], &["'x'", "[2, 3]", "[3, 2]"]),

@@ -484,6 +484,7 @@ fn attention_masks_gqa_and_fused_qkv_views() {
 }
 
 #[test]
+#[allow(clippy::needless_range_loop)] // indices mirror the formula
 fn rope_both_modes() {
     let mut r = rng(10);
     for case in 0..8 {

@@ -20,7 +20,9 @@ fn random(rng: &mut StdRng, dims: &[usize]) -> Tensor {
 /// outputs stay O(1) and low-precision errors are not cancellation
 /// artefacts. A float `mask` input gets ones with the last two keys of the
 /// last batch masked out.
-fn feeds(g: &Graph, seed: u64) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+type Named = Vec<(String, Tensor)>;
+
+fn feeds(g: &Graph, seed: u64) -> (Named, Named) {
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut params, mut inputs) = (vec![], vec![]);
     for n in &g.nodes {

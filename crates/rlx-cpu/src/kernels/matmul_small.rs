@@ -597,8 +597,8 @@ mod avx512 {
         }
         // Straight into c (row stride ld), the first gw columns only: the
         // padding columns of the last group are never stored.
-        for r in 0..R {
-            for (j, v) in acc[r].iter().enumerate() {
+        for (r, row) in acc.iter().enumerate() {
+            for (j, v) in row.iter().enumerate() {
                 let left = gw.saturating_sub(16 * j).min(16);
                 if left > 0 {
                     let mask = ((1u32 << left) - 1) as __mmask16;
