@@ -105,8 +105,9 @@ static POLICY: Mutex<Option<GemmPolicy>> = Mutex::new(None);
 /// passed the relaxed cluster barrier, so a peer could exit under a read in
 /// flight (192-row batches: tests/gemm.rs had no such shape with a split).
 /// Until a GPU run confirms it the own kernels stay opt-in and flagged.
-const OWN_KERNELS_WARNING: &str = "times RLX's own GEMM kernels, which are experimental: a known failure \
-(CUDA_ERROR_LAUNCH_FAILED on the real MiniLM f16 model at batch 8, mixed lengths) is open; the default (cuBLASLt) is the tested path";
+const OWN_KERNELS_WARNING: &str = "times RLX's own GEMM kernels, which are experimental: they failed \
+(CUDA_ERROR_LAUNCH_FAILED) on the real MiniLM f16 model at batch 8, mixed lengths, and the fix for the suspected cause \
+has not yet run on a GPU; the default (cuBLASLt) is the tested path";
 
 /// Sets the process-wide policy (overrides `RLX_GEMM`). Choices already made
 /// for a shape are forgotten, so the next prepare decides again. `Auto`,
