@@ -193,6 +193,11 @@ fn own_candidates_timed_with_a_partial_row_block() {
             let (sb, inputs) = build(DType::F16, c, &mut r);
             let (s, w) = sb.finish();
             let (_, m, n, k, ..) = c;
+            // The own kernel must be what runs, or the check says nothing about it.
+            if let Some(g) = &g {
+                let e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(e.own_matmul_count(), 1, "no own kernel taken for {c:?}");
+            }
             check(&format!("own timed f16 1x{m}x{n}x{k} round {round}"), &g, &s, &w, &named(inputs), (k as f64).sqrt() / 2.0);
         }
     }
