@@ -95,24 +95,11 @@ const DEFAULT_POLICY: GemmPolicy = GemmPolicy::Library;
 
 static POLICY: Mutex<Option<GemmPolicy>> = Mutex::new(None);
 
-/// Printed when `RLX_GEMM` opts into the own kernels. On the H200 (session 4)
-/// the real MiniLM f16 model, embedded in mixed-length batches of up to 8
-/// texts (bench/gpu-perf.md, session 4 validation), failed with CUDA_ERROR_LAUNCH_FAILED
-/// under `auto` and `own` while prepare timed the own kernels, though every
-/// tiling passes tests/gemm.rs against the CPU. Suspected cause, fixed after
-/// the last GPU run and not yet verified there: in the split-K reduce, threads
-/// read peer blocks' partials for rows past M, left the loads unused and
-/// passed the relaxed cluster barrier, so a peer could exit under a read in
-/// flight (192-row batches: tests/gemm.rs had no such shape with a split).
-/// Until a GPU run confirms it the own kernels stay opt-in and flagged.
-const OWN_KERNELS_WARNING: &str = "times RLX's own GEMM kernels, which are experimental: they failed \
-(CUDA_ERROR_LAUNCH_FAILED) on the real MiniLM f16 model at batch 8, mixed lengths, and the fix for the suspected cause \
-has not yet run on a GPU; the default (cuBLASLt) is the tested path";
-
 /// Sets the process-wide policy (overrides `RLX_GEMM`). Choices already made
 /// for a shape are forgotten, so the next prepare decides again. `Auto`,
-/// `Own` and `Tiling` run the experimental own kernels (see
-/// `OWN_KERNELS_WARNING`).
+/// `Own` and `Tiling` run the own kernels: they pass the GPU suite (the real
+/// MiniLM model included) but were not faster than cuBLASLt in the forward on
+/// the H200 (bench/gpu-perf.md, session 5), so they are not the default.
 pub fn set_gemm_policy(p: GemmPolicy) {
     if let Ok(mut g) = POLICY.lock() {
         *g = Some(p);
@@ -125,14 +112,8 @@ pub fn set_gemm_policy(p: GemmPolicy) {
 fn policy() -> GemmPolicy {
     let Ok(mut g) = POLICY.lock() else { return DEFAULT_POLICY };
     *g.get_or_insert_with(|| match std::env::var("RLX_GEMM").as_deref().map(str::trim) {
-        Ok(p @ ("auto" | "own")) => {
-            eprintln!("rlx-cuda: RLX_GEMM={p} {OWN_KERNELS_WARNING}");
-            if p == "auto" {
-                GemmPolicy::Auto
-            } else {
-                GemmPolicy::Own
-            }
-        }
+        Ok("auto") => GemmPolicy::Auto,
+        Ok("own") => GemmPolicy::Own,
         Ok("cublas") | Ok("library") => GemmPolicy::Library,
         Ok("cublas-all") => GemmPolicy::LibraryAll,
         Ok("heuristic") => GemmPolicy::Heuristic,
@@ -562,9 +543,11 @@ pub(crate) fn choose(
     // tie never moves a shape off cuBLASLt's first answer.
     let (li, lv) = argmin(lt_us);
     let mut pick = if li != 0 && lv < 0.97 * lt_us[0] { (Choice::Lt(lt[li]), lv) } else { (default, lt_us[0]) };
+    // Under `Auto` the own kernel must beat a cuBLASLt time that was
+    // measured: a library call that could not be timed is no reason to leave it.
     if !own_cands.is_empty() && own_use {
         let (oi, ov) = argmin(own_us);
-        if pol == GemmPolicy::Own || ov < 0.97 * pick.1 {
+        if pol == GemmPolicy::Own || (pick.1.is_finite() && ov < 0.97 * pick.1) {
             pick = (Choice::Own(own_cands[oi]), ov);
         }
     }
