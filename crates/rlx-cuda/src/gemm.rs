@@ -214,11 +214,11 @@ fn tiles(rows: usize, n: usize, bn: usize) -> usize {
 /// N, K split up to `MAX_SPLIT` ways in whole BK tiles, at most two blocks
 /// per SM in all; the multicast variants where the N-tiles group by `mc`,
 /// the cluster stays within 8 blocks and every K tile has its own stage.
-pub(crate) fn candidates(k: &Kernels, t: &MatMulThunk) -> Vec<GemmCfg> {
+pub(crate) fn candidates(k: &Kernels, t: &MatMulThunk) -> Result<Vec<GemmCfg>> {
     let (rows, _) = folded(t);
     let sm_count = k.sm_count as usize;
     let mut v = Vec::new();
-    let wg_ok = k.wgmma && t.b_trans;
+    let wg_ok = k.own_gemm()?.wgmma && t.b_trans;
     let wg = WG_BNS.iter().filter(|_| wg_ok).map(|bn| (*bn, WG_WARPS, 1));
     let mc = WG_MC.iter().filter(|_| wg_ok).map(|(bn, mc)| (*bn, WG_WARPS, *mc));
     let plain = VARIANTS.iter().map(|(bn, warps)| (*bn, *warps, 1));
@@ -234,7 +234,7 @@ pub(crate) fn candidates(k: &Kernels, t: &MatMulThunk) -> Vec<GemmCfg> {
             }
         }
     }
-    v
+    Ok(v)
 }
 
 /// (pipeline stages, dynamic shared memory bytes) of a launch: the whole
@@ -315,7 +315,7 @@ fn wg_step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Result<Step
     let (rows, _) = folded(t);
     let dt = if t.dtype == DType::BF16 { "bf16" } else { "f16" };
     let mc = if cfg.mc > 1 { format!("_mc{}", cfg.mc) } else { String::new() };
-    let func = k.get(&format!("gemm_wg_{}{mc}_{dt}", cfg.bn))?;
+    let func = k.own_gemm()?.get(&format!("gemm_wg_{}{mc}_{dt}", cfg.bn))?;
     let opt = |x: &Option<rlx_compile::BufRef>| -> Result<u64> { x.as_ref().map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0)) };
     let (stages, smem) = wg_launch_smem(t, cfg);
     let early = prepared(&t.b) && t.bias.as_ref().is_none_or(prepared);
@@ -354,7 +354,7 @@ pub(crate) fn step(k: &Kernels, t: &MatMulThunk, b: &Bases, cfg: GemmCfg) -> Res
     }
     let (rows, _) = folded(t);
     let dt = if t.dtype == DType::BF16 { "bf16" } else { "f16" };
-    let func = k.get(&format!("gemm_{}_{}w_{}_{dt}", cfg.bn, cfg.warps, if t.b_trans { "t" } else { "n" }))?;
+    let func = k.own_gemm()?.get(&format!("gemm_{}_{}w_{}_{dt}", cfg.bn, cfg.warps, if t.b_trans { "t" } else { "n" }))?;
     let opt = |x: &Option<rlx_compile::BufRef>| -> Result<u64> { x.as_ref().map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0)) };
     let (stages, smem) = launch_smem(t, cfg);
     let early = prepared(&t.b) && t.bias.as_ref().is_none_or(prepared);
@@ -501,7 +501,10 @@ pub(crate) fn choose(
     if let Some(c) = choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?.get(&key) {
         return Ok((*c, 0));
     }
-    let own_cands = if own_ok { candidates(k, t) } else { Vec::new() };
+    // Only the policies that may run the own kernel load it (src/launch.rs
+    // `own_gemm`): the default never compiles it.
+    let own_use = matches!(pol, GemmPolicy::Auto | GemmPolicy::Own | GemmPolicy::Tiling(..));
+    let own_cands = if own_ok && own_use { candidates(k, t)? } else { Vec::new() };
     if let GemmPolicy::Tiling(bn, warps, split, mc) = pol {
         let c = GemmCfg { bn, warps, split, mc };
         return Ok((if own_cands.contains(&c) { Choice::Own(c) } else { default }, 0));
@@ -528,7 +531,6 @@ pub(crate) fn choose(
             }) as Box<Enqueue<'_>>
         })
         .collect();
-    let own_use = matches!(pol, GemmPolicy::Auto | GemmPolicy::Own);
     let own_steps: Vec<Step> = if own_use { own_cands.iter().map(|c| step(k, t, b, *c)).collect::<Result<_>>()? } else { Vec::new() };
     // Timed as the forward launches it: a programmatic dependent of the
     // kernel before (its weight copies overlap that kernel's tail; 0.3-0.7 µs

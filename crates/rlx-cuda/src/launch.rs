@@ -5,14 +5,14 @@
 //! bits.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use rlx_compile::{BufRef, Space, Thunk};
 use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode};
 use rlx_runtime::Result;
 
 use crate::blas::{Blas, MatMulCall, MatMulPlan};
-use crate::driver::{self, err, Func, Stream};
+use crate::driver::{self, err, Device, Func, Module, Stream};
 use crate::hostops::HostTask;
 
 pub(crate) const MAX_RANK: usize = 8;
@@ -175,19 +175,63 @@ impl Bases {
     }
 }
 
+/// Compiles (or reads from the disk cache) the files, all at once, and
+/// loads them as modules on the device: their functions by name. Modules
+/// live for the process (every executable uses their functions).
+pub(crate) fn load_modules(dev: &Device, files: &[crate::nvrtc::Source]) -> Result<HashMap<String, Func>> {
+    let mut funcs = HashMap::new();
+    for cubin in crate::nvrtc::compile_many(files)? {
+        let module: &'static Module = Box::leak(Box::new(Module::load(dev, &cubin)?));
+        funcs.extend(module.functions()?);
+    }
+    Ok(funcs)
+}
+
 /// Loaded kernel functions by name (`binary_f16`, `gather`, ...).
 pub(crate) struct Kernels {
-    pub funcs: HashMap<String, Func>,
+    funcs: HashMap<String, Func>,
     pub sm_count: u32,
     /// Thread-block clusters (sm_90+): the own matmul needs them.
     pub clusters: bool,
-    /// The sm_90a wgmma + TMA matmul (kernels/gemm_wgmma.cu) was loaded.
+    dev: Arc<Device>,
+    /// The own matmul's functions, loaded on first use (`own_gemm`); a
+    /// failure is kept as its message and repeated to every caller.
+    gemm: OnceLock<std::result::Result<OwnGemm, String>>,
+}
+
+/// The own matmul's kernels (kernels/gemm.cu, and kernels/gemm_wgmma.cu on
+/// cc 9.0).
+pub(crate) struct OwnGemm {
+    funcs: HashMap<String, Func>,
+    /// The sm_90a wgmma + TMA matmul was loaded.
     pub wgmma: bool,
 }
 
+impl OwnGemm {
+    pub(crate) fn get(&self, name: &str) -> Result<Func> {
+        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the own matmul's modules")))
+    }
+}
+
 impl Kernels {
+    pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>) -> Kernels {
+        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, dev, gemm: OnceLock::new() }
+    }
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
+    }
+    pub(crate) fn own_gemm_loaded(&self) -> bool {
+        matches!(self.gemm.get(), Some(Ok(_)))
+    }
+    /// The own matmul, compiled (or read from the disk cache) and loaded the
+    /// first time a matmul policy needs it (src/gemm.rs).
+    pub(crate) fn own_gemm(&self) -> Result<&OwnGemm> {
+        let loaded = self.gemm.get_or_init(|| {
+            let funcs = load_modules(&self.dev, &crate::nvrtc::gemm_sources_for(self.dev.cc)).map_err(|e| e.to_string())?;
+            let wgmma = funcs.contains_key("gemm_wg_64_f16");
+            Ok(OwnGemm { funcs, wgmma })
+        });
+        loaded.as_ref().map_err(|e| err(format!("loading the own matmul kernels: {e}")))
     }
     fn typed(&self, base: &str, d: DType) -> Result<Func> {
         self.get(&format!("{base}_{}", suffix(d)))
@@ -576,10 +620,10 @@ pub(crate) fn lower(
 /// every (batch, head) pair). 128-row blocks (8 warps, one K/V pass for
 /// twice the rows) when they too fill the SMs and pad no more rows than
 /// 64-row blocks would. `force` (`RLX_ATTN_ROWS`) pins 64 or 128 wherever the
-/// tensor-core kernel runs.
+/// tensor-core kernel runs, or 16: the key-splitting kernel everywhere.
 pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32, force: Option<u64>) -> Option<u64> {
     let (q, hb, sms) = (q_len as u64, heads as u64, sm_count as u64);
-    if q < 16 || q.div_ceil(64) * hb < sms {
+    if q < 16 || q.div_ceil(64) * hb < sms || force == Some(16) {
         return None;
     }
     if let Some(r) = force {
@@ -590,11 +634,13 @@ pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32, forc
     Some(if q > 64 && fill128 && same_padding { 128 } else { 64 })
 }
 
-/// `RLX_ATTN_ROWS=64|128` (read once): rows per tensor-core attention block,
-/// for measurements; anything else keeps the automatic choice.
+/// `RLX_ATTN_ROWS=16|64|128` (read once): rows per tensor-core attention
+/// block (16: the key-splitting kernel), for measurements; anything else
+/// keeps the automatic choice.
 fn attention_rows_override() -> Option<u64> {
     static ROWS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| match std::env::var("RLX_ATTN_ROWS").ok()?.trim() {
+        "16" => Some(16),
         "64" => Some(64),
         "128" => Some(128),
         _ => None,
@@ -730,5 +776,6 @@ mod tests {
         assert_eq!(attention_mma_rows(8, 4000, 132, None), None);
         assert_eq!(attention_mma_rows(128, 384, 132, Some(64)), Some(64));
         assert_eq!(attention_mma_rows(128, 12, 132, Some(128)), None, "the override never replaces the split kernel");
+        assert_eq!(attention_mma_rows(128, 384, 132, Some(16)), None, "16 pins the split kernel");
     }
 }

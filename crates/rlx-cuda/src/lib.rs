@@ -31,7 +31,7 @@ pub use exec::CudaExecutable;
 pub use gemm::{set_gemm_policy, GemmPolicy};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
 
-use driver::{err, Device, Module};
+use driver::{err, Device};
 use launch::Kernels;
 
 /// The CUDA backend for one device.
@@ -91,15 +91,8 @@ fn open(ordinal: usize) -> Result<Opened> {
         return Ok(v.clone());
     }
     let dev = Device::open(ordinal)?;
-    let mut funcs = HashMap::new();
-    for (file, src, arch) in nvrtc::sources_for(dev.cc) {
-        let cubin = nvrtc::compile_cubin(file, src, &arch)?;
-        // Modules live for the process: functions are used by every executable.
-        let module: &'static Module = Box::leak(Box::new(Module::load(&dev, &cubin)?));
-        funcs.extend(module.functions()?);
-    }
-    let wgmma = funcs.contains_key("gemm_wg_64_f16");
-    let kernels = Arc::new(Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, wgmma });
+    let funcs = launch::load_modules(&dev, &nvrtc::sources_for(dev.cc))?;
+    let kernels = Arc::new(Kernels::new(dev.clone(), funcs));
     g.insert(ordinal, (dev.clone(), kernels.clone()));
     Ok((dev, kernels))
 }
@@ -116,6 +109,12 @@ impl CudaBackend {
     /// Device name and compute capability.
     pub fn device_name(&self) -> String {
         format!("{} (sm_{}{})", self.dev.name, self.dev.cc.0, self.dev.cc.1)
+    }
+
+    /// Whether this process has compiled and loaded the own matmul kernels
+    /// (only the `auto`, `own` and tiling matmul policies need them).
+    pub fn own_matmul_loaded(&self) -> bool {
+        self.kernels.own_gemm_loaded()
     }
 
     /// (free, total) device memory in bytes.

@@ -14,30 +14,55 @@ use crate::driver::err;
 /// Our shared header, given to NVRTC in memory.
 pub(crate) const HEADER: (&str, &str) = ("common.cuh", include_str!("../kernels/common.cuh"));
 
-/// Every kernel source file: (file name, text).
+/// The kernel files every device loads when it opens: (file name, text).
 pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
-    ("gemm.cu", include_str!("../kernels/gemm.cu")),
 ];
 
-/// Kernel files that use sm_90a-only instructions (wgmma): compiled for
+/// The own matmul (src/gemm.rs): compiled and loaded only when a matmul
+/// policy times or runs it, so the default (cuBLASLt) does not pay for it.
+pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu"))];
+
+/// Own-matmul files that use sm_90a-only instructions (wgmma): compiled for
 /// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere
 /// (their users check that the functions were loaded).
-pub const SM90A_SOURCES: &[(&str, &str)] = &[("gemm_wgmma.cu", include_str!("../kernels/gemm_wgmma.cu"))];
+pub const SM90A_GEMM_SOURCES: &[(&str, &str)] = &[("gemm_wgmma.cu", include_str!("../kernels/gemm_wgmma.cu"))];
 
-/// The files to compile for a device of compute capability `cc`, each with
-/// the architecture name to compile it for.
-pub fn sources_for(cc: (i32, i32)) -> Vec<(&'static str, &'static str, String)> {
+/// A file to compile: (file name, text, architecture to compile it for).
+pub type Source = (&'static str, &'static str, String);
+
+/// The files a device of compute capability `cc` loads when it opens.
+pub fn sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
-    let mut v: Vec<_> = SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect();
+    SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+}
+
+/// The own matmul's files for a device of compute capability `cc`.
+pub fn gemm_sources_for(cc: (i32, i32)) -> Vec<Source> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    let mut v: Vec<_> = GEMM_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect();
     if cc == (9, 0) {
-        v.extend(SM90A_SOURCES.iter().map(|(f, s)| (*f, *s, "sm_90a".to_string())));
+        v.extend(SM90A_GEMM_SOURCES.iter().map(|(f, s)| (*f, *s, "sm_90a".to_string())));
     }
     v
+}
+
+/// `compile_cubin` for every file at once, one thread each (NVRTC programs
+/// are independent; a cold cache took ~23 s for all seven files one after
+/// another on a 2-core VM): the CUBINs in input order, or the first file's
+/// error.
+pub fn compile_many(files: &[Source]) -> Result<Vec<Vec<u8>>> {
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = files.iter().map(|(f, src, arch)| scope.spawn(move || compile_cubin(f, src, arch))).collect();
+        jobs.into_iter()
+            .zip(files)
+            .map(|(j, (f, ..))| j.join().unwrap_or_else(|_| Err(err(format!("{f}: the compile thread panicked")))))
+            .collect()
+    })
 }
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
@@ -214,10 +239,7 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
-    let mut out = Vec::new();
-    for (file, src, name) in sources_for(arch) {
-        let bin = compile_cubin(file, src, &name)?;
-        out.push((file, name, bin.len()));
-    }
-    Ok(out)
+    let files: Vec<Source> = sources_for(arch).into_iter().chain(gemm_sources_for(arch)).collect();
+    let bins = compile_many(&files)?;
+    Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }

@@ -9,7 +9,7 @@ use common::*;
 use rlx_compile::{AttentionThunk, MatMulThunk, SeqView, Thunk};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{Activation, BinaryOp, DType};
-use rlx_runtime::{Backend, PrepareOptions, RuntimeError, Tensor};
+use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, Tensor};
 
 /// x [rows, h] -> QKV matmul (+bias) -> attention -> out-proj (+residual) ->
 /// LayerNorm -> FFN (erf-GELU) -> residual add: one encoder layer.
@@ -127,6 +127,27 @@ fn encoder_layer_matches_cpu_and_replay_equals_eager() {
         // (bf16 at RMS ~40: ~0.3; f16 measured 0.06).
         check_floor(&format!("encoder layer {dt}"), &g, &s, &w, &layer_inputs(dt, batch, seq, h, 12), scale, 3.0);
     }
+}
+
+/// Under the default matmul policy (cuBLASLt) a whole encoder layer, its
+/// four matmuls included, prepares and runs without compiling or loading
+/// the own matmul kernels (kernels/gemm*.cu: ~6 s of NVRTC on a cold cache).
+/// Skipped when `RLX_GEMM` picks another policy for this process.
+#[test]
+fn default_policy_does_not_load_the_own_matmul() {
+    let Some(Some(g)) = gpu_or_dry() else { return };
+    if std::env::var("RLX_GEMM").is_ok() {
+        eprintln!("SKIPPED default_policy_does_not_load_the_own_matmul: RLX_GEMM is set");
+        return;
+    }
+    let (s, w) = layer(DType::F16, 2, 23, 96, 3, 13).finish();
+    let mut e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let inputs = layer_inputs(DType::F16, 2, 23, 96, 14);
+    let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let out = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!out.is_empty());
+    assert_eq!(e.own_matmul_count(), 0);
+    assert!(!g.own_matmul_loaded(), "the default policy loaded the own matmul kernels");
 }
 
 /// Programmatic dependent launch is recorded into the replay graphs on
