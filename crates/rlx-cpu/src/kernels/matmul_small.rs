@@ -38,7 +38,8 @@ const MR: usize = 4;
 /// than 4×4 on MiniLM, 6×4 no faster.
 const NR: usize = 6;
 
-fn has_avx512() -> bool {
+/// Whether the CPU runs AVX-512 (F) code (std caches the check).
+pub(crate) fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx512f")
