@@ -452,7 +452,9 @@ mod avx512 {
         for (i, &lim) in limit.iter().enumerate() {
             let row = s.add(i * vp);
             let lim = lim.min(vp).min(keep.len());
-            std::ptr::write_bytes(row.add(lim), 0, vp - lim);
+            if lim < vp {
+                std::ptr::write_bytes(row.add(lim), 0, vp - lim);
+            }
             inv[i] = softmax_row::<ALL>(row, keep.as_ptr(), lim);
         }
     }
