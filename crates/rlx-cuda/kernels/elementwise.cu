@@ -77,49 +77,27 @@ RLX_FLOAT_KERNELS(binary32, BinaryP)
 // stride 1 by both operands, every other stride a multiple of E and every
 // pointer 16-byte aligned, so the E elements sit together in a, b and out.
 // Same float ops per element as `binary`, hence the same bits.
-//
-// Each thread issues the loads of MLP_U vectors (one grid stride apart)
-// before using any: with one 16-byte load in flight per thread an SM holds
-// 32 KB in flight, too little to cover DRAM latency at full bandwidth (the
-// GELU epilogue moved 50 MB at 2.7 TB/s). The host sizes the grid to one
-// resident wave (`Kernels::wide`).
-#define MLP_U 4
-
 template <typename T>
 __device__ void binary_vec_body(const BinaryP& p) {
     constexpr int E = Vec16<T>::E;
     const T* a = (const T*)p.a; const T* b = (const T*)p.b;
-    const unsigned nv = (unsigned)(p.n / E), stride = gridDim.x * blockDim.x;
-    for (unsigned i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < nv; i0 += MLP_U * stride) {
-        uint4 xa[MLP_U], yb[MLP_U];
+    const unsigned nv = (unsigned)(p.n / E);
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += gridDim.x * blockDim.x) {
+        unsigned ai, bi;
+        bcast_offsets(p, i * E, ai, bi);
+        float x[E], y[E];
+        Vec16<T>::load(*(const uint4*)(a + ai), x);
+        Vec16<T>::load(*(const uint4*)(b + bi), y);
 #pragma unroll
-        for (int u = 0; u < MLP_U; ++u) {
-            const unsigned i = i0 + u * stride;
-            if (i < nv) {
-                unsigned ai, bi;
-                bcast_offsets(p, i * E, ai, bi);
-                xa[u] = *(const uint4*)(a + ai);
-                yb[u] = *(const uint4*)(b + bi);
+        for (int e = 0; e < E; ++e) {
+            switch (p.op) {
+                case 0: x[e] = x[e] + y[e]; break;
+                case 1: x[e] = x[e] - y[e]; break;
+                case 2: x[e] = x[e] * y[e]; break;
+                default: x[e] = x[e] / y[e]; break;
             }
         }
-#pragma unroll
-        for (int u = 0; u < MLP_U; ++u) {
-            const unsigned i = i0 + u * stride;
-            if (i >= nv) break;
-            float x[E], y[E];
-            Vec16<T>::load(xa[u], x);
-            Vec16<T>::load(yb[u], y);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                switch (p.op) {
-                    case 0: x[e] = x[e] + y[e]; break;
-                    case 1: x[e] = x[e] - y[e]; break;
-                    case 2: x[e] = x[e] * y[e]; break;
-                    default: x[e] = x[e] / y[e]; break;
-                }
-            }
-            ((uint4*)p.out)[i] = Vec16<T>::store(x);
-        }
+        ((uint4*)p.out)[i] = Vec16<T>::store(x);
     }
 }
 RLX_FLOAT_KERNELS(binary_vec, BinaryP)
@@ -151,38 +129,25 @@ RLX_FLOAT_KERNELS(epilogue, EpilogueP)
 
 // The same epilogue over 16-byte vectors (n a multiple of the vector width,
 // pointers 16-byte aligned; the host checks): one load and one store
-// instruction per 8 halves instead of 8, MLP_U vectors' loads in flight per
-// thread (as binary_vec), so the pass runs at memory speed. Same
-// per-element arithmetic as `epilogue`, hence the same bits.
+// instruction per 8 halves instead of 8, so the pass runs at memory speed.
+// Same per-element arithmetic as `epilogue`, hence the same bits.
 template <typename T>
 __device__ void epilogue_vec_body(const EpilogueP& p) {
     constexpr int E = Vec16<T>::E;
     uint4* out = (uint4*)p.out; const uint4* res = (const uint4*)p.res;
-    const i64 nv = p.n / E, stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i0 = blockIdx.x * (i64)blockDim.x + threadIdx.x; i0 < nv; i0 += MLP_U * stride) {
-        uint4 o[MLP_U], rr[MLP_U];
+    const i64 nv = p.n / E;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < nv; i += (i64)gridDim.x * blockDim.x) {
+        float v[E], r[E];
+        uint4 o = out[i];
+        uint4 rr = res ? res[i] : make_uint4(0, 0, 0, 0);
+        Vec16<T>::load(o, v);
+        Vec16<T>::load(rr, r);
 #pragma unroll
-        for (int u = 0; u < MLP_U; ++u) {
-            const i64 i = i0 + u * stride;
-            if (i < nv) {
-                o[u] = out[i];
-                rr[u] = res ? res[i] : make_uint4(0, 0, 0, 0);
-            }
+        for (int e = 0; e < E; ++e) {
+            v[e] = act_t<T>(p.act, v[e]);
+            if (res) v[e] += r[e];
         }
-#pragma unroll
-        for (int u = 0; u < MLP_U; ++u) {
-            const i64 i = i0 + u * stride;
-            if (i >= nv) break;
-            float v[E], r[E];
-            Vec16<T>::load(o[u], v);
-            Vec16<T>::load(rr[u], r);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                v[e] = act_t<T>(p.act, v[e]);
-                if (res) v[e] += r[e];
-            }
-            out[i] = Vec16<T>::store(v);
-        }
+        out[i] = Vec16<T>::store(v);
     }
 }
 RLX_FLOAT_KERNELS(epilogue_vec, EpilogueP)

@@ -252,13 +252,6 @@ impl Kernels {
         let args = Args::default().p(dst).p(src).p(bytes);
         Ok(self.flat(self.get("copy_bytes")?, bytes.div_ceil(16), args, kind))
     }
-    /// As `flat` for the kernels that keep several 16-byte loads in flight
-    /// per thread (kernels/elementwise.cu `MLP_U`): at most one resident
-    /// wave of blocks (8 of 256 threads per SM), each thread looping.
-    fn wide(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
-        let blocks = n.div_ceil(BLOCK as u64).clamp(1, self.sm_count as u64 * 8);
-        Step::new(Op::Kernel { func: name, grid: [blocks as u32, 1, 1], block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind)
-    }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
         Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind)
     }
@@ -386,7 +379,7 @@ pub(crate) fn lower(
                 let args = Args::default().p(d).p(res).i(n).i(act_code(e.act));
                 let width = (16 / m.dtype.size()) as u64;
                 if n.is_multiple_of(width) && (d | res).is_multiple_of(16) {
-                    steps.push(k.wide(k.typed("epilogue_vec", m.dtype)?, n / width, args, kind));
+                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, args, kind));
                 } else {
                     steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, kind));
                 }
@@ -415,7 +408,7 @@ pub(crate) fn lower(
             let small = fits31(n as u64) && st.iter().all(|s| fits31(max_offset(&shape, s)));
             let width = 16 / dtype.size().max(1);
             if small && binary_vec_ok(&shape, &st, width, &[b.ptr(a)?, b.ptr(bb)?, b.ptr(out)?]) {
-                steps.push(k.wide(k.typed("binary_vec", *dtype)?, (n / width) as u64, args, kind));
+                steps.push(k.flat(k.typed("binary_vec", *dtype)?, (n / width) as u64, args, kind));
             } else {
                 let name = if small { "binary32" } else { "binary" };
                 steps.push(k.flat(k.typed(name, *dtype)?, n as u64, args, kind));
