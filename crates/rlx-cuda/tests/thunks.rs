@@ -156,6 +156,32 @@ fn binary_bert_broadcasts() {
     }
 }
 
+/// `binary_vec` over more vectors than its grid has threads (132 SMs × 32
+/// blocks × 256 threads ≈ 1.08M): threads go round the grid-stride loop a
+/// second time, some of them only. A same-shape add and the position-style
+/// broadcast, every float type.
+#[test]
+fn binary_vec_beyond_one_wave() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(13);
+    let (bs, s, h) = (64usize, 128usize, 1160usize);
+    for dt in FLOATS {
+        for bshape in [vec![bs, s, h], vec![s, h]] {
+            let shape = vec![bs, s, h];
+            let b_strides = if bshape.len() == 3 { vec![(s * h) as u64, h as u64, 1] } else { vec![0, h as u64, 1] };
+            let mut sb = Sb::new();
+            let a = sb.input("a", &shape, dt);
+            let bb = sb.input("b", &bshape, dt);
+            let out = sb.output("out", &shape, dt);
+            let a_strides = vec![(s * h) as u64, h as u64, 1];
+            sb.thunk(Thunk::Binary { op: BinaryOp::Add, dtype: dt, out_shape: shape.clone(), a, a_strides, b: bb, b_strides, out });
+            let (sch, w) = sb.finish();
+            let inputs = named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", rand_tensor(&mut r, &bshape, dt))]);
+            check(&format!("binary_vec Add {dt} {shape:?} by {bshape:?}"), &g, &sch, &w, &inputs, 1.0);
+        }
+    }
+}
+
 #[test]
 fn activations_and_swiglu() {
     let Some(g) = gpu_or_dry() else { return };
