@@ -258,6 +258,19 @@ impl Lowerer<'_> {
                     out: self.buf(i),
                 }
             }
+            Op::MaskedMean => {
+                let (x, m) = (in0(self)?, self.input(i, 1)?);
+                let xd = g.nodes[x].shape.dims();
+                Thunk::MaskedMean {
+                    dtype,
+                    batch: xd[0],
+                    seq: xd[1],
+                    dim: xd[2],
+                    x: self.dense(i, x)?,
+                    mask: self.dense(i, m)?,
+                    out: self.buf(i),
+                }
+            }
             Op::SwiGlu => {
                 let (rows, gate) = self.rows(i, in0(self)?)?;
                 let (_, up) = self.rows(i, self.input(i, 1)?)?;

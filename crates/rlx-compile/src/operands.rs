@@ -162,6 +162,11 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                 wr("out", *out, prod(&[*batch, *s, w]), *dtype),
             ]
         }
+        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => vec![
+            rd("x", *x, prod(&[*batch, *seq, *dim]), *dtype),
+            rd("mask", *mask, prod(&[*batch, *seq]), *dtype),
+            wr("out", *out, prod(&[*batch, *dim]), *dtype),
+        ],
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let es = dtype.size() as u64;
             vec![

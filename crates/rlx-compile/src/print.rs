@@ -116,6 +116,9 @@ fn describe(t: &Thunk) -> String {
         Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, .. } => {
             format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions} -> {out}", seq(x))
         }
+        Thunk::MaskedMean { dtype, batch, seq: s, dim, x, mask, out } => {
+            format!("{dtype} [{batch}, {s}, {dim}] x={x} mask={mask} -> {out}")
+        }
         Thunk::SwiGlu { dtype, rows: r, cols, gate, up, out } => {
             format!("{dtype} rows={r} cols={cols} gate={} up={} -> {out}", rows(gate), rows(up))
         }

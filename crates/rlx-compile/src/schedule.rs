@@ -224,6 +224,17 @@ pub enum Thunk {
         positions_per_batch: bool,
         out: BufRef,
     },
+    /// out[b, d] = Σ_s x[b, s, d]·mask[b, s] / max(Σ_s mask[b, s], 1e-9), all
+    /// contiguous (`Op::MaskedMean`), accumulated in f32.
+    MaskedMean {
+        dtype: DType,
+        batch: usize,
+        seq: usize,
+        dim: usize,
+        x: BufRef,
+        mask: BufRef,
+        out: BufRef,
+    },
     /// out = silu(gate) * up over `[rows, cols]`; gate/up may be strided
     /// (halves of one fused projection); out contiguous.
     SwiGlu {
@@ -268,6 +279,7 @@ impl Thunk {
             Thunk::Attention(_) => "attention",
             Thunk::Rope { .. } => "rope",
             Thunk::SwiGlu { .. } => "swiglu",
+            Thunk::MaskedMean { .. } => "masked_mean",
             Thunk::WriteState { .. } => "write_state",
         }
     }

@@ -128,6 +128,7 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
             ([Some(*x), *residual, Some(*gamma), *beta].into_iter().flatten().collect(), vec![*out])
         }
         Thunk::SwiGlu { gate, up, out, .. } => (vec![gate.buf, up.buf], vec![*out]),
+        Thunk::MaskedMean { x, mask, out, .. } => (vec![*x, *mask], vec![*out]),
         Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => (vec![*src], vec![*dst]),
         Thunk::ArgMax { x, out, .. } => (vec![*x], vec![*out]),
         Thunk::TopK { x, values, indices, .. } => (vec![*x], values.iter().chain(indices).copied().collect()),

@@ -72,6 +72,7 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
             Ok(())
         }
         Thunk::SwiGlu { dtype, .. } => float(*dtype, "swiglu dtype"),
+        Thunk::MaskedMean { dtype, .. } => float(*dtype, "masked_mean dtype"),
         Thunk::WriteState { .. } => Ok(()),
     }
 }

@@ -200,3 +200,50 @@ fn argmax_and_topk_on_integers() {
         assert_eq!(got[2].as_i32().expect("i32"), vec![1, 0, 2, 0], "topk indices {dtype}");
     }
 }
+
+/// Masked mean (mean pooling) against f64: random shapes, 0/1 masks with
+/// some rows all masked (zeros out, not NaN), fractional weights, and NaN
+/// in masked positions of x (skipped, as masked tokens must not leak).
+#[test]
+fn masked_mean_random() {
+    for seed in 0..24 {
+        let mut r = rng(seed);
+        let dtype = FLOATS[seed as usize % 3];
+        let (batch, seq, dim) = (r.random_range(1..6), r.random_range(1..70), r.random_range(1..300));
+        let mut x = values(&mut r, batch * seq * dim, dtype);
+        let weights = seed % 4 == 3;
+        let mask: Vec<f64> = (0..batch * seq)
+            .map(|i| {
+                let row_masked = (i / seq) == 1 && seed % 2 == 0;
+                if row_masked || r.random_bool(0.3) {
+                    0.0
+                } else if weights {
+                    round_to(r.random_range(0.1..2.0), dtype)
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        for (i, m) in mask.iter().enumerate() {
+            if *m == 0.0 && i % 3 == 0 {
+                x[i * dim] = f64::NAN;
+            }
+        }
+        let mut p = Plan::new();
+        let xb = p.input("x", &[batch, seq, dim], dtype);
+        let mb = p.input("m", &[batch, seq], dtype);
+        let out = p.output("y", &[batch, dim], dtype);
+        p.push(Thunk::MaskedMean { dtype, batch, seq, dim, x: xb, mask: mb, out });
+        let want: Vec<f64> = (0..batch * dim)
+            .map(|l| {
+                let (b, d) = (l / dim, l % dim);
+                let count: f64 = (0..seq).map(|s| mask[b * seq + s]).sum();
+                let sum: f64 = (0..seq).filter(|s| mask[b * seq + s] != 0.0).map(|s| x[(b * seq + s) * dim + d] * mask[b * seq + s]).sum();
+                sum / count.max(1e-9)
+            })
+            .collect();
+        let got =
+            p.run(&[("x", &tensor(&[batch, seq, dim], dtype, &x)), ("m", &tensor(&[batch, seq], dtype, &mask))]).expect("masked_mean runs");
+        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("masked_mean seed {seed} {dtype} [{batch}, {seq}, {dim}]"));
+    }
+}

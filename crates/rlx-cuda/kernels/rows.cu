@@ -248,6 +248,47 @@ __device__ void reduce_cols_body(const AxisP& p) {
 }
 RLX_FLOAT_KERNELS(reduce_cols, AxisP)
 
+// out[b, d] = sum_s x[b, s, d] * mask[b, s] / max(sum_s mask[b, s], 1e-9)
+// (Op::MaskedMean, mean pooling), accumulated in f32. As reduce_cols: 32
+// columns per block, warp w takes rows w, w + 8, ...; masked rows (mask 0)
+// are skipped, as on the CPU; the 8 partial sums meet in shared memory in a
+// fixed order. Grid: batch * ceil(dim / 32) blocks of 256 threads.
+struct MaskedMeanP { const void* x; const void* mask; void* out; i64 batch; i64 seq; i64 dim; };
+
+template <typename T>
+__device__ void masked_mean_body(const MaskedMeanP& p) {
+    __shared__ float part[8][33];
+    __shared__ float count;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const i64 nb = (p.dim + 31) / 32;
+    const i64 b = blockIdx.x / nb, col = (blockIdx.x % nb) * 32 + lane;
+    if (b >= p.batch) return;
+    const bool in = col < p.dim;
+    const T* x = (const T*)p.x + b * p.seq * p.dim + col;
+    const T* m = (const T*)p.mask + b * p.seq;
+    float v = 0.0f;
+#pragma unroll 4
+    for (i64 j = w; j < p.seq; j += 8) {
+        const float mj = ld(m, j);
+        if (in && mj != 0.0f) v = fmaf(ld(x, j * p.dim), mj, v);
+    }
+    part[w][lane] = v;
+    if (w == 0) {
+        float c = 0.0f;
+        for (i64 j = lane; j < p.seq; j += 32) c += ld(m, j);
+        c = warp_sum(c);
+        if (lane == 0) count = c;
+    }
+    __syncthreads();
+    if (w == 0 && in) {
+        float r = part[0][lane];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) r += part[k][lane];
+        st((T*)p.out, b * p.dim + col, r / fmaxf(count, 1e-9f));
+    }
+}
+RLX_FLOAT_KERNELS(masked_mean, MaskedMeanP)
+
 // Index of the largest value; ties go to the lower index; NaN never wins.
 template <typename T>
 __device__ void argmax_body(const AxisP& p) {

@@ -494,6 +494,7 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
             .collect(),
         Thunk::Rope { x, positions, out, .. } => vec![&x.buf, positions, out],
         Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
+        Thunk::MaskedMean { x, mask, out, .. } => vec![x, mask, out],
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
     }
 }

@@ -454,6 +454,12 @@ pub(crate) fn lower(
                 steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
             }
         }
+        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => {
+            // 32 columns per block, 8 warps splitting the sequence (kernels/rows.cu).
+            let args = Args::default().p(b.ptr(x)?).p(b.ptr(mask)?).p(b.ptr(out)?).i(*batch).i(*seq).i(*dim);
+            let blocks = (*batch as u64) * (*dim as u64).div_ceil(32);
+            steps.push(k.rows(k.typed("masked_mean", *dtype)?, blocks, args, kind));
+        }
         Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
             let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
             steps.push(k.rows(k.typed("argmax", *dtype)?, (*outer * *inner) as u64, args, kind));
@@ -677,6 +683,7 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         | Thunk::TopK { dtype, .. }
         | Thunk::Rope { dtype, .. }
         | Thunk::SwiGlu { dtype, .. }
+        | Thunk::MaskedMean { dtype, .. }
             if !float(dtype) =>
         {
             Some(format!("{} on {dtype} (f32, f16, bf16 only)", t.kind()))

@@ -182,6 +182,39 @@ fn binary_vec_beyond_one_wave() {
     }
 }
 
+/// Masked mean (mean pooling) against the CPU: 32-column blocks with a
+/// partial last one, sequences shorter and longer than the 8 warps, a row
+/// with every token masked (zeros), fractional weights.
+#[test]
+fn masked_mean_matches_cpu() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(14);
+    for dt in FLOATS {
+        for (batch, seq, dim) in [(1, 128, 384), (3, 5, 40), (32, 128, 768), (2, 300, 33)] {
+            let mut sb = Sb::new();
+            let x = sb.input("x", &[batch, seq, dim], dt);
+            let m = sb.input("m", &[batch, seq], dt);
+            let out = sb.output("out", &[batch, dim], dt);
+            sb.thunk(Thunk::MaskedMean { dtype: dt, batch, seq, dim, x, mask: m, out });
+            let (sch, w) = sb.finish();
+            let mask: Vec<f32> = (0..batch * seq)
+                .map(|i| {
+                    if i / seq == 1 || r.random_bool(0.25) {
+                        0.0
+                    } else if i % 7 == 0 {
+                        0.5
+                    } else {
+                        1.0
+                    }
+                })
+                .collect();
+            let mask = Tensor::from_f32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+            let inputs = named(vec![("x", rand_tensor(&mut r, &[batch, seq, dim], dt)), ("m", mask)]);
+            check(&format!("masked_mean {dt} [{batch}, {seq}, {dim}]"), &g, &sch, &w, &inputs, 1.0);
+        }
+    }
+}
+
 #[test]
 fn activations_and_swiglu() {
     let Some(g) = gpu_or_dry() else { return };

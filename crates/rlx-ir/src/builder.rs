@@ -160,6 +160,12 @@ impl Graph {
         self.push(Op::SwiGlu, vec![gate, up], None)
     }
 
+    /// Mean of `x` `[B, S, D]` over S weighted by `mask` `[B, S]`: Σ x·mask /
+    /// max(Σ mask, 1e-9) → `[B, D]` (sentence-transformers' mean pooling).
+    pub fn masked_mean(&mut self, x: NodeId, mask: NodeId) -> Result<NodeId> {
+        self.push(Op::MaskedMean, vec![x, mask], None)
+    }
+
     /// `x·w (+ bias)`: the common linear layer, `w` as `[K, N]`, or `[N, K]`
     /// with `transposed` (PyTorch's layout).
     pub fn linear(&mut self, x: NodeId, w: NodeId, bias: Option<NodeId>, transposed: bool) -> Result<NodeId> {

@@ -119,6 +119,10 @@ pub enum Op {
     ResidualRmsNorm { eps: f32 },
     /// inputs: gate, up — silu(gate) * up.
     SwiGlu,
+    /// inputs: x `[B, S, D]`, mask `[B, S]` (same float dtype) → `[B, D]`:
+    /// Σ_s x·mask / max(Σ_s mask, 1e-9), sentence-transformers' mean
+    /// pooling (a row whose mask is all zero gives zeros).
+    MaskedMean,
 }
 
 impl Op {
@@ -158,6 +162,7 @@ impl Op {
             Op::ResidualLayerNorm { .. } => "residual_layer_norm",
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
             Op::SwiGlu => "swiglu",
+            Op::MaskedMean => "masked_mean",
         }
     }
 
@@ -196,6 +201,7 @@ impl Op {
                 | Op::Softmax { .. }
                 | Op::Attention(_)
                 | Op::Reduce { .. }
+                | Op::MaskedMean
         )
     }
 

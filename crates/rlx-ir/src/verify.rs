@@ -116,6 +116,16 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             }
             Ok((ins[0].0.clone(), ins[0].1))
         }
+        Op::MaskedMean => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            same_dtype(name, ins[0].1, ins[1].1, "mask")?;
+            let (x, m) = (ins[0].0, ins[1].0);
+            if x.rank() != 3 || m.rank() != 2 || x.0[..2] != m.0[..] {
+                return Err(IrError::shape(name, format!("expected x [B, S, D] and mask [B, S], found x {x} and mask {m}")));
+            }
+            Ok((Shape(vec![x.0[0], x.0[2]]), ins[0].1))
+        }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
             let n = if matches!(op, Op::LayerNorm { .. }) { 3 } else { 2 };
             arity(name, ins.len(), n..=n)?;

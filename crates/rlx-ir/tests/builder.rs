@@ -120,3 +120,19 @@ fn printer_is_readable() {
     assert!(text.contains("%2 = matmul(%0, %1) rhsᵀ : [2, 4] f32  # logits"), "{text}");
     assert!(text.contains("outputs: %2"));
 }
+
+#[test]
+fn masked_mean_shapes_and_errors() {
+    let mut g = Graph::new();
+    let x = g.input("x", [2, 5, 8], DType::F32).unwrap();
+    let m = g.input("m", [2, 5], DType::F32).unwrap();
+    let y = g.masked_mean(x, m).unwrap();
+    assert_eq!(g.shape(y), &Shape::new([2, 8]));
+    let wrong = g.input("w", [2, 4], DType::F32).unwrap();
+    let err = g.masked_mean(x, wrong).unwrap_err().to_string();
+    assert!(err.contains("[2, 5, 8]") && err.contains("[2, 4]"), "{err}");
+    let half = g.input("h", [2, 5], DType::F16).unwrap();
+    assert!(matches!(g.masked_mean(x, half), Err(IrError::DType { .. })));
+    let flat = g.input("f", [10, 8], DType::F32).unwrap();
+    assert!(g.masked_mean(flat, m).is_err(), "x must be [B, S, D]");
+}

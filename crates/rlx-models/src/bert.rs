@@ -2,7 +2,7 @@
 //! bucket. The graph is the plain textbook one (separate Q/K/V projections,
 //! bias adds, residual adds before LayerNorm); the compiler merges and fuses.
 
-use rlx::{AttentionSpec, DType, Graph, NodeId, ReduceOp};
+use rlx::{AttentionSpec, DType, Graph, NodeId};
 
 use crate::{BertConfig, Pooling, Result};
 
@@ -88,14 +88,9 @@ pub fn build_bert_graph(cfg: &BertConfig, batch: usize, seq: usize, opts: &BertG
     }
 
     let pooled = match opts.pooling {
-        Pooling::Mean => {
-            // sum(h · mask) / sum(mask) over the sequence axis.
-            let m3 = g.reshape(mask, [batch, seq, 1])?;
-            let masked = g.mul(x, m3)?;
-            let sum = g.reduce(ReduceOp::Sum, masked, &[1], false)?;
-            let count = g.reduce(ReduceOp::Sum, mask, &[1], true)?;
-            g.div(sum, count)?
-        }
+        // sum(h · mask) / max(sum(mask), 1e-9) over the sequence axis, one
+        // kernel (a multiply, two reductions and a division before).
+        Pooling::Mean => g.masked_mean(x, mask)?,
         Pooling::Cls => {
             let first = g.narrow(x, 1, 0, 1)?;
             g.reshape(first, [batch, h])?

@@ -75,6 +75,7 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
             mem,
         ),
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => elementwise::swiglu(*dtype, *rows, *cols, gate, up, out, mem),
+        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => reduce::masked_mean(*dtype, [*batch, *seq, *dim], x, mask, out, mem),
         Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => state::run(
             &state::WriteStateArgs {
                 dtype: *dtype,

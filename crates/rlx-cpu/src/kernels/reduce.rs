@@ -28,6 +28,44 @@ fn reduce_t<T: Elem>(op: ReduceOp, outer: usize, len: usize, inner: usize, x: Sr
     );
 }
 
+/// out[b, d] = Σ_s x[b, s, d]·mask[b, s] / max(Σ_s mask[b, s], 1e-9) for
+/// x `[batch, seq, dim]` (`Op::MaskedMean`): per batch row, the masked rows
+/// summed in f32 in sequence order.
+pub fn masked_mean(dtype: DType, [batch, seq, dim]: [usize; 3], x: &BufRef, mask: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
+    with_float!(dtype, T => masked_mean_t::<T>([batch, seq, dim], mem.src::<T>(x).map_err(exec_err)?, mem.src::<T>(mask).map_err(exec_err)?, mem.dst::<T>(out).map_err(exec_err)?));
+    Ok(())
+}
+
+fn masked_mean_t<T: Elem>([batch, seq, dim]: [usize; 3], x: Src<T>, mask: Src<T>, out: Dst<T>) {
+    (0..batch).into_par_iter().for_each_init(
+        || (vec![0f32; dim], vec![0f32; dim]),
+        |(acc, row), b| {
+            acc.fill(0.0);
+            let mut count = 0f32;
+            for s in 0..seq {
+                let m = mask.get(b * seq + s).to_f32();
+                count += m;
+                if m != 0.0 {
+                    x.load((b * seq + s) * dim, row);
+                    axpy(acc, row, m);
+                }
+            }
+            let inv = 1.0 / count.max(1e-9);
+            acc.iter_mut().for_each(|a| *a *= inv);
+            out.store(b * dim, acc);
+        },
+    );
+}
+
+crate::simd::multiversion! {
+    /// acc += m · v, fused multiply-adds where the CPU has them (a plain
+    /// `mul_add` in the crate's baseline build is a libm call per element:
+    /// the pooling of MiniLM at 8×128 took 0.43 ms that way).
+    fn axpy(acc: &mut [f32], v: &[f32], m: f32) {
+        acc.iter_mut().zip(v).for_each(|(a, x)| *a = x.mul_add(m, *a));
+    }
+}
+
 pub fn argmax(dtype: DType, outer: usize, len: usize, inner: usize, x: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
     let o = mem.dst::<i32>(out).map_err(exec_err)?;
     if dtype.is_int() {
