@@ -261,6 +261,7 @@ __device__ void masked_mean_body(const MaskedMeanP& p) {
     __shared__ float count;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const i64 nb = (p.dim + 31) / 32;
+    if (nb == 0) return;  // dim 0: nothing to write (the host launches one block)
     const i64 b = blockIdx.x / nb, col = (blockIdx.x % nb) * 32 + lane;
     if (b >= p.batch) return;
     const bool in = col < p.dim;
