@@ -111,6 +111,27 @@ fn binary_broadcast() {
     }
 }
 
+/// One Binary thunk: inputs "a" (dense, `shape`) and "b" (`bshape`, read
+/// through `b_strides` over `shape`), output "out".
+fn binary_schedule(
+    op: BinaryOp,
+    dt: DType,
+    shape: &[usize],
+    bshape: &[usize],
+    b_strides: Vec<u64>,
+) -> (std::sync::Arc<rlx_compile::Schedule>, std::sync::Arc<rlx_runtime::WeightStore>) {
+    let mut sb = Sb::new();
+    let a = sb.input("a", shape, dt);
+    let bb = sb.input("b", bshape, dt);
+    let out = sb.output("out", shape, dt);
+    let mut a_strides = vec![1u64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        a_strides[d] = a_strides[d + 1] * shape[d + 1] as u64;
+    }
+    sb.thunk(Thunk::Binary { op, dtype: dt, out_shape: shape.to_vec(), a, a_strides, b: bb, b_strides, out });
+    sb.finish()
+}
+
 /// The broadcasts a BERT graph makes (position add, mask multiply, pooled
 /// division), odd sizes: collapsed dims, 32-bit index kernel.
 #[test]
@@ -129,21 +150,12 @@ fn binary_bert_broadcasts() {
             (BinaryOp::Div, vec![bs, h], vec![bs, 1], vec![1, 0]),
         ];
         for (op, shape, bshape, b_strides) in cases {
-            let mut sb = Sb::new();
-            let a = sb.input("a", &shape, dt);
-            let bb = sb.input("b", &bshape, dt);
-            let out = sb.output("out", &shape, dt);
-            let mut a_strides = vec![1u64; shape.len()];
-            for d in (0..shape.len().saturating_sub(1)).rev() {
-                a_strides[d] = a_strides[d + 1] * shape[d + 1] as u64;
-            }
-            sb.thunk(Thunk::Binary { op, dtype: dt, out_shape: shape.clone(), a, a_strides, b: bb, b_strides, out });
+            let (sch, w) = binary_schedule(op, dt, &shape, &bshape, b_strides);
             let mut bt = rand_tensor(&mut r, &bshape, dt);
             if op == BinaryOp::Div {
                 let v: Vec<f32> = bt.to_f32().iter().map(|x| if x.abs() < 0.25 { 0.5 } else { *x }).collect();
                 bt = Tensor::from_f32(bshape.to_vec(), &v).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
             }
-            let (sch, w) = sb.finish();
             check(
                 &format!("binary {op:?} {dt} {shape:?} by {bshape:?}"),
                 &g,
@@ -169,13 +181,7 @@ fn binary_vec_beyond_one_wave() {
         for bshape in [vec![bs, s, h], vec![s, h]] {
             let shape = vec![bs, s, h];
             let b_strides = if bshape.len() == 3 { vec![(s * h) as u64, h as u64, 1] } else { vec![0, h as u64, 1] };
-            let mut sb = Sb::new();
-            let a = sb.input("a", &shape, dt);
-            let bb = sb.input("b", &bshape, dt);
-            let out = sb.output("out", &shape, dt);
-            let a_strides = vec![(s * h) as u64, h as u64, 1];
-            sb.thunk(Thunk::Binary { op: BinaryOp::Add, dtype: dt, out_shape: shape.clone(), a, a_strides, b: bb, b_strides, out });
-            let (sch, w) = sb.finish();
+            let (sch, w) = binary_schedule(BinaryOp::Add, dt, &shape, &bshape, b_strides);
             let inputs = named(vec![("a", rand_tensor(&mut r, &shape, dt)), ("b", rand_tensor(&mut r, &bshape, dt))]);
             check(&format!("binary_vec Add {dt} {shape:?} by {bshape:?}"), &g, &sch, &w, &inputs, 1.0);
         }
