@@ -395,29 +395,39 @@ __device__ void attention_mma_body(const AttnP& p) {
 // over them; at the end the four partial (max, sum, output) triples are
 // merged through shared memory, which the K/V buffers no longer need.
 // Same masks, causal rule, valid_len and GQA mapping as attention_mma_body.
+// Keys per warp tile of the key-splitting kernel: 4 warps' K+V fit in 48 KB.
+template <int HDP> struct AttnSplit {
+    static constexpr int TKS = HDP <= 64 ? 32 : 16;
+    static constexpr int KP = HDP + 8;
+    static constexpr int OP = HDP + 4;  // f32 pitch of the merge buffer
+    static constexpr int KV_BYTES = 4 * 2 * TKS * KP * 2;
+    static constexpr int MERGE_BYTES = 4 * 16 * OP * 4;
+    // Shared memory the body needs in `smem` (16-byte aligned).
+    static constexpr int BYTES = KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES;
+};
+
+// One 16-row query block `rblk` of (batch b, head h), by the block's first
+// 4 warps. `first`: the one thread that reports a bad valid_len. Every
+// thread of the 4 warps returns from here (the layer program, kernels/layer.cu,
+// runs items back to back); `smem` may be reused once they have.
 template <typename T, int HDP>
-__device__ void attention_split_body(const AttnP& p) {
-    constexpr int TKS = HDP <= 64 ? 32 : 16;  // keys per warp tile: 4 warps' K+V fit in 48 KB
-    constexpr int KP = HDP + 8;
+__device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, unsigned char* smem, bool first) {
+    constexpr int TKS = AttnSplit<HDP>::TKS;
+    constexpr int KP = AttnSplit<HDP>::KP;
     constexpr int CH = HDP / 8;
-    constexpr int OP = HDP + 4;  // f32 pitch of the merge buffer
-    constexpr int KV_BYTES = 4 * 2 * TKS * KP * 2;
-    constexpr int MERGE_BYTES = 4 * 16 * OP * 4;
-    constexpr int BYTES = KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES;
-    __shared__ __align__(16) unsigned char smem[BYTES];
+    constexpr int OP = AttnSplit<HDP>::OP;
     __shared__ float sm_m[4][16], sm_l[4][16];
     __shared__ unsigned char sok[4][TKS];
     typedef unsigned short u16;
     const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
-    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * 16;
+    const i64 r0 = rblk * 16;
     const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int hd = (int)p.hd;
     const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
 
     i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
-    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-        atomicOr(p.err, ERR_VALID_LEN);
+    if ((valid < 0 || valid > p.kv_len) && first) atomicOr(p.err, ERR_VALID_LEN);
     i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
     if (kv_end < 0) kv_end = 0;
 
@@ -554,7 +564,10 @@ __device__ void attention_split_body(const AttnP& p) {
     // Thread -> row threadIdx.x / 8 and dim pairs (threadIdx.x % 8) * 2 + 16 i.
     const int r = threadIdx.x >> 3, part = threadIdx.x & 7;
     const i64 row = r0 + r;
-    if (row >= p.q_len) return;
+    if (row >= p.q_len) {
+        __syncthreads();  // the caller may reuse smem once every thread is past the merge reads
+        return;
+    }
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < 4; ++w) mm = fmaxf(mm, sm_m[w][r]);
@@ -585,6 +598,14 @@ __device__ void attention_split_body(const AttnP& p) {
             if (d + 1 < hd) st(orow, d + 1, x1 * inv);
         }
     }
+    __syncthreads();
+}
+
+template <typename T, int HDP>
+__device__ void attention_split_body(const AttnP& p) {
+    __shared__ __align__(16) unsigned char smem[AttnSplit<HDP>::BYTES];
+    const bool first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0;
+    attention_split_item<T, HDP>(p, blockIdx.z, blockIdx.y, blockIdx.x, smem, first);
 }
 
 // attention_mma_<HDP>_<dtype> (4 warps, 64 query rows per block) and

@@ -585,6 +585,18 @@ impl Func {
         check(unsafe { sys::cuFuncSetAttribute(self.0, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
     }
 
+    /// How many blocks of `block` threads and `smem` dynamic shared bytes
+    /// fit on one SM at once (registers, shared memory, warps).
+    pub fn max_blocks_per_sm(&self, block: u32, smem: u32) -> Result<u32> {
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: live function handle; n is written by the call.
+        check(
+            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, block as i32, smem as usize) },
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )?;
+        Ok(n.max(0) as u32)
+    }
+
     /// Launches with a single by-value parameter struct made of 8-byte words.
     /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits

@@ -17,6 +17,7 @@ use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuf
 use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
+use crate::layer;
 use crate::weights::DeviceWeights;
 
 /// A maximal run of steps: recorded once (replay) or a host-side run.
@@ -35,6 +36,8 @@ struct Slot {
     // are held here so they live exactly as long as those steps.
     _arena: DeviceBuffer,
     _err: DeviceBuffer,
+    /// Instructions and scratch of the layer programs (src/layer.rs).
+    _layer: Vec<DeviceBuffer>,
     pin_in: PinnedBuffer,
     pin_out: PinnedBuffer,
     steps: Vec<Step>,
@@ -57,6 +60,9 @@ pub struct CudaExecutable {
     _blas: Arc<Blas>,
     /// MatMul thunks that run our own kernel instead of cuBLASLt.
     own_matmuls: usize,
+    /// Thunks run inside layer programs, and those programs' instructions.
+    layer_thunks: usize,
+    layer_instructions: usize,
     /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
     matmul_choices: Vec<(String, usize)>,
     // Drop synchronises the stream before any of these buffers are freed.
@@ -188,6 +194,9 @@ impl CudaExecutable {
         let mut slots = Vec::with_capacity(nslots);
         let mut own_matmuls = 0;
         let mut matmul_choices = Vec::new();
+        // Runs of thunks that one persistent kernel executes (src/layer.rs).
+        let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
+        let (mut layer_thunks, mut layer_instructions) = (0, 0);
         for _ in 0..nslots {
             let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
@@ -217,7 +226,24 @@ impl CudaExecutable {
                     None => Step::new(Op::HtoD { dst, src: unsafe { pin_in.as_ptr().add(*off) }, bytes: *bytes }, "io"),
                 });
             }
-            for (i, t) in schedule.thunks.iter().enumerate() {
+            let mut layer_bufs = Vec::new();
+            let mut i = 0;
+            while i < schedule.thunks.len() {
+                if let Some(run) = layer_runs.iter().find(|r| r.start == i) {
+                    if let Some(p) = layer::build(&dev, kernels, &schedule.thunks, run.clone(), &bases)? {
+                        if slots.is_empty() {
+                            layer_thunks += run.len();
+                            layer_instructions += p.instructions;
+                        }
+                        steps.push(p.step);
+                        layer_bufs.extend(p.buffers);
+                        i = run.end;
+                        continue;
+                    }
+                }
+                let t = &schedule.thunks[i];
+                i += 1;
+                let i = i - 1;
                 let host = HostTask::for_thunk(&dev, t)?;
                 let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
                 if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[i]) {
@@ -256,6 +282,7 @@ impl CudaExecutable {
             slots.push(Slot {
                 _arena: arena,
                 _err: errbuf,
+                _layer: layer_bufs,
                 pin_in,
                 pin_out,
                 steps,
@@ -285,6 +312,8 @@ impl CudaExecutable {
             _plans: plans,
             _blas: blas,
             own_matmuls,
+            layer_thunks,
+            layer_instructions,
             matmul_choices,
             slots,
             stream,
@@ -364,6 +393,13 @@ impl CudaExecutable {
     /// than cuBLASLt: chosen per shape at prepare (see `set_gemm_policy`).
     pub fn own_matmul_count(&self) -> usize {
         self.own_matmuls
+    }
+
+    /// Thunks that run inside layer programs (one persistent kernel per run
+    /// of matmuls, attention and norms; src/layer.rs), and their instruction
+    /// count. (0, 0) when none does.
+    pub fn layer_program_thunks(&self) -> (usize, usize) {
+        (self.layer_thunks, self.layer_instructions)
     }
 
     /// Per MatMul thunk, in schedule order: the kernel that runs it

@@ -49,7 +49,7 @@ fn suffix(d: DType) -> &'static str {
 
 /// A kernel's parameter struct as 8-byte words (see kernels/common.cuh).
 #[derive(Default)]
-struct Args(Vec<u64>);
+pub(crate) struct Args(pub(crate) Vec<u64>);
 
 impl Args {
     fn p(mut self, v: u64) -> Self {
@@ -526,29 +526,7 @@ pub(crate) fn lower(
             let hdp = a.head_dim.div_ceil(32) * 32;
             let blocks16 = (a.q_len as u64).div_ceil(16) * (a.heads * a.batch) as u64;
             let rpw: u64 = if blocks16 >= 2 * k.sm_count as u64 { 4 } else { 1 };
-            let args = Args::default()
-                .p(b.ptr(&a.q.buf)?)
-                .p(b.ptr(&a.k.buf)?)
-                .p(b.ptr(&a.v.buf)?)
-                .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-                .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-                .p(b.ptr(&a.out)?)
-                .i(a.batch)
-                .i(a.heads)
-                .i(a.kv_heads)
-                .i(a.head_dim)
-                .i(a.q_len)
-                .i(a.kv_len)
-                .i(a.causal as i64)
-                .i(dtype_code(a.mask_dtype))
-                .p(a.q.batch_stride)
-                .p(a.q.row_stride)
-                .p(a.k.batch_stride)
-                .p(a.k.row_stride)
-                .p(a.v.batch_stride)
-                .p(a.v.row_stride)
-                .f(a.scale as f64)
-                .p(b.err);
+            let args = attention_args(a, b)?;
             // Tensor cores for f16/bf16 with head_dim a multiple of 16: blocks
             // of 128 or 64 query rows when they fill the GPU (`attention_mma_rows`),
             // else 16-row blocks whose 4 warps split the keys (batch 1: 12
@@ -618,6 +596,33 @@ pub(crate) fn lower(
         }
     }
     Ok(steps)
+}
+
+/// The `AttnP` words of kernels/attention_mma.cu (and attention.cu) for a thunk.
+pub(crate) fn attention_args(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<Args> {
+    Ok(Args::default()
+        .p(b.ptr(&a.q.buf)?)
+            .p(b.ptr(&a.k.buf)?)
+            .p(b.ptr(&a.v.buf)?)
+            .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+            .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+            .p(b.ptr(&a.out)?)
+            .i(a.batch)
+            .i(a.heads)
+            .i(a.kv_heads)
+            .i(a.head_dim)
+            .i(a.q_len)
+            .i(a.kv_len)
+            .i(a.causal as i64)
+            .i(dtype_code(a.mask_dtype))
+            .p(a.q.batch_stride)
+            .p(a.q.row_stride)
+            .p(a.k.batch_stride)
+            .p(a.k.row_stride)
+            .p(a.v.batch_stride)
+            .p(a.v.row_stride)
+            .f(a.scale as f64)
+            .p(b.err))
 }
 
 /// Query rows per block of the tensor-core attention kernel

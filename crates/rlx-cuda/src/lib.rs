@@ -18,6 +18,7 @@ mod exec;
 mod gemm;
 mod hostops;
 mod launch;
+mod layer;
 mod nvrtc;
 mod weights;
 
@@ -29,6 +30,7 @@ use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, Wei
 
 pub use exec::CudaExecutable;
 pub use gemm::{set_gemm_policy, GemmPolicy};
+pub use layer::{set_layer_policy, Policy as LayerPolicy};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
 
 use driver::{err, Device};
