@@ -564,10 +564,9 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     // Thread -> row threadIdx.x / 8 and dim pairs (threadIdx.x % 8) * 2 + 16 i.
     const int r = threadIdx.x >> 3, part = threadIdx.x & 7;
     const i64 row = r0 + r;
-    if (row >= p.q_len) {
-        __syncthreads();  // the caller may reuse smem once every thread is past the merge reads
-        return;
-    }
+    // No early return: the barrier below is aligned (every thread of a warp
+    // must reach the same one), and rows past q_len split warps.
+    if (row < p.q_len) {
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < 4; ++w) mm = fmaxf(mm, sm_m[w][r]);
@@ -598,7 +597,8 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
             if (d + 1 < hd) st(orow, d + 1, x1 * inv);
         }
     }
-    __syncthreads();
+    }
+    __syncthreads();  // the caller may reuse smem once every thread is past the merge reads
 }
 
 template <typename T, int HDP>

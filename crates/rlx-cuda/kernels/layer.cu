@@ -1,67 +1,77 @@
 // The layer program: one persistent kernel that runs a run of consecutive
-// thunks (matmuls, attention, norms; whole encoder layers at batch 1) as a
+// thunks (matmuls, attention, norms; at batch 1 the whole BERT encoder) as a
 // list of instructions, with a grid-wide barrier between instructions
 // instead of a kernel boundary. Compiled appended to attention_mma.cu (one
-// module: it calls `attention_split_item`).
+// module: it calls `attention_split_item`). Off by default (src/layer.rs):
+// on the H200 it is slower than the kernel-per-thunk graph (bench/gpu-perf.md,
+// session 6): its matmuls take 6-15 µs against cuBLASLt's 3-6 µs.
 //
-// Why: at a few hundred rows every kernel of a layer is latency-bound;
-// inside a CUDA graph each boundary still costs ~1.3 µs of launch plus the
-// ramp and tail of the next grid (../shared/PERF.md, bench/gpu-perf.md). Here
-// the grid stays resident: one block per slot of `gridDim.x`, all
-// co-resident (the host sizes the grid from the occupancy), and each
-// instruction splits its work into items that the blocks take in turn.
+// Why it was built: at a few hundred rows every kernel of a layer is
+// latency-bound, and inside a CUDA graph each boundary still costs ~1.3 µs
+// of launch plus the ramp and tail of the next grid (../shared/PERF.md).
+// Here the grid stays resident (one block per SM; the host sizes the grid
+// from the occupancy so all blocks are co-resident) and each instruction
+// splits its work into items that the blocks take in turn.
 //
 // Instructions (`LInstr`, 32 words; src/layer.rs builds them):
 // - GEMM: out = act(A·Bᵀ + bias) + residual, A [M, K] (row stride lda), B a
-//   weight [N, K]; tiles of 64 rows x 64 columns, K in chunks of 64 split
-//   `splits` ways. With splits = 1 the epilogue is applied in the tile;
-//   otherwise each split writes an f32 partial tile to `work` and a ROWS
-//   instruction sums them (in split order: the same bits on every call).
-// - ROWS: one warp per row: v = act(Σ partials + bias) + residual (or
-//   x + residual for a plain norm), rounded to the storage type and stored
-//   to `y` when given; then optionally LayerNorm / RmsNorm of v into `out`
-//   (the rounded v, as the unfused kernels would see it).
+//   weight [N, K]; tiles of 64 rows x 64 columns, K in chunks of 64 through
+//   an 8-stage cp.async pipeline, split `splits` ways. A split tile's blocks
+//   (all in one wave) meet on a per-tile counter and each sums a share of
+//   the tile's rows over the f32 partials in split order (the same bits on
+//   every call), then applies the epilogue.
+// - NORM: LayerNorm / RmsNorm of x (+ residual), one warp per row held in
+//   registers.
 // - ATTENTION: the key-splitting attention (`attention_split_item`), one
 //   item per 16 query rows of a (batch, head).
 //
-// Between instructions: __syncthreads, then thread 0 publishes the block's
-// writes (fence) and adds 1 to the barrier counter and waits until it
-// reads (i + 1)·gridDim.x (acquire). The last block to finish resets the
-// counter to 0 for the next launch. Data written by one instruction is read
-// by later ones only through L2 (cp.async.cg, or plain loads after the
-// acquire).
+// Between instructions: __syncthreads, then thread 0 adds 1 to the barrier
+// counter with release semantics and polls it with acquire loads until it
+// reads (i + 1)·gridDim.x (~1.2 µs for 132 blocks, measured with empty
+// instructions). The last block out resets the counter for the next launch.
+// Data written by one instruction is read by later ones through L2
+// (cp.async.cg, __ldcg, or plain loads after the acquire).
 //
-// Each instruction may name weight bytes to prefetch into L2 (the weight of
-// a later GEMM), which then streams from L2 instead of HBM.
+// An instruction may name weight bytes to prefetch into L2 (the weight of a
+// later GEMM); on the H200 this measured no difference.
 //
 // Host checks (src/layer.rs): f16/bf16, K and N multiples of 64, lda and
-// every pointer 16-byte aligned, row widths a multiple of 8 and at most
-// what the row buffer holds, attention head dim 32 or 64 (multiple of 16).
+// every pointer 16-byte aligned, norm rows a multiple of 8 and at most 2048
+// wide, attention head dim a multiple of 16 up to 64.
 
 #define LAYER_BM 64
 #define LAYER_BN 64
 #define LAYER_BK 64
-#define LAYER_STAGES 4
+#define LAYER_STAGES 8
 #define LAYER_PITCH (LAYER_BK + 8)
 
 #define LI_GEMM 1
-#define LI_ROWS 2
+#define LI_NORM 2
 #define LI_ATTN 3
 
 struct LGemm {
-    const void* a; const void* b; const void* bias; const void* res; void* out; float* work;
+    const void* a; const void* b; const void* bias; const void* res; void* out; float* work; unsigned* cnt;
     i64 m; i64 n; i64 k; i64 lda; i64 act; i64 splits;
 };
-struct LRows {
-    const float* work; const void* x; const void* bias; const void* res; void* y;
-    const void* gamma; const void* beta; void* out;
-    i64 rows; i64 n; i64 splits; i64 act; i64 norm; i64 rms; double eps; const void* nres;
+// LayerNorm (beta given) or RmsNorm of x (+ res) over rows of n columns.
+struct LNorm {
+    const void* x; const void* res; const void* gamma; const void* beta; void* out;
+    i64 rows; i64 n; i64 rms; double eps;
 };
 struct LInstr {
     i64 kind; const char* pf; i64 pf_bytes; i64 pad;
-    union { LGemm g; LRows r; AttnP at; i64 words[28]; };
+    union { LGemm g; LNorm r; AttnP at; i64 words[28]; };
 };
-struct LayerP { const LInstr* prog; i64 n; unsigned* bar; i64 hdp; };
+// times: RLX_LAYER_TRACE (null otherwise): n + 1 i64 slots for block 0's
+// %globaltimer at the start of each instruction (after its barrier) and at
+// its end; block 0 prints the durations at the end of each launch.
+struct LayerP { const LInstr* prog; i64 n; unsigned* bar; i64 hdp; i64* times; };
+
+__device__ __forceinline__ i64 layer_clock() {
+    i64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
 
 __device__ __forceinline__ unsigned layer_ld_acquire(const unsigned* p) {
     unsigned v;
@@ -72,11 +82,11 @@ __device__ __forceinline__ unsigned layer_ld_acquire(const unsigned* p) {
 __device__ __forceinline__ void layer_barrier(unsigned* bar, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(bar, 1u);
+        // Release: this block's writes (ordered before by the barrier above)
+        // are visible to whoever acquires the count.
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(bar) : "memory");
         while (layer_ld_acquire(bar) < target) {
         }
-        __threadfence();
     }
     __syncthreads();
 }
@@ -159,6 +169,90 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
         }
         cp_async_wait<0>();
         // Fragment (i, j): rows m0 + 32 wm + 16 i + g (+8), columns n0 + 32 wn + 8 j + 2t (+1).
+        if (splits > 1) {
+            // Split-K (all splits of a tile run at once: the host keeps the
+            // items within one wave). Each split's partial tile goes to `work`
+            // ([split][tile][64][64] f32); the tile's blocks wait for each other
+            // on the tile's counter, then block `split` sums rows
+            // [split·64/S, (split+1)·64/S) over every split in split order (the
+            // same bits on every call) and applies the epilogue. A second
+            // count-up lets the last block out reset the counter.
+            float* const part = p.work + ((i64)split * tiles_m * tiles_n + tile) * (BM * BN);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int lr = wm * 32 + i * 16 + g + 8 * hi, lc = wn * 32 + j * 8 + 2 * t;
+                        __stcg((float2*)(part + lr * BN + lc), make_float2(acc[i][j][2 * hi], acc[i][j][2 * hi + 1]));
+                    }
+            __syncthreads();
+            if (tid == 0) {
+                asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p.cnt + tile) : "memory");
+                while (layer_ld_acquire(p.cnt + tile) < (unsigned)splits) {
+                }
+            }
+            __syncthreads();
+            const float* const base = p.work + tile * (BM * BN);
+            const i64 sstride = tiles_m * tiles_n * (BM * BN);
+            const int r0 = split * BM / splits, r1 = (split + 1) * BM / splits;
+            // Thread -> 4 columns (a float4) of a row, rows r0.. in turn.
+            for (int e = tid; e < (r1 - r0) * (BN / 4); e += blockDim.x) {
+                const int lr = r0 + e / (BN / 4), lc = (e % (BN / 4)) * 4;
+                const i64 row = m0 + lr, col = n0 + lc;
+                if (row >= p.m) continue;
+                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+                for (int sp = 0; sp < splits; ++sp) {
+                    const float4 v = __ldcg((const float4*)(base + sp * sstride + lr * BN + lc));
+                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                }
+                float x[4] = {sum.x, sum.y, sum.z, sum.w};
+                if (p.bias) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) x[c] += ld((const T*)p.bias, col + c);
+                }
+                if (p.act) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) x[c] = act_t<T>(p.act, x[c]);
+                }
+                if (p.res) {
+                    const uint2 r = *(const uint2*)((const T*)p.res + row * p.n + col);
+                    const T* rv = (const T*)&r;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) x[c] += ld(rv, c);
+                }
+                *(uint2*)((T*)p.out + row * p.n + col) = make_uint2(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]));
+            }
+            if (tid == 0) {
+                unsigned old;
+                asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.cnt + tile) : "memory");
+                if (old == 2u * (unsigned)splits - 1) atomicExch(p.cnt + tile, 0u);
+            }
+            continue;
+        }
+        // Epilogue: every bias and residual value loaded before the first
+        // store (a store between loads would hold the next load back).
+        float bias[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
+            bias[j][0] = p.bias ? ld((const T*)p.bias, col) : 0.0f;
+            bias[j][1] = p.bias ? ld((const T*)p.bias, col + 1) : 0.0f;
+        }
+        unsigned res[2][2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                const i64 row = m0 + wm * 32 + i * 16 + g + 8 * hi;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
+                    res[i][hi][j] = (p.res && row < p.m) ? *(const unsigned*)((const T*)p.res + row * p.n + col) : 0u;
+                }
+            }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -168,22 +262,15 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
-                    float x0 = acc[i][j][2 * hi], x1 = acc[i][j][2 * hi + 1];
-                    if (splits > 1) {
-                        *(float2*)(p.work + ((i64)split * p.m + row) * p.n + col) = make_float2(x0, x1);
-                        continue;
-                    }
-                    if (p.bias) {
-                        x0 += ld((const T*)p.bias, col);
-                        x1 += ld((const T*)p.bias, col + 1);
-                    }
+                    float x0 = acc[i][j][2 * hi] + bias[j][0], x1 = acc[i][j][2 * hi + 1] + bias[j][1];
                     if (p.act) {
                         x0 = act_t<T>(p.act, x0);
                         x1 = act_t<T>(p.act, x1);
                     }
                     if (p.res) {
-                        x0 += ld((const T*)p.res, row * p.n + col);
-                        x1 += ld((const T*)p.res, row * p.n + col + 1);
+                        const T* r2 = (const T*)&res[i][hi][j];
+                        x0 += ld(r2, 0);
+                        x1 += ld(r2, 1);
                     }
                     *(unsigned*)((T*)p.out + row * p.n + col) = pack2<T>(x0, x1);
                 }
@@ -192,85 +279,65 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
     }
 }
 
-// One warp per row; the row's values stay in shared memory (`row_buf`,
-// n floats per warp) between the passes.
+// LayerNorm / RmsNorm: one warp per row, the row in registers (n <= 32 *
+// 8 * LAYER_NORM_NV columns), every load of a row issued before the first use.
+#define LAYER_NORM_NV 8
 template <typename T>
-__device__ void layer_rows(const LRows& p, float* row_buf) {
+__device__ void layer_norm(const LNorm& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float* v = row_buf + warp * p.n;
     const int nv = (int)(p.n / 8);
     const float inv_n = 1.0f / (float)p.n;
     for (i64 row = (i64)blockIdx.x * nw + warp; row < p.rows; row += (i64)gridDim.x * nw) {
+        const uint4* x = (const uint4*)p.x + row * nv;
+        const uint4* res = p.res ? (const uint4*)p.res + row * nv : nullptr;
+        uint4 raw[LAYER_NORM_NV], rres[LAYER_NORM_NV];
+#pragma unroll
+        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+            const int c = lane + 32 * k;
+            raw[k] = c < nv ? x[c] : make_uint4(0, 0, 0, 0);
+            rres[k] = (res && c < nv) ? res[c] : make_uint4(0, 0, 0, 0);
+        }
+        float v[LAYER_NORM_NV][8];
         float s = 0.0f;
-        for (int c = lane; c < nv; c += 32) {
-            float x[8];
-            if (p.work) {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) x[e] = 0.0f;
-                for (int sp = 0; sp < (int)p.splits; ++sp) {
-                    const float4* w = (const float4*)(p.work + ((i64)sp * p.rows + row) * p.n + c * 8);
-                    const float4 a = w[0], b = w[1];
-                    x[0] += a.x; x[1] += a.y; x[2] += a.z; x[3] += a.w;
-                    x[4] += b.x; x[5] += b.y; x[6] += b.z; x[7] += b.w;
-                }
-                if (p.bias) {
-                    float bb[8];
-                    Vec16<T>::load(((const uint4*)p.bias)[c], bb);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) x[e] += bb[e];
-                }
-                if (p.act) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) x[e] = act_t<T>(p.act, x[e]);
-                }
-            } else {
-                Vec16<T>::load(((const uint4*)p.x)[row * nv + c], x);
-            }
-            if (p.res) {
-                float r[8];
-                Vec16<T>::load(((const uint4*)p.res)[row * nv + c], r);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) x[e] += r[e];
-            }
-            // Rounded to the storage type, as the tensor between the two ops is.
-            const uint4 packed = Vec16<T>::store(x);
-            if (p.y) ((uint4*)p.y)[row * nv + c] = packed;
-            if (p.norm) {
-                Vec16<T>::load(packed, x);
-                if (p.nres) {
-                    float r[8];
-                    Vec16<T>::load(((const uint4*)p.nres)[row * nv + c], r);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) x[e] += r[e];
-                }
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    v[c * 8 + e] = x[e];
-                    s += x[e];
-                }
-            }
-        }
-        if (!p.norm) continue;
-        __syncwarp();  // every lane's v values are in shared memory
-        const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
-        float s2 = 0.0f;
-        for (int c = lane; c < nv * 8; c += 32) {
-            const float d = v[c] - mean;
-            s2 += d * d;
-        }
-        const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
-        for (int c = lane; c < nv; c += 32) {
-            float gm[8], bt[8], o[8];
-            Vec16<T>::load(((const uint4*)p.gamma)[c], gm);
-            if (p.beta) Vec16<T>::load(((const uint4*)p.beta)[c], bt);
+        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+            float r[8];
+            Vec16<T>::load(raw[k], v[k]);
+            Vec16<T>::load(rres[k], r);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                o[e] = (v[c * 8 + e] - mean) * rstd * gm[e];
-                if (p.beta) o[e] += bt[e];
+                v[k][e] += r[e];  // zero when there is no residual or past the row
+                s += v[k][e];
             }
-            ((uint4*)p.out)[row * nv + c] = Vec16<T>::store(o);
         }
-        __syncwarp();
+        const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
+        float s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+            if (lane + 32 * k < nv) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float d = v[k][e] - mean;
+                    s2 += d * d;
+                }
+            }
+        }
+        const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
+#pragma unroll
+        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+            const int c = lane + 32 * k;
+            if (c < nv) {
+                float gm[8], bt[8], o[8];
+                Vec16<T>::load(((const uint4*)p.gamma)[c], gm);
+                if (p.beta) Vec16<T>::load(((const uint4*)p.beta)[c], bt);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    o[e] = (v[k][e] - mean) * rstd * gm[e];
+                    if (p.beta) o[e] += bt[e];
+                }
+                ((uint4*)p.out)[row * nv + c] = Vec16<T>::store(o);
+            }
+        }
     }
 }
 
@@ -293,8 +360,10 @@ __device__ void layer_program(const LayerP& p) {
     // could take the SMs that blocks of this grid still need).
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+    const bool trace = p.times && blockIdx.x == 0 && threadIdx.x == 0;
     for (i64 i = 0; i < p.n; ++i) {
         const LInstr* ins = p.prog + i;
+        if (trace) p.times[i] = layer_clock();
         layer_prefetch(ins->pf, ins->pf_bytes);
         switch (ins->kind) {
             case LI_GEMM: {
@@ -302,9 +371,9 @@ __device__ void layer_program(const LayerP& p) {
                 layer_gemm<T>(g, layer_smem);
                 break;
             }
-            case LI_ROWS: {
-                const LRows r = ins->r;
-                layer_rows<T>(r, (float*)layer_smem);
+            case LI_NORM: {
+                const LNorm r = ins->r;
+                layer_norm<T>(r);
                 break;
             }
             case LI_ATTN: {
@@ -317,8 +386,14 @@ __device__ void layer_program(const LayerP& p) {
         }
         if (i + 1 < p.n) layer_barrier(p.bar, (unsigned)((i + 1) * gridDim.x));
     }
-    // The last block out resets the counter (every block has left every wait).
     __syncthreads();
+    if (trace) {
+        p.times[p.n] = layer_clock();
+        printf("layer-trace %d instructions, ns:", (int)p.n);
+        for (i64 i = 0; i < p.n; ++i) printf(" %d:%d", (int)p.prog[i].kind, (int)(p.times[i + 1] - p.times[i]));
+        printf("\n");
+    }
+    // The last block out resets the counter (every block has left every wait).
     if (threadIdx.x == 0) {
         const unsigned total = (unsigned)(p.n * gridDim.x);
         if (atomicAdd(p.bar, 1u) == total - 1) atomicExch(p.bar, 0u);

@@ -585,6 +585,20 @@ impl Func {
         check(unsafe { sys::cuFuncSetAttribute(self.0, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
     }
 
+    /// Registers per thread and local (spill) bytes per thread.
+    pub fn regs_and_local_bytes(&self) -> Result<(i32, i32)> {
+        let get = |a: sys::CUfunction_attribute| -> Result<i32> {
+            let mut v: std::ffi::c_int = 0;
+            // SAFETY: live function handle; v is written by the call.
+            check(unsafe { sys::cuFuncGetAttribute(&mut v, a, self.0) }, "cuFuncGetAttribute")?;
+            Ok(v)
+        };
+        Ok((
+            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+        ))
+    }
+
     /// How many blocks of `block` threads and `smem` dynamic shared bytes
     /// fit on one SM at once (registers, shared memory, warps).
     pub fn max_blocks_per_sm(&self, block: u32, smem: u32) -> Result<u32> {
@@ -604,11 +618,21 @@ impl Func {
     /// capture records it as a programmatic graph edge. `cluster` other than
     /// [1, 1, 1]: blocks run in thread-block clusters of those dimensions (sm_90+).
     #[allow(clippy::too_many_arguments)]
-    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, cluster: [u32; 3], args: &[u64], pdl: bool) -> Result<()> {
+    pub fn launch(
+        &self,
+        s: &Stream,
+        grid: [u32; 3],
+        block: u32,
+        smem: u32,
+        cluster: [u32; 3],
+        args: &[u64],
+        pdl: bool,
+        cooperative: bool,
+    ) -> Result<()> {
         let clustered = cluster != [1, 1, 1];
         // The kernel's one parameter is the struct: kernelParams[0] points at it.
         let mut params = [args.as_ptr() as *mut c_void];
-        if !pdl && !clustered {
+        if !pdl && !clustered && !cooperative {
             // SAFETY: args outlives the call (the driver copies parameters at launch).
             let r = unsafe {
                 sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
@@ -617,11 +641,16 @@ impl Func {
         }
         // SAFETY: an all-zero attribute is a valid value of the C union; the
         // id and the one field it selects are set right after.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut attrs: [sys::CUlaunchAttribute; 3] = unsafe { std::mem::zeroed() };
         let mut n = 0;
         if pdl {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
             n += 1;
         }
         if clustered {

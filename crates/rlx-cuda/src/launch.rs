@@ -114,6 +114,9 @@ pub(crate) struct Step {
     /// Launch as a programmatic dependent of the previous kernel (set by
     /// `mark_pdl`; kernels only).
     pub pdl: bool,
+    /// Cooperative launch: the driver guarantees that every block is
+    /// resident at once (the layer program's grid barrier needs it).
+    pub cooperative: bool,
 }
 
 // SAFETY: the raw pointers are pinned buffers owned by the same slot as the step.
@@ -121,7 +124,7 @@ unsafe impl Send for Step {}
 
 impl Step {
     pub fn new(op: Op, kind: &'static str) -> Step {
-        Step { op, host: false, kind, pdl: false }
+        Step { op, host: false, kind, pdl: false, cooperative: false }
     }
     pub fn is_kernel(&self) -> bool {
         matches!(self.op, Op::Kernel { .. } | Op::MatMul(_))
@@ -133,7 +136,9 @@ impl Step {
     /// timing events between steps).
     pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, smem, cluster, args } => func.launch(s, *grid, *block, *smem, *cluster, args, pdl && self.pdl),
+            Op::Kernel { func, grid, block, smem, cluster, args } => {
+                func.launch(s, *grid, *block, *smem, *cluster, args, pdl && self.pdl, self.cooperative)
+            }
             Op::MatMul(call) => call.enqueue(s),
             Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
@@ -602,27 +607,27 @@ pub(crate) fn lower(
 pub(crate) fn attention_args(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<Args> {
     Ok(Args::default()
         .p(b.ptr(&a.q.buf)?)
-            .p(b.ptr(&a.k.buf)?)
-            .p(b.ptr(&a.v.buf)?)
-            .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-            .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-            .p(b.ptr(&a.out)?)
-            .i(a.batch)
-            .i(a.heads)
-            .i(a.kv_heads)
-            .i(a.head_dim)
-            .i(a.q_len)
-            .i(a.kv_len)
-            .i(a.causal as i64)
-            .i(dtype_code(a.mask_dtype))
-            .p(a.q.batch_stride)
-            .p(a.q.row_stride)
-            .p(a.k.batch_stride)
-            .p(a.k.row_stride)
-            .p(a.v.batch_stride)
-            .p(a.v.row_stride)
-            .f(a.scale as f64)
-            .p(b.err))
+        .p(b.ptr(&a.k.buf)?)
+        .p(b.ptr(&a.v.buf)?)
+        .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+        .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
+        .p(b.ptr(&a.out)?)
+        .i(a.batch)
+        .i(a.heads)
+        .i(a.kv_heads)
+        .i(a.head_dim)
+        .i(a.q_len)
+        .i(a.kv_len)
+        .i(a.causal as i64)
+        .i(dtype_code(a.mask_dtype))
+        .p(a.q.batch_stride)
+        .p(a.q.row_stride)
+        .p(a.k.batch_stride)
+        .p(a.k.row_stride)
+        .p(a.v.batch_stride)
+        .p(a.v.row_stride)
+        .f(a.scale as f64)
+        .p(b.err))
 }
 
 /// Query rows per block of the tensor-core attention kernel

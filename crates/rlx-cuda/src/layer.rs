@@ -8,10 +8,17 @@
 //! step. A run it cannot take at build time (an operand not 16-byte
 //! aligned, no room on the SMs) returns None and the thunks lower as usual.
 //!
-//! RLX_LAYER=0 turns the program off; RLX_LAYER=1 takes every eligible run
-//! whatever its row count; by default matmuls of up to `AUTO_MAX_ROWS` rows
-//! qualify (at more rows cuBLASLt's large tiles win). RLX_LAYER_BLOCKS=n
-//! sets blocks per SM (default 2, at most what fits).
+//! Off by default: on the H200 it measured slower than the kernel-per-thunk
+//! graph (bench/gpu-perf.md, session 6: MiniLM 1x128 278 against 164 µs,
+//! bert-base 764 against 421 µs). RLX_LAYER=auto takes runs whose matmuls
+//! have at most `AUTO_MAX_ROWS` rows, RLX_LAYER=1 every eligible run,
+//! RLX_LAYER=0 none (`set_layer_policy` overrides the variable).
+//! Diagnostics: RLX_LAYER_TRACE=1 prints each instruction's time (block 0's
+//! view) after every launch and the kernel's resources at prepare;
+//! RLX_LAYER_NOOPS=k appends k empty instructions (the barrier's cost);
+//! RLX_LAYER_PREFETCH=0 drops the L2 weight prefetch; RLX_LAYER_MAX_SPLITS=s
+//! caps the K splits; RLX_LAYER_BLOCKS=n asks for n blocks per SM (at most
+//! what fits: 1 with the 8-stage pipeline).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -23,17 +30,18 @@ use rlx_runtime::Result;
 use crate::driver::{err, Device, DeviceBuffer};
 use crate::launch::{act_code, attention_args, Bases, Kernels, Op, Step};
 
-/// Dynamic shared memory of a block: 4 stages of 64x(64+8) A and B tiles
+/// Dynamic shared memory of a block: 8 stages of 64x(64+8) A and B tiles
 /// (kernels/layer.cu); also the attention buffers and 4 rows of f32 values.
-pub(crate) const SMEM: u32 = 4 * 2 * 64 * 72 * 2;
+pub(crate) const SMEM: u32 = 8 * 2 * 64 * 72 * 2;
 const THREADS: u32 = 128;
-const WARPS: usize = 4;
+/// Widest norm row (kernels/layer.cu: 8 vectors of 8 per lane).
+const NORM_MAX_COLS: usize = 2048;
 const TILE: usize = 64;
-/// Matmul rows up to which the program is used by default.
+/// Matmul rows up to which `Policy::Auto` takes a run.
 pub(crate) const AUTO_MAX_ROWS: usize = 256;
 const WORDS: usize = 32;
 const LI_GEMM: u64 = 1;
-const LI_ROWS: u64 = 2;
+const LI_NORM: u64 = 2;
 const LI_ATTN: u64 = 3;
 
 /// When runs of thunks execute as one layer program.
@@ -107,7 +115,7 @@ fn eligible(t: &Thunk, max_rows: usize) -> Option<(DType, usize)> {
             ok.then_some((a.dtype, attention_hdp(a.head_dim)))
         }
         Thunk::Norm { dtype, rows, cols, .. } => {
-            let ok = half(*dtype) && cols.is_multiple_of(8) && *cols > 0 && *rows > 0 && cols * 4 * WARPS <= SMEM as usize;
+            let ok = half(*dtype) && cols.is_multiple_of(8) && *cols > 0 && *cols <= NORM_MAX_COLS && *rows > 0;
             ok.then_some((*dtype, 0))
         }
         _ => None,
@@ -150,15 +158,26 @@ pub(crate) fn runs(thunks: &[Thunk], policy: Policy) -> Vec<Range<usize>> {
     out
 }
 
-/// K splits for a matmul tile grid on `blocks` blocks: the fewest waves x
-/// chunks per item, a split > 1 charged 3 chunks (its partial sum pass and
-/// barrier), fewest splits on ties.
+/// K splits for a matmul tile grid on `blocks` blocks: the fewest chunks per
+/// item, a split > 1 charged one chunk (the tile's blocks wait for each other
+/// and sum the partials), fewest splits on ties; tiles x splits never exceeds
+/// `blocks` (the split blocks of a tile must run at once), and no split when
+/// the tiles alone fill the blocks.
 pub(crate) fn splits(rows: usize, n: usize, k: usize, blocks: usize) -> usize {
     let tiles = rows.div_ceil(TILE) * (n / TILE);
     let chunks = (k / TILE).max(1);
     let blocks = blocks.max(1);
-    let cost = |s: usize| (tiles * s).div_ceil(blocks) * chunks.div_ceil(s) + if s > 1 { 3 } else { 0 };
-    (1..=chunks.min(16)).min_by_key(|&s| (cost(s), s)).unwrap_or(1)
+    if tiles >= blocks {
+        return 1; // a full wave already: partial sums would only add traffic
+    }
+    // A split tile's blocks wait for each other: all items in one wave.
+    let cost = |s: usize| chunks.div_ceil(s) + usize::from(s > 1);
+    (1..=chunks.min(max_splits()).min(blocks / tiles)).min_by_key(|&s| (cost(s), s)).unwrap_or(1)
+}
+
+/// RLX_LAYER_MAX_SPLITS (default 16): the most K splits of a matmul.
+fn max_splits() -> usize {
+    std::env::var("RLX_LAYER_MAX_SPLITS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(16).clamp(1, 64)
 }
 
 /// One slot's program: the launch step and the buffers it points into.
@@ -184,10 +203,6 @@ fn instr(kind: u64, body: &[u64]) -> Result<Instr> {
     Ok(Instr { words, weight: None })
 }
 
-fn same_buf(a: &BufRef, b: &BufRef) -> bool {
-    a.space == b.space && a.offset == b.offset
-}
-
 /// The program for `thunks[range]` (a run from `runs`) in one slot, or None
 /// when this slot's operands or the device do not allow it.
 pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], range: Range<usize>, b: &Bases) -> Result<Option<Program>> {
@@ -197,7 +212,7 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     let func = kernels.get(&format!("layer_program_{}", if dtype == DType::BF16 { "bf16" } else { "f16" }))?;
     func.set_max_dynamic_smem(SMEM)?;
     let fit = func.max_blocks_per_sm(THREADS, SMEM)?;
-    let want = std::env::var("RLX_LAYER_BLOCKS").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(2).max(1);
+    let want = std::env::var("RLX_LAYER_BLOCKS").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(1).max(1);
     let per_sm = want.min(fit);
     if per_sm == 0 {
         return Ok(None);
@@ -208,12 +223,12 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     let mut aligned = true;
     let mut need16 = |p: u64| aligned &= p.is_multiple_of(16);
     let mut prog: Vec<Instr> = Vec::new();
-    let mut work_bytes = 0u64;
-    // The workspace pointer is patched in once its size is known.
+    let (mut work_bytes, mut max_tiles) = (0u64, 0u64);
+    // The workspace and counter pointers are patched in once their sizes are known.
     const WORK_SLOT: u64 = u64::MAX;
-    let mut i = 0;
-    while i < run.len() {
-        match &run[i] {
+    const CNT_SLOT: u64 = u64::MAX - 1;
+    for t in run {
+        match t {
             Thunk::MatMul(m) => {
                 let rows = m.batch * m.m;
                 let (a, w, out) = (b.ptr(&m.a)?, b.ptr(&m.b)?, b.ptr(&m.out)?);
@@ -222,73 +237,33 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
                     need16(p);
                 }
                 let s = splits(rows, m.n, m.k, blocks as usize);
+                let tiles = (rows.div_ceil(TILE) * (m.n / TILE)) as u64;
+                if s > 1 {
+                    work_bytes = work_bytes.max(s as u64 * tiles * (TILE * TILE * 4) as u64);
+                    max_tiles = max_tiles.max(tiles);
+                }
                 let act = act_code(m.act) as u64;
-                let gemm = |bias: u64, res: u64, act: u64, work: u64| {
-                    [a, w, bias, res, out, work, rows as u64, m.n as u64, m.k as u64, m.lda, act, s as u64]
-                };
-                let wbytes = (m.n * m.k * dtype.size()) as u64;
-                if s == 1 {
-                    let mut g = instr(LI_GEMM, &gemm(bias, res, act, 0))?;
-                    g.weight = Some((w, wbytes));
-                    prog.push(g);
-                    i += 1;
-                    continue;
-                }
-                work_bytes = work_bytes.max((s * rows * m.n * 4) as u64);
-                let mut g = instr(LI_GEMM, &gemm(0, 0, 0, WORK_SLOT))?;
-                g.weight = Some((w, wbytes));
+                let body = [a, w, bias, res, out, WORK_SLOT, CNT_SLOT, rows as u64, m.n as u64, m.k as u64, m.lda, act, s as u64];
+                let mut g = instr(LI_GEMM, &body)?;
+                g.weight = Some((w, (m.n * m.k * dtype.size()) as u64));
                 prog.push(g);
-                // The partial sums, with a LayerNorm / RmsNorm that reads this
-                // matmul's output folded in.
-                let norm = match run.get(i + 1) {
-                    Some(Thunk::Norm { rows: nr, cols, x, .. }) if same_buf(x, &m.out) && *nr == rows && *cols == m.n => run.get(i + 1),
-                    _ => None,
-                };
-                let (gamma, beta, nout, eps, rms, nres) = match norm {
-                    Some(Thunk::Norm { gamma, beta, out, eps, rms, residual, .. }) => {
-                        (b.ptr(gamma)?, opt(beta)?, b.ptr(out)?, *eps, *rms, opt(residual)?)
-                    }
-                    _ => (0, 0, 0, 0.0, false, 0),
-                };
-                for p in [gamma, beta, nout, nres] {
-                    need16(p);
-                }
-                let r = [
-                    WORK_SLOT,
-                    0,
-                    bias,
-                    res,
-                    out,
-                    gamma,
-                    beta,
-                    nout,
-                    rows as u64,
-                    m.n as u64,
-                    s as u64,
-                    act,
-                    norm.is_some() as u64,
-                    rms as u64,
-                    (eps as f64).to_bits(),
-                    nres,
-                ];
-                prog.push(instr(LI_ROWS, &r)?);
-                i += if norm.is_some() { 2 } else { 1 };
             }
             Thunk::Norm { rms, rows, cols, eps, x, residual, gamma, beta, out, .. } => {
-                let (x, gamma, beta, out, nres) = (b.ptr(x)?, b.ptr(gamma)?, opt(beta)?, b.ptr(out)?, opt(residual)?);
-                for p in [x, gamma, beta, out, nres] {
+                let (x, gamma, beta, out, res) = (b.ptr(x)?, b.ptr(gamma)?, opt(beta)?, b.ptr(out)?, opt(residual)?);
+                for p in [x, gamma, beta, out, res] {
                     need16(p);
                 }
-                let r = [0, x, 0, 0, 0, gamma, beta, out, *rows as u64, *cols as u64, 0, 0, 1, *rms as u64, (*eps as f64).to_bits(), nres];
-                prog.push(instr(LI_ROWS, &r)?);
-                i += 1;
+                let body = [x, res, gamma, beta, out, *rows as u64, *cols as u64, *rms as u64, (*eps as f64).to_bits()];
+                prog.push(instr(LI_NORM, &body)?);
             }
-            Thunk::Attention(a) => {
-                prog.push(instr(LI_ATTN, &attention_args(a, b)?.0)?);
-                i += 1;
-            }
+            Thunk::Attention(a) => prog.push(instr(LI_ATTN, &attention_args(a, b)?.0)?),
             t => return Err(err(format!("layer program: thunk kind {} is not one it runs", t.kind()))),
         }
+    }
+    // RLX_LAYER_NOOPS=k: k empty instructions at the end (measures the barrier).
+    let noops = std::env::var("RLX_LAYER_NOOPS").ok().and_then(|v| v.trim().parse::<usize>().ok()).unwrap_or(0);
+    for _ in 0..noops.min(1000) {
+        prog.push(instr(0, &[])?);
     }
     if !aligned {
         return Ok(None);
@@ -296,7 +271,9 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     // Each matmul's weight is prefetched into L2 by the instruction right
     // after the matmul before it, so it streams in while that one's partial
     // sums and the next ops run.
-    let gemms: Vec<usize> = prog.iter().enumerate().filter(|(_, x)| x.weight.is_some()).map(|(i, _)| i).collect();
+    let prefetch = std::env::var("RLX_LAYER_PREFETCH").map(|v| v.trim() != "0").unwrap_or(true);
+    let gemms: Vec<usize> =
+        if !prefetch { Vec::new() } else { prog.iter().enumerate().filter(|(_, x)| x.weight.is_some()).map(|(i, _)| i).collect() };
     for pair in gemms.windows(2) {
         let (prev, next) = (pair[0], pair[1]);
         let at = (prev + 1).min(next);
@@ -308,29 +285,131 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
         }
     }
 
-    let bar_bytes = 256u64;
-    let scratch = DeviceBuffer::alloc(dev, bar_bytes + work_bytes.max(16))?;
+    // Scratch: the barrier counter, RLX_LAYER_TRACE's timestamps, the partial sums.
+    let trace = std::env::var("RLX_LAYER_TRACE").is_ok_and(|v| v.trim() == "1");
+    let times_bytes = (8 * (prog.len() as u64 + 1)).div_ceil(256) * 256;
+    let head = 256 + times_bytes + (4 * max_tiles).div_ceil(256) * 256;
+    let scratch = DeviceBuffer::alloc(dev, head + work_bytes.max(16))?;
     scratch.zero()?;
-    let work = scratch.ptr + bar_bytes;
+    let work = scratch.ptr + head;
+    let times = if trace { scratch.ptr + 256 } else { 0 };
+    let cnt_bytes = (4 * max_tiles).div_ceil(256) * 256;
     let mut bytes = Vec::with_capacity(prog.len() * WORDS * 8);
     for ins in &mut prog {
         for w in ins.words.iter_mut() {
             if *w == WORK_SLOT {
                 *w = work;
+            } else if *w == CNT_SLOT {
+                *w = work - cnt_bytes;
             }
         }
         bytes.extend(ins.words.iter().flat_map(|w| w.to_le_bytes()));
     }
     let code = DeviceBuffer::alloc(dev, bytes.len() as u64)?;
     code.upload(0, &bytes)?;
-    let args = vec![code.ptr, prog.len() as u64, scratch.ptr, hdp as u64];
-    let step = Step::new(Op::Kernel { func, grid: [blocks, 1, 1], block: THREADS, smem: SMEM, cluster: [1, 1, 1], args }, "layer");
+    if trace {
+        let (regs, local) = func.regs_and_local_bytes()?;
+        eprintln!(
+            "rlx-cuda layer program: {} thunks as {} instructions, {blocks} blocks ({per_sm}/SM of {fit} that fit), {regs} registers, {local} local bytes per thread, {} KB partial sums",
+            run.len(),
+            prog.len(),
+            work_bytes / 1024
+        );
+    }
+    let args = vec![code.ptr, prog.len() as u64, scratch.ptr, hdp as u64, times];
+    let mut step = Step::new(Op::Kernel { func, grid: [blocks, 1, 1], block: THREADS, smem: SMEM, cluster: [1, 1, 1], args }, "layer");
+    step.cooperative = true;
     Ok(Some(Program { step, buffers: vec![code, scratch], instructions: prog.len() }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rlx_compile::{AttentionThunk, MatMulThunk, SeqView, Space};
+
+    fn buf(offset: u64) -> BufRef {
+        BufRef { space: Space::Arena, offset, bytes: 1 << 20 }
+    }
+    fn mm(dtype: DType, m: usize, k: usize) -> Thunk {
+        Thunk::MatMul(MatMulThunk {
+            dtype,
+            batch: 1,
+            m,
+            n: 128,
+            k,
+            a: buf(0),
+            lda: k as u64,
+            a_batch_stride: (m * k) as u64,
+            b: BufRef { space: Space::Weight(0), offset: 0, bytes: 1 << 20 },
+            b_trans: true,
+            ldb: k as u64,
+            b_batch_stride: 0,
+            bias: None,
+            act: None,
+            residual: None,
+            out: buf(1 << 20),
+        })
+    }
+    fn norm(dtype: DType, cols: usize) -> Thunk {
+        Thunk::Norm { rms: false, dtype, rows: 128, cols, eps: 1e-12, x: buf(0), residual: None, gamma: buf(0), beta: None, out: buf(0) }
+    }
+    fn attention(head_dim: usize) -> Thunk {
+        let v = SeqView { buf: buf(0), batch_stride: 0, row_stride: 0 };
+        Thunk::Attention(AttentionThunk {
+            dtype: DType::F16,
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            head_dim,
+            q_len: 128,
+            kv_len: 128,
+            scale: 1.0,
+            causal: false,
+            q: v,
+            k: v,
+            v,
+            mask: None,
+            mask_dtype: DType::F32,
+            valid_len: None,
+            out: buf(0),
+        })
+    }
+    fn cast() -> Thunk {
+        Thunk::Cast { from: DType::F32, to: DType::F16, n: 8, src: buf(0), dst: buf(0) }
+    }
+
+    #[test]
+    fn runs_cover_maximal_stretches_of_one_dtype_and_head_dim() {
+        let h = DType::F16;
+        let t = vec![
+            cast(),
+            norm(h, 128),
+            mm(h, 128, 128),
+            attention(32),
+            mm(h, 128, 128),
+            norm(h, 128),
+            cast(),
+            // A lone norm (no matmul) is not worth a program.
+            norm(h, 128),
+            cast(),
+            mm(h, 128, 128),
+            // Another head dim, a bf16 matmul and an f32 matmul each end a run.
+            attention(64),
+            attention(32),
+            mm(DType::BF16, 128, 128),
+            mm(DType::F32, 128, 128),
+            mm(h, 128, 128),
+            // K not a multiple of 64 and a norm row too wide are not eligible.
+            mm(h, 128, 96),
+            norm(h, 4096),
+        ];
+        assert_eq!(runs(&t, Policy::Auto), vec![1..6, 9..11]);
+        assert_eq!(runs(&t, Policy::Off), Vec::<Range<usize>>::new());
+        // Rows past AUTO_MAX_ROWS only under On.
+        let big = vec![mm(h, 512, 128), norm(h, 128)];
+        assert!(runs(&big, Policy::Auto).is_empty());
+        assert_eq!(runs(&big, Policy::On), vec![0..2]);
+    }
 
     #[test]
     fn splits_fill_the_blocks_without_a_second_wave() {
