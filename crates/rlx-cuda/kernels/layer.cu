@@ -99,8 +99,10 @@ __device__ __forceinline__ void layer_prefetch(const char* p, i64 bytes) {
         asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p + l * 128));
 }
 
+// det (RLX_LAYER_TRACE, block 0 only): %globaltimer when the first item's
+// first chunk landed, its main loop ended, its split tile met, its epilogue ended.
 template <typename T>
-__device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
+__device__ void layer_gemm(const LGemm& p, unsigned char* smem, i64* det) {
     typedef unsigned short u16;
     constexpr int BM = LAYER_BM, BN = LAYER_BN, BK = LAYER_BK, S = LAYER_STAGES, P = LAYER_PITCH;
     u16* const sa = (u16*)smem;
@@ -148,6 +150,7 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
         for (int c = 0; c < nc; ++c) {
             cp_async_wait<S - 2>();
             __syncthreads();
+            if (det && c == 0 && tid == 0 && item == blockIdx.x) det[0] = layer_clock();
             if (c + S - 1 < nc) load(c + S - 1, (c + S - 1) % S);
             cp_async_commit();
             const u16* ta = sa + (c % S) * BM * P;
@@ -168,7 +171,31 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
             }
         }
         cp_async_wait<0>();
-        // Fragment (i, j): rows m0 + 32 wm + 16 i + g (+8), columns n0 + 32 wn + 8 j + 2t (+1).
+        if (det && tid == 0 && item == blockIdx.x) det[1] = layer_clock();
+        // Fragment (i, j): rows 32 wm + 16 i + g (+8), columns 32 wn + 8 j + 2t (+1)
+        // of the tile. Each block runs this code once per item (not once per
+        // launch as a small kernel's blocks would): it is kept compact, one
+        // short loop for both paths, because cold instruction fetches of an
+        // unrolled epilogue cost more than its arithmetic (session 6 trace: a
+        // 16x unrolled erf-GELU epilogue took 10.8 µs).
+        // The tile (this split's partial, or the whole sum) goes to f32
+        // [BM][BN + 4] in shared memory, over the pipeline stages.
+        constexpr int TP = BN + 4;
+        float* const tile_s = (float*)smem;
+        __syncthreads();  // every warp is done reading the stages
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int lr = wm * 32 + i * 16 + g + 8 * hi, lc = wn * 32 + j * 8 + 2 * t;
+                    *(float2*)(tile_s + lr * TP + lc) = make_float2(acc[i][j][2 * hi], acc[i][j][2 * hi + 1]);
+                }
+        __syncthreads();
+        int r0 = 0, r1 = BM;
+        const float* base = nullptr;
+        i64 sstride = 0;
         if (splits > 1) {
             // Split-K (all splits of a tile run at once: the host keeps the
             // items within one wave). Each split's partial tile goes to `work`
@@ -177,16 +204,14 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
             // [split·64/S, (split+1)·64/S) over every split in split order (the
             // same bits on every call) and applies the epilogue. A second
             // count-up lets the last block out reset the counter.
+            base = p.work + tile * (BM * BN);
+            sstride = tiles_m * tiles_n * (BM * BN);
             float* const part = p.work + ((i64)split * tiles_m * tiles_n + tile) * (BM * BN);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int hi = 0; hi < 2; ++hi)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const int lr = wm * 32 + i * 16 + g + 8 * hi, lc = wn * 32 + j * 8 + 2 * t;
-                        __stcg((float2*)(part + lr * BN + lc), make_float2(acc[i][j][2 * hi], acc[i][j][2 * hi + 1]));
-                    }
+#pragma unroll 1
+            for (int e = tid; e < BM * BN / 4; e += blockDim.x) {
+                const int lr = e / (BN / 4), lc = (e % (BN / 4)) * 4;
+                __stcg((float4*)(part + lr * BN + lc), *(const float4*)(tile_s + lr * TP + lc));
+            }
             __syncthreads();
             if (tid == 0) {
                 asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p.cnt + tile) : "memory");
@@ -194,95 +219,53 @@ __device__ void layer_gemm(const LGemm& p, unsigned char* smem) {
                 }
             }
             __syncthreads();
-            const float* const base = p.work + tile * (BM * BN);
-            const i64 sstride = tiles_m * tiles_n * (BM * BN);
-            const int r0 = split * BM / splits, r1 = (split + 1) * BM / splits;
-            // Thread -> 4 columns (a float4) of a row, rows r0.. in turn.
-            for (int e = tid; e < (r1 - r0) * (BN / 4); e += blockDim.x) {
-                const int lr = r0 + e / (BN / 4), lc = (e % (BN / 4)) * 4;
-                const i64 row = m0 + lr, col = n0 + lc;
-                if (row >= p.m) continue;
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
+            if (det && tid == 0 && item == blockIdx.x) det[2] = layer_clock();
+            r0 = split * BM / splits;
+            r1 = (split + 1) * BM / splits;
+        }
+        // Thread -> 4 columns (a float4) of a row, rows r0.. in turn.
+#pragma unroll 1
+        for (int e = tid; e < (r1 - r0) * (BN / 4); e += blockDim.x) {
+            const int lr = r0 + e / (BN / 4), lc = (e % (BN / 4)) * 4;
+            const i64 row = m0 + lr, col = n0 + lc;
+            if (row >= p.m) continue;
+            float4 sum;
+            if (base) {
+                sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
                 for (int sp = 0; sp < splits; ++sp) {
                     const float4 v = __ldcg((const float4*)(base + sp * sstride + lr * BN + lc));
                     sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
                 }
-                float x[4] = {sum.x, sum.y, sum.z, sum.w};
-                if (p.bias) {
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) x[c] += ld((const T*)p.bias, col + c);
-                }
-                if (p.act) {
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) x[c] = act_t<T>(p.act, x[c]);
-                }
-                if (p.res) {
-                    const uint2 r = *(const uint2*)((const T*)p.res + row * p.n + col);
-                    const T* rv = (const T*)&r;
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) x[c] += ld(rv, c);
-                }
-                *(uint2*)((T*)p.out + row * p.n + col) = make_uint2(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]));
+            } else {
+                sum = *(const float4*)(tile_s + lr * TP + lc);
             }
-            if (tid == 0) {
-                unsigned old;
-                asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.cnt + tile) : "memory");
-                if (old == 2u * (unsigned)splits - 1) atomicExch(p.cnt + tile, 0u);
+            const uint2 braw = p.bias ? *(const uint2*)((const T*)p.bias + col) : make_uint2(0u, 0u);
+            const uint2 rraw = p.res ? *(const uint2*)((const T*)p.res + row * p.n + col) : make_uint2(0u, 0u);
+            const T* bv = (const T*)&braw;
+            const T* rv = (const T*)&rraw;
+            float x[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll 1
+            for (int c = 0; c < 4; ++c) {
+                float v = x[c] + ld(bv, c);  // zero without a bias
+                if (p.act) v = act_call<T>(p.act, v);
+                x[c] = v + ld(rv, c);        // zero without a residual
             }
-            continue;
+            *(uint2*)((T*)p.out + row * p.n + col) = make_uint2(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]));
         }
-        // Epilogue: every bias and residual value loaded before the first
-        // store (a store between loads would hold the next load back).
-        float bias[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
-            bias[j][0] = p.bias ? ld((const T*)p.bias, col) : 0.0f;
-            bias[j][1] = p.bias ? ld((const T*)p.bias, col + 1) : 0.0f;
+        if (base && tid == 0) {
+            unsigned old;
+            asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.cnt + tile) : "memory");
+            if (old == 2u * (unsigned)splits - 1) atomicExch(p.cnt + tile, 0u);
         }
-        unsigned res[2][2][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const i64 row = m0 + wm * 32 + i * 16 + g + 8 * hi;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
-                    res[i][hi][j] = (p.res && row < p.m) ? *(const unsigned*)((const T*)p.res + row * p.n + col) : 0u;
-                }
-            }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-                const i64 row = m0 + wm * 32 + i * 16 + g + 8 * hi;
-                if (row >= p.m) continue;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const i64 col = n0 + wn * 32 + j * 8 + 2 * t;
-                    float x0 = acc[i][j][2 * hi] + bias[j][0], x1 = acc[i][j][2 * hi + 1] + bias[j][1];
-                    if (p.act) {
-                        x0 = act_t<T>(p.act, x0);
-                        x1 = act_t<T>(p.act, x1);
-                    }
-                    if (p.res) {
-                        const T* r2 = (const T*)&res[i][hi][j];
-                        x0 += ld(r2, 0);
-                        x1 += ld(r2, 1);
-                    }
-                    *(unsigned*)((T*)p.out + row * p.n + col) = pack2<T>(x0, x1);
-                }
-            }
-        }
+        if (det && tid == 0 && item == blockIdx.x) det[3] = layer_clock();
     }
 }
 
-// LayerNorm / RmsNorm: one warp per row, the row in registers (n <= 32 *
-// 8 * LAYER_NORM_NV columns), every load of a row issued before the first use.
-#define LAYER_NORM_NV 8
-template <typename T>
+// LayerNorm / RmsNorm: one warp per row, the row in registers (NV vectors
+// of 8 per lane, instantiated per width so that only the code a row needs is
+// fetched), every load of a row issued before the first use.
+template <typename T, int NV>
 __device__ void layer_norm(const LNorm& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nv = (int)(p.n / 8);
@@ -290,17 +273,17 @@ __device__ void layer_norm(const LNorm& p) {
     for (i64 row = (i64)blockIdx.x * nw + warp; row < p.rows; row += (i64)gridDim.x * nw) {
         const uint4* x = (const uint4*)p.x + row * nv;
         const uint4* res = p.res ? (const uint4*)p.res + row * nv : nullptr;
-        uint4 raw[LAYER_NORM_NV], rres[LAYER_NORM_NV];
+        uint4 raw[NV], rres[NV];
 #pragma unroll
-        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = lane + 32 * k;
             raw[k] = c < nv ? x[c] : make_uint4(0, 0, 0, 0);
             rres[k] = (res && c < nv) ? res[c] : make_uint4(0, 0, 0, 0);
         }
-        float v[LAYER_NORM_NV][8];
+        float v[NV][8];
         float s = 0.0f;
 #pragma unroll
-        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             float r[8];
             Vec16<T>::load(raw[k], v[k]);
             Vec16<T>::load(rres[k], r);
@@ -313,7 +296,7 @@ __device__ void layer_norm(const LNorm& p) {
         const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
         float s2 = 0.0f;
 #pragma unroll
-        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             if (lane + 32 * k < nv) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {
@@ -324,7 +307,7 @@ __device__ void layer_norm(const LNorm& p) {
         }
         const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
 #pragma unroll
-        for (int k = 0; k < LAYER_NORM_NV; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const int c = lane + 32 * k;
             if (c < nv) {
                 float gm[8], bt[8], o[8];
@@ -368,12 +351,17 @@ __device__ void layer_program(const LayerP& p) {
         switch (ins->kind) {
             case LI_GEMM: {
                 const LGemm g = ins->g;
-                layer_gemm<T>(g, layer_smem);
+                layer_gemm<T>(g, layer_smem, trace ? p.times + (p.n + 1) + 8 * i : nullptr);
                 break;
             }
             case LI_NORM: {
                 const LNorm r = ins->r;
-                layer_norm<T>(r);
+                const i64 nvl = (r.n / 8 + 31) / 32;
+                if (nvl <= 1) layer_norm<T, 1>(r);
+                else if (nvl == 2) layer_norm<T, 2>(r);
+                else if (nvl == 3) layer_norm<T, 3>(r);
+                else if (nvl == 4) layer_norm<T, 4>(r);
+                else layer_norm<T, 8>(r);
                 break;
             }
             case LI_ATTN: {
@@ -384,6 +372,7 @@ __device__ void layer_program(const LayerP& p) {
             }
             default: break;
         }
+        if (trace) p.times[(p.n + 1) + 8 * i + 4] = layer_clock();
         if (i + 1 < p.n) layer_barrier(p.bar, (unsigned)((i + 1) * gridDim.x));
     }
     __syncthreads();
@@ -391,6 +380,17 @@ __device__ void layer_program(const LayerP& p) {
         p.times[p.n] = layer_clock();
         printf("layer-trace %d instructions, ns:", (int)p.n);
         for (i64 i = 0; i < p.n; ++i) printf(" %d:%d", (int)p.prog[i].kind, (int)(p.times[i + 1] - p.times[i]));
+        printf("\n");
+        // Matmuls, µs from the instruction's start (block 0's first item):
+        // first chunk landed / main loop done / split tile met / epilogue done / block done.
+        printf("layer-gemm us:");
+        for (i64 i = 0; i < p.n; ++i) {
+            if (p.prog[i].kind != LI_GEMM) continue;
+            const i64* d = p.times + (p.n + 1) + 8 * i;
+            const i64 t0 = p.times[i];
+            printf(" [%d s%d: %.2f %.2f %.2f %.2f %.2f]", (int)i, (int)p.prog[i].g.splits, (d[0] - t0) * 1e-3, (d[1] - t0) * 1e-3,
+                   d[2] ? (d[2] - t0) * 1e-3 : 0.0, (d[3] - t0) * 1e-3, (d[4] - t0) * 1e-3);
+        }
         printf("\n");
     }
     // The last block out resets the counter (every block has left every wait).

@@ -287,7 +287,7 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
 
     // Scratch: the barrier counter, RLX_LAYER_TRACE's timestamps, the partial sums.
     let trace = std::env::var("RLX_LAYER_TRACE").is_ok_and(|v| v.trim() == "1");
-    let times_bytes = (8 * (prog.len() as u64 + 1)).div_ceil(256) * 256;
+    let times_bytes = (8 * (9 * prog.len() as u64 + 1)).div_ceil(256) * 256;
     let head = 256 + times_bytes + (4 * max_tiles).div_ceil(256) * 256;
     let scratch = DeviceBuffer::alloc(dev, head + work_bytes.max(16))?;
     scratch.zero()?;
