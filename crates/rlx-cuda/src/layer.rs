@@ -210,8 +210,12 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     let Some(dtype) = run.iter().find_map(|t| eligible(t, usize::MAX).map(|e| e.0)) else { return Ok(None) };
     let hdp = run.iter().find_map(|t| eligible(t, usize::MAX).map(|e| e.1).filter(|&h| h > 0)).unwrap_or(64);
     let func = kernels.get(&format!("layer_program_{}", if dtype == DType::BF16 { "bf16" } else { "f16" }))?;
-    func.set_max_dynamic_smem(SMEM)?;
-    let fit = func.max_blocks_per_sm(THREADS, SMEM)?;
+    // A device without the shared memory (or the occupancy query) runs the
+    // thunks as usual kernels.
+    if func.set_max_dynamic_smem(SMEM).is_err() {
+        return Ok(None);
+    }
+    let fit = func.max_blocks_per_sm(THREADS, SMEM).unwrap_or(0);
     let want = std::env::var("RLX_LAYER_BLOCKS").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(1).max(1);
     let per_sm = want.min(fit);
     if per_sm == 0 {
