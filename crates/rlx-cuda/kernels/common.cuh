@@ -266,3 +266,72 @@ __device__ __forceinline__ void pdl_enter() {
     extern "C" __global__ void NAME##_f32(const P p) { pdl_enter(); NAME##_body<float>(p); }           \
     extern "C" __global__ void NAME##_f16(const P p) { pdl_enter(); NAME##_body<__half>(p); }          \
     extern "C" __global__ void NAME##_bf16(const P p) { pdl_enter(); NAME##_body<__nv_bfloat16>(p); }
+
+// LayerNorm / RmsNorm of one row by one warp (norm_warp in rows.cu, the
+// layer program's NORM in layer.cu): NV 16-byte vectors per lane, `nvec` in
+// the row; gamma and beta come in registers (`norm_warp_params`). Every load
+// of the row is issued before the first use; out may alias x or res (the
+// warp has read its whole row before the first store).
+template <int NV>
+__device__ __forceinline__ void norm_warp_params(const void* gamma, const void* beta, int nvec, int lane, uint4 (&rg)[NV], uint4 (&rb)[NV]) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const int c = lane + k * 32;
+        rg[k] = c < nvec ? ((const uint4*)gamma)[c] : make_uint4(0, 0, 0, 0);
+        rb[k] = (beta && c < nvec) ? ((const uint4*)beta)[c] : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void norm_warp_row(const uint4* x, const uint4* res, const uint4 (&rg)[NV], const uint4 (&rb)[NV], bool beta,
+                                              uint4* out, int nvec, float inv_n, bool rms, float eps, int lane) {
+    constexpr int E = Vec16<T>::E;
+    uint4 raw[NV], rres[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const int c = lane + k * 32;
+        raw[k] = c < nvec ? x[c] : make_uint4(0, 0, 0, 0);
+        rres[k] = (res && c < nvec) ? res[c] : make_uint4(0, 0, 0, 0);
+    }
+    float v[NV][E];
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        float r[E];
+        Vec16<T>::load(raw[k], v[k]);
+        Vec16<T>::load(rres[k], r);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            v[k][e] += r[e];  // zero when there is no residual or past the row
+            s += v[k][e];
+        }
+    }
+    const float mean = rms ? 0.0f : warp_sum(s) * inv_n;
+    float s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        if (lane + k * 32 < nvec) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float d = v[k][e] - mean;
+                s2 += d * d;
+            }
+        }
+    }
+    const float rstd = rsqrtf(warp_sum(s2) * inv_n + eps);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const int c = lane + k * 32;
+        if (c < nvec) {
+            float g[E], bt[E], o[E];
+            Vec16<T>::load(rg[k], g);
+            Vec16<T>::load(rb[k], bt);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                o[e] = (v[k][e] - mean) * rstd * g[e];
+                if (beta) o[e] += bt[e];
+            }
+            out[c] = Vec16<T>::store(o);
+        }
+    }
+}

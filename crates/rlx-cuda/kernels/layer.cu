@@ -269,58 +269,11 @@ template <typename T, int NV>
 __device__ void layer_norm(const LNorm& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int nv = (int)(p.n / 8);
-    const float inv_n = 1.0f / (float)p.n;
+    uint4 rg[NV], rb[NV];
+    norm_warp_params<NV>(p.gamma, p.beta, nv, lane, rg, rb);
     for (i64 row = (i64)blockIdx.x * nw + warp; row < p.rows; row += (i64)gridDim.x * nw) {
-        const uint4* x = (const uint4*)p.x + row * nv;
-        const uint4* res = p.res ? (const uint4*)p.res + row * nv : nullptr;
-        uint4 raw[NV], rres[NV];
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            const int c = lane + 32 * k;
-            raw[k] = c < nv ? x[c] : make_uint4(0, 0, 0, 0);
-            rres[k] = (res && c < nv) ? res[c] : make_uint4(0, 0, 0, 0);
-        }
-        float v[NV][8];
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            float r[8];
-            Vec16<T>::load(raw[k], v[k]);
-            Vec16<T>::load(rres[k], r);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                v[k][e] += r[e];  // zero when there is no residual or past the row
-                s += v[k][e];
-            }
-        }
-        const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
-        float s2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            if (lane + 32 * k < nv) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float d = v[k][e] - mean;
-                    s2 += d * d;
-                }
-            }
-        }
-        const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-            const int c = lane + 32 * k;
-            if (c < nv) {
-                float gm[8], bt[8], o[8];
-                Vec16<T>::load(((const uint4*)p.gamma)[c], gm);
-                if (p.beta) Vec16<T>::load(((const uint4*)p.beta)[c], bt);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    o[e] = (v[k][e] - mean) * rstd * gm[e];
-                    if (p.beta) o[e] += bt[e];
-                }
-                ((uint4*)p.out)[row * nv + c] = Vec16<T>::store(o);
-            }
-        }
+        norm_warp_row<T, NV>((const uint4*)p.x + row * nv, p.res ? (const uint4*)p.res + row * nv : nullptr, rg, rb, p.beta != nullptr,
+                             (uint4*)p.out + row * nv, nv, 1.0f / (float)p.n, p.rms != 0, (float)p.eps, lane);
     }
 }
 

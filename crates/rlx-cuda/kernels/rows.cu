@@ -84,77 +84,19 @@ RLX_FLOAT_KERNELS(norm, NormP)
 // most NV vectors per lane (see `norm_warp_nv` in src/launch.rs).
 template <typename T, int NV>
 __device__ void norm_warp_body(const NormP& p) {
-    constexpr int E = Vec16<T>::E;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int nvec = (int)(p.cols / E);
+    const int nvec = (int)(p.cols / Vec16<T>::E);
     // gamma and beta are weights, which no kernel writes: they load before
     // the wait for the previous kernel (programmatic dependent launch), and
     // all at once rather than between the output stores, where each load
     // would wait behind the previous store (one memory round trip each).
     uint4 rg[NV], rb[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        int c = lane + k * 32;
-        rg[k] = c < nvec ? ((const uint4*)p.gamma)[c] : make_uint4(0, 0, 0, 0);
-        rb[k] = (p.beta && c < nvec) ? ((const uint4*)p.beta)[c] : make_uint4(0, 0, 0, 0);
-    }
+    norm_warp_params<NV>(p.gamma, p.beta, nvec, lane, rg, rb);
     pdl_enter();
     if (row >= p.rows) return;
-    const uint4* x = (const uint4*)p.x + row * nvec;
-    const uint4* res = p.res ? (const uint4*)p.res + row * nvec : nullptr;
-    uint4* out = (uint4*)p.out + row * nvec;
-    const float inv_n = 1.0f / (float)p.cols;
-    // Issue every load of the row before the first use.
-    uint4 raw[NV], rres[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        int c = lane + k * 32;
-        raw[k] = c < nvec ? x[c] : make_uint4(0, 0, 0, 0);
-        rres[k] = (res && c < nvec) ? res[c] : make_uint4(0, 0, 0, 0);
-    }
-    float v[NV][E];
-    float s = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        float r[E];
-        Vec16<T>::load(raw[k], v[k]);
-        Vec16<T>::load(rres[k], r);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            v[k][e] += r[e];  // zero when there is no residual or past the row
-            s += v[k][e];
-        }
-    }
-    const float mean = p.rms ? 0.0f : warp_sum(s) * inv_n;
-    float s2 = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        if (lane + k * 32 < nvec) {
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                float d = v[k][e] - mean;
-                s2 += d * d;
-            }
-        }
-    }
-    const float rstd = rsqrtf(warp_sum(s2) * inv_n + (float)p.eps);
-    // out may alias x or res: this warp read its whole row above.
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        int c = lane + k * 32;
-        if (c < nvec) {
-            float g[E], bt[E], o[E];
-            Vec16<T>::load(rg[k], g);
-            Vec16<T>::load(rb[k], bt);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                o[e] = (v[k][e] - mean) * rstd * g[e];
-                if (p.beta) o[e] += bt[e];
-            }
-            out[c] = Vec16<T>::store(o);
-        }
-    }
+    norm_warp_row<T, NV>((const uint4*)p.x + row * nvec, p.res ? (const uint4*)p.res + row * nvec : nullptr, rg, rb, p.beta != nullptr,
+                         (uint4*)p.out + row * nvec, nvec, 1.0f / (float)p.cols, p.rms != 0, (float)p.eps, lane);
 }
 
 // norm_warp_<NV>_<dtype> (the body calls pdl_enter itself, after its weight loads)

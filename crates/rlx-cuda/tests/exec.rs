@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use rlx_compile::{AttentionThunk, MatMulThunk, SeqView, Thunk};
+use rlx_compile::{MatMulThunk, Thunk};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{Activation, BinaryOp, DType};
 use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, Tensor};
@@ -16,7 +16,6 @@ use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, Tensor};
 fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64) -> Sb {
     let mut r = rng(seed);
     let rows = batch * seq;
-    let hd = h / heads;
     let mut sb = Sb::new();
     let x = sb.input("x", &[batch, seq, h], dt);
     let mask = sb.input("mask", &[batch, seq], DType::I32);
@@ -45,30 +44,7 @@ fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64)
     };
     sb.thunk(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
     let att = sb.scratch((rows * h * dt.size()) as u64);
-    let view = |off: usize| SeqView {
-        // The view ends where the fused tensor ends.
-        buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
-        batch_stride: (seq * 3 * h) as u64,
-        row_stride: (3 * h) as u64,
-    };
-    sb.thunk(Thunk::Attention(AttentionThunk {
-        dtype: dt,
-        batch,
-        heads,
-        kv_heads: heads,
-        head_dim: hd,
-        q_len: seq,
-        kv_len: seq,
-        scale: 1.0 / (hd as f32).sqrt(),
-        causal: false,
-        q: view(0),
-        k: view(h),
-        v: view(2 * h),
-        mask: Some(mask),
-        mask_dtype: DType::I32,
-        valid_len: None,
-        out: att,
-    }));
+    sb.thunk(fused_qkv_attention(dt, batch, seq, h, heads, qkv, Some((mask, DType::I32)), att));
     let wo = sb.weight("wo", &[h, h], dt, &mut r);
     let proj = sb.scratch((rows * h * dt.size()) as u64);
     sb.thunk(mm(att, wo, None, None, Some(x), proj, h, h));

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use rand::Rng;
-use rlx_compile::{AttentionThunk, BufRef, MatMulThunk, SeqView, Thunk};
+use rlx_compile::{BufRef, MatMulThunk, Thunk};
 use rlx_cuda::{set_layer_policy, LayerPolicy};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions, Tensor};
@@ -31,7 +31,6 @@ struct Shape {
 fn encoder(dt: DType, sh: &Shape, seed: u64) -> Sb {
     let mut r = rng(seed);
     let (rows, h) = (sh.batch * sh.seq, sh.h);
-    let hd = h / sh.heads;
     let mut sb = Sb::new();
     let x = sb.input("x", &[sh.batch, sh.seq, h], dt);
     let pos = sb.input("pos", &[sh.batch, sh.seq, h], dt);
@@ -70,30 +69,8 @@ fn encoder(dt: DType, sh: &Shape, seed: u64) -> Sb {
         let (wqkv, bqkv) = (w(&mut sb, &mut r, "wqkv", &[3 * h, h]), w(&mut sb, &mut r, "bqkv", &[3 * h]));
         let qkv = act(&mut sb, 3 * h);
         sb.thunk(mm(cur, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
-        let view = |off: usize| SeqView {
-            buf: BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
-            batch_stride: (sh.seq * 3 * h) as u64,
-            row_stride: (3 * h) as u64,
-        };
         let att = act(&mut sb, h);
-        sb.thunk(Thunk::Attention(AttentionThunk {
-            dtype: dt,
-            batch: sh.batch,
-            heads: sh.heads,
-            kv_heads: sh.heads,
-            head_dim: hd,
-            q_len: sh.seq,
-            kv_len: sh.seq,
-            scale: 1.0 / (hd as f32).sqrt(),
-            causal: false,
-            q: view(0),
-            k: view(h),
-            v: view(2 * h),
-            mask: Some(mask),
-            mask_dtype: DType::F32,
-            valid_len: None,
-            out: att,
-        }));
+        sb.thunk(fused_qkv_attention(dt, sh.batch, sh.seq, h, sh.heads, qkv, Some((mask, DType::F32)), att));
         let (wo, bo) = (w(&mut sb, &mut r, "wo", &[h, h]), w(&mut sb, &mut r, "bo", &[h]));
         let proj = act(&mut sb, h);
         sb.thunk(mm(att, wo, Some(bo), None, Some(cur), proj, h, h));

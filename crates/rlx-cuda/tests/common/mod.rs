@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rlx_compile::{ArenaSummary, BufRef, Schedule, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN};
+use rlx_compile::{ArenaSummary, AttentionThunk, BufRef, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{DType, Shape};
 use rlx_runtime::{Backend, PrepareOptions, Tensor, WeightStore};
@@ -215,4 +215,45 @@ pub fn check_floor(
 
 pub fn named(v: Vec<(&str, Tensor)>) -> Vec<(String, Tensor)> {
     v.into_iter().map(|(n, t)| (n.to_string(), t)).collect()
+}
+
+/// Self-attention reading Q, K and V straight out of one fused `[batch, seq,
+/// 3h]` projection (views into `qkv`), scale 1/sqrt(head_dim), an optional
+/// key-padding mask of the given dtype; out `[batch, seq, h]`.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_qkv_attention(
+    dt: DType,
+    batch: usize,
+    seq: usize,
+    h: usize,
+    heads: usize,
+    qkv: BufRef,
+    mask: Option<(BufRef, DType)>,
+    out: BufRef,
+) -> Thunk {
+    let hd = h / heads;
+    let view = |off: usize| SeqView {
+        // The view ends where the fused tensor ends.
+        buf: BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
+        batch_stride: (seq * 3 * h) as u64,
+        row_stride: (3 * h) as u64,
+    };
+    Thunk::Attention(AttentionThunk {
+        dtype: dt,
+        batch,
+        heads,
+        kv_heads: heads,
+        head_dim: hd,
+        q_len: seq,
+        kv_len: seq,
+        scale: 1.0 / (hd as f32).sqrt(),
+        causal: false,
+        q: view(0),
+        k: view(h),
+        v: view(2 * h),
+        mask: mask.map(|m| m.0),
+        mask_dtype: mask.map(|m| m.1).unwrap_or(DType::F32),
+        valid_len: None,
+        out,
+    })
 }
