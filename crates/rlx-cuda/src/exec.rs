@@ -241,12 +241,11 @@ impl CudaExecutable {
                         continue;
                     }
                 }
-                let t = &schedule.thunks[i];
+                let (ti, t) = (i, &schedule.thunks[i]);
                 i += 1;
-                let i = i - 1;
                 let host = HostTask::for_thunk(&dev, t)?;
-                let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[i].as_ref(), host)?;
-                if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[i]) {
+                let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[ti].as_ref(), host)?;
+                if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[ti]) {
                     let (choice, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &blas, plan, &lowered)?;
                     if slots.is_empty() {
                         matmul_choices.push((choice.label(), n_lt));

@@ -228,9 +228,6 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     let mut need16 = |p: u64| aligned &= p.is_multiple_of(16);
     let mut prog: Vec<Instr> = Vec::new();
     let (mut work_bytes, mut max_tiles) = (0u64, 0u64);
-    // The workspace and counter pointers are patched in once their sizes are known.
-    const WORK_SLOT: u64 = u64::MAX;
-    const CNT_SLOT: u64 = u64::MAX - 1;
     for t in run {
         match t {
             Thunk::MatMul(m) => {
@@ -247,7 +244,8 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
                     max_tiles = max_tiles.max(tiles);
                 }
                 let act = act_code(m.act) as u64;
-                let body = [a, w, bias, res, out, WORK_SLOT, CNT_SLOT, rows as u64, m.n as u64, m.k as u64, m.lda, act, s as u64];
+                // Words 5 and 6 (workspace, tile counters) are set once their sizes are known.
+                let body = [a, w, bias, res, out, 0, 0, rows as u64, m.n as u64, m.k as u64, m.lda, act, s as u64];
                 let mut g = instr(LI_GEMM, &body)?;
                 g.weight = Some((w, (m.n * m.k * dtype.size()) as u64));
                 prog.push(g);
@@ -289,7 +287,8 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
         }
     }
 
-    // Scratch: the barrier counter, RLX_LAYER_TRACE's timestamps, the partial sums.
+    // Scratch: the barrier counter, RLX_LAYER_TRACE's timestamps, the split
+    // tiles' counters, the partial sums.
     let trace = std::env::var("RLX_LAYER_TRACE").is_ok_and(|v| v.trim() == "1");
     let times_bytes = (8 * (9 * prog.len() as u64 + 1)).div_ceil(256) * 256;
     let head = 256 + times_bytes + (4 * max_tiles).div_ceil(256) * 256;
@@ -300,12 +299,9 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     let cnt_bytes = (4 * max_tiles).div_ceil(256) * 256;
     let mut bytes = Vec::with_capacity(prog.len() * WORDS * 8);
     for ins in &mut prog {
-        for w in ins.words.iter_mut() {
-            if *w == WORK_SLOT {
-                *w = work;
-            } else if *w == CNT_SLOT {
-                *w = work - cnt_bytes;
-            }
+        if ins.words[0] == LI_GEMM {
+            ins.words[4 + 5] = work;
+            ins.words[4 + 6] = work - cnt_bytes;
         }
         bytes.extend(ins.words.iter().flat_map(|w| w.to_le_bytes()));
     }
