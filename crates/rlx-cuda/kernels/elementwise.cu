@@ -221,21 +221,30 @@ extern "C" __global__ void fill_pitched(const FillP p) {
     }
 }
 
-// bytes from src to dst, both device-accessible (the staging copies read and
-// write mapped pinned host memory): the copy-in/copy-out of a call as kernel
-// nodes instead of memcpy nodes, for the same reason as fill_pitched.
-struct BytesP { void* dst; const void* src; i64 bytes; };
+// Up to COPY_MANY byte copies between device-accessible addresses in one
+// launch (blockIdx.y picks the copy), and optionally one u32 set first (the
+// error flag). The staging copies of a call read and write mapped pinned host
+// memory: as kernel nodes rather than memcpy nodes (for the same reason as
+// fill_pitched), one launch for the inputs and one for the outputs, so the
+// reads of host memory overlap and fewer nodes launch.
+#define COPY_MANY 8
+struct CopyManyP { i64 n; unsigned* fill; i64 fill_value; void* dst[COPY_MANY]; const void* src[COPY_MANY]; i64 bytes[COPY_MANY]; };
 
-extern "C" __global__ void copy_bytes(const BytesP p) {
+extern "C" __global__ void copy_many(const CopyManyP p) {
     pdl_enter();
+    if (p.fill && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *p.fill = (unsigned)p.fill_value;
+    if ((i64)blockIdx.y >= p.n) return;
+    char* dst = (char*)p.dst[blockIdx.y];
+    const char* src = (const char*)p.src[blockIdx.y];
+    const i64 bytes = p.bytes[blockIdx.y];
     i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     i64 head = 0;
-    if ((((unsigned long long)p.dst | (unsigned long long)p.src) & 15) == 0) {
-        i64 nv = p.bytes / 16;
-        for (i64 i = t; i < nv; i += stride) ((uint4*)p.dst)[i] = ((const uint4*)p.src)[i];
+    if ((((unsigned long long)dst | (unsigned long long)src) & 15) == 0) {
+        i64 nv = bytes / 16;
+        for (i64 i = t; i < nv; i += stride) ((uint4*)dst)[i] = ((const uint4*)src)[i];
         head = nv * 16;
     }
-    for (i64 i = head + t; i < p.bytes; i += stride) ((char*)p.dst)[i] = ((const char*)p.src)[i];
+    for (i64 i = head + t; i < bytes; i += stride) dst[i] = src[i];
 }
 
 struct SwiGluP { const void* gate; const void* up; void* out; i64 rows; i64 cols; i64 gs; i64 us; };

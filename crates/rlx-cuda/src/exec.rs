@@ -212,19 +212,27 @@ impl CudaExecutable {
             // The error flag is cleared and the staging copies run as kernels
             // (mapped pinned memory) unless RLX_COPY_NODES=1: in a recorded
             // graph every memset or memcpy node costs host time at each launch.
-            let mut steps = vec![if copy_nodes {
-                Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")
-            } else {
-                kernels.fill32(errbuf.ptr, 0, 1, "io")?
-            }];
+            // As kernels, the flag and every input go in one launch (copy_many).
             let (pin_in_dev, pin_out_dev) = if copy_nodes { (None, None) } else { (pin_in.device_ptr(), pin_out.device_ptr()) };
-            for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
-                let dst = bases.ptr(&s.buf)?;
-                steps.push(match pin_in_dev {
-                    Some(d) => kernels.copy(dst, d + *off as u64, *bytes as u64, "io")?,
-                    // SAFETY: off + bytes lies inside pin_in (layout above).
-                    None => Step::new(Op::HtoD { dst, src: unsafe { pin_in.as_ptr().add(*off) }, bytes: *bytes }, "io"),
+            let mut steps = Vec::new();
+            if let Some(d) = pin_in_dev {
+                let copies = schedule
+                    .inputs
+                    .iter()
+                    .zip(&in_layout)
+                    .map(|(s, (off, bytes))| Ok((bases.ptr(&s.buf)?, d + *off as u64, *bytes as u64)));
+                steps.extend(kernels.copy_many(Some((errbuf.ptr, 0)), &copies.collect::<Result<Vec<_>>>()?, "io")?);
+            } else {
+                steps.push(if copy_nodes {
+                    Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")
+                } else {
+                    kernels.fill32(errbuf.ptr, 0, 1, "io")?
                 });
+                for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
+                    // SAFETY: off + bytes lies inside pin_in (layout above).
+                    let src = unsafe { pin_in.as_ptr().add(*off) };
+                    steps.push(Step::new(Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, "io"));
+                }
             }
             let mut layer_bufs = Vec::new();
             let mut i = 0;
@@ -265,13 +273,18 @@ impl CudaExecutable {
             }
             // The outputs, then the error flag in pin_out's last 4 bytes.
             let outs = schedule.outputs.iter().zip(&out_layout).map(|(s, (off, bytes))| Ok((bases.ptr(&s.buf)?, *off, *bytes)));
-            for out in outs.chain([Ok((errbuf.ptr, out_bytes, 4))]) {
-                let (src, off, bytes) = out?;
-                steps.push(match pin_out_dev {
-                    Some(d) => kernels.copy(d + off as u64, src, bytes as u64, "io")?,
-                    // SAFETY: off + bytes lies inside pin_out (layout above).
-                    None => Step::new(Op::DtoH { dst: unsafe { pin_out.as_ptr().add(off) }, src, bytes }, "io"),
-                });
+            let outs = outs.chain([Ok((errbuf.ptr, out_bytes, 4))]).collect::<Result<Vec<_>>>()?;
+            match pin_out_dev {
+                Some(d) => {
+                    let copies: Vec<_> = outs.iter().map(|&(src, off, bytes)| (d + off as u64, src, bytes as u64)).collect();
+                    steps.extend(kernels.copy_many(None, &copies, "io")?);
+                }
+                None => {
+                    for (src, off, bytes) in outs {
+                        // SAFETY: off + bytes lies inside pin_out (layout above).
+                        steps.push(Step::new(Op::DtoH { dst: unsafe { pin_out.as_ptr().add(off) }, src, bytes }, "io"));
+                    }
+                }
             }
             if pdl {
                 launch::mark_pdl(&mut steps);

@@ -252,10 +252,33 @@ impl Kernels {
         let args = Args::default().p(dst).p(4 * n).p(n).p(1).p(value as u64).p(4);
         Ok(self.flat(self.get("fill_pitched")?, n, args, kind))
     }
-    /// A byte copy between device-accessible addresses as a kernel step.
-    pub(crate) fn copy(&self, dst: u64, src: u64, bytes: u64, kind: &'static str) -> Result<Step> {
-        let args = Args::default().p(dst).p(src).p(bytes);
-        Ok(self.flat(self.get("copy_bytes")?, bytes.div_ceil(16), args, kind))
+    /// Byte copies (dst, src, bytes) between device-accessible addresses,
+    /// `COPY_MANY` per kernel step (kernels/elementwise.cu `copy_many`); the
+    /// first step also sets the u32 at `fill` (the error flag) when given.
+    pub(crate) fn copy_many(&self, fill: Option<(u64, u32)>, copies: &[(u64, u64, u64)], kind: &'static str) -> Result<Vec<Step>> {
+        let func = self.get("copy_many")?;
+        let mut steps = Vec::new();
+        let groups: Vec<&[(u64, u64, u64)]> = if copies.is_empty() { vec![&[]] } else { copies.chunks(COPY_MANY).collect() };
+        for (gi, group) in groups.into_iter().enumerate() {
+            let (fill_ptr, fill_value) = match fill {
+                Some((p, v)) if gi == 0 => (p, v as u64),
+                _ => (0, 0),
+            };
+            let pad = |v: Vec<u64>| {
+                let mut v = v;
+                v.resize(COPY_MANY, 0);
+                v
+            };
+            let mut args = Args::default().i(group.len()).p(fill_ptr).p(fill_value);
+            args.0.extend(pad(group.iter().map(|c| c.0).collect()));
+            args.0.extend(pad(group.iter().map(|c| c.1).collect()));
+            args.0.extend(pad(group.iter().map(|c| c.2).collect()));
+            let most = group.iter().map(|c| c.2).max().unwrap_or(0);
+            let x = most.div_ceil(16 * BLOCK as u64).clamp(1, 64) as u32;
+            let grid = [x, group.len().max(1) as u32, 1];
+            steps.push(Step::new(Op::Kernel { func, grid, block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind));
+        }
+        Ok(steps)
     }
     fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
         Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind)
@@ -267,6 +290,9 @@ impl Kernels {
         )
     }
 }
+
+/// Copies per `copy_many` kernel (kernels/elementwise.cu).
+const COPY_MANY: usize = 8;
 
 /// Rows (one warp each) per block of the `norm_warp` kernels.
 const NORM_WARP_ROWS: u64 = 4;

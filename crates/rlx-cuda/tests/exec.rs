@@ -105,6 +105,27 @@ fn encoder_layer_matches_cpu_and_replay_equals_eager() {
     }
 }
 
+/// More inputs and outputs than one staging kernel copies (8, `copy_many`),
+/// of odd byte sizes: every tensor arrives and returns intact, replayed and
+/// eager.
+#[test]
+fn many_inputs_and_outputs_of_odd_sizes() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(21);
+    let mut sb = Sb::new();
+    let mut inputs = Vec::new();
+    for i in 0..11 {
+        let n = 1 + 7 * i + (i % 3);
+        let (name, out) = (format!("x{i}"), format!("y{i}"));
+        let x = sb.input(&name, &[n], DType::F16);
+        let y = sb.output(&out, &[n], DType::F16);
+        sb.thunk(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n, x, out: y });
+        inputs.push((name, rand_tensor(&mut r, &[n], DType::F16)));
+    }
+    let (s, w) = sb.finish();
+    check("11 inputs and outputs", &g, &s, &w, &inputs, 1.0);
+}
+
 /// Under the default matmul policy (cuBLASLt) a whole encoder layer, its
 /// four matmuls included, prepares and runs without compiling or loading
 /// the own matmul kernels (kernels/gemm*.cu: ~6 s of NVRTC on a cold cache).
