@@ -387,14 +387,6 @@ __device__ void attention_mma_body(const AttnP& p) {
     }
 }
 
-// Short sequences (the 64-row grid would leave SMs idle, e.g. batch 1 x 128
-// tokens x 12 heads = 24 blocks on 132 SMs): a block of 4 warps owns only 16
-// query rows of one (batch, head) and its warps split the keys instead.
-// Warp w takes key tiles w, w+4, w+8, ... of TKS keys into its own shared
-// buffers (cp.async on the aligned path) and keeps its own online softmax
-// over them; at the end the four partial (max, sum, output) triples are
-// merged through shared memory, which the K/V buffers no longer need.
-// Same masks, causal rule, valid_len and GQA mapping as attention_mma_body.
 // Keys per warp tile of the key-splitting kernel: 4 warps' K+V fit in 48 KB.
 template <int HDP> struct AttnSplit {
     static constexpr int TKS = HDP <= 64 ? 32 : 16;
@@ -406,7 +398,16 @@ template <int HDP> struct AttnSplit {
     static constexpr int BYTES = KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES;
 };
 
-// One 16-row query block `rblk` of (batch b, head h), by the block's first
+// Short sequences (the 64-row grid would leave SMs idle, e.g. batch 1 x 128
+// tokens x 12 heads = 24 blocks on 132 SMs): a block of 4 warps owns only 16
+// query rows of one (batch, head) and its warps split the keys instead.
+// Warp w takes key tiles w, w+4, w+8, ... of TKS keys into its own shared
+// buffers (cp.async on the aligned path) and keeps its own online softmax
+// over them; at the end the four partial (max, sum, output) triples are
+// merged through shared memory, which the K/V buffers no longer need.
+// Same masks, causal rule, valid_len and GQA mapping as attention_mma_body.
+//
+// attention_split_item: one 16-row query block `rblk` of (batch b, head h), by the block's first
 // 4 warps. `first`: the one thread that reports a bad valid_len. Every
 // thread of the 4 warps returns from here (the layer program, kernels/layer.cu,
 // runs items back to back); `smem` may be reused once they have.
@@ -567,36 +568,36 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     // No early return: the barrier below is aligned (every thread of a warp
     // must reach the same one), and rows past q_len split warps.
     if (row < p.q_len) {
-    float mm = -INFINITY;
+        float mm = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) mm = fmaxf(mm, sm_m[w][r]);
-    float f[4], lsum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-        f[w] = mm == -INFINITY ? 0.0f : exp2f(sm_m[w][r] - mm);
-        lsum += f[w] * sm_l[w][r];
-    }
-    // A row that sees no key at all (fully masked) yields zeros.
-    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
-    const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
-#pragma unroll
-    for (int d = part * 2; d < HDP; d += 16) {
-        if (d >= hd) break;
-        float x0 = 0.0f, x1 = 0.0f;
+        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, sm_m[w][r]);
+        float f[4], lsum = 0.0f;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-            const float* src = so + (w * 16 + r) * OP + d;
-            x0 += f[w] * src[0];
-            x1 += f[w] * src[1];
+            f[w] = mm == -INFINITY ? 0.0f : exp2f(sm_m[w][r] - mm);
+            lsum += f[w] * sm_l[w][r];
         }
-        if (pairs) {
-            *(unsigned*)(orow + d) = Mma<T>::pack(x0 * inv, x1 * inv);
-        } else {
-            st(orow, d, x0 * inv);
-            if (d + 1 < hd) st(orow, d + 1, x1 * inv);
+        // A row that sees no key at all (fully masked) yields zeros.
+        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+        T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+#pragma unroll
+        for (int d = part * 2; d < HDP; d += 16) {
+            if (d >= hd) break;
+            float x0 = 0.0f, x1 = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float* src = so + (w * 16 + r) * OP + d;
+                x0 += f[w] * src[0];
+                x1 += f[w] * src[1];
+            }
+            if (pairs) {
+                *(unsigned*)(orow + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+            } else {
+                st(orow, d, x0 * inv);
+                if (d + 1 < hd) st(orow, d + 1, x1 * inv);
+            }
         }
-    }
     }
     __syncthreads();  // the caller may reuse smem once every thread is past the merge reads
 }
