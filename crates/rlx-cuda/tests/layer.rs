@@ -114,13 +114,14 @@ fn layer_program_matches_cpu_on_encoder_stacks() {
     let _lock = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     set_layer_policy(LayerPolicy::On);
     let shapes = [
-        // MiniLM-like (head dim 32), batch 1: split matmuls, fused norms.
+        // MiniLM-like (head dim 32), batch 1: every matmul split (2- to 8-way).
         Shape { batch: 1, seq: 128, h: 384, heads: 12, ffn: 1536, layers: 2 },
         // Head dim 64, rows not a multiple of 64, padded keys.
         Shape { batch: 2, seq: 77, h: 256, heads: 4, ffn: 1024, layers: 2 },
-        // Unsplit matmuls (few K chunks) and a 12-way split FFN2.
+        // On the H200 (132 blocks): an unsplit FFN1 beside 3- and 6-way splits.
         Shape { batch: 1, seq: 200, h: 192, heads: 3, ffn: 768, layers: 1 },
-        // Many rows (program on by policy): one wave of tiles, no splits.
+        // 390 rows (past `auto`'s limit; on by policy): unsplit QKV, out-proj
+        // and FFN1, an 8-way split FFN2.
         Shape { batch: 3, seq: 130, h: 128, heads: 2, ffn: 512, layers: 1 },
     ];
     for (i, sh) in shapes.iter().enumerate() {
