@@ -64,7 +64,8 @@ struct LInstr {
 };
 // times: RLX_LAYER_TRACE (null otherwise): n + 1 i64 slots for block 0's
 // %globaltimer at the start of each instruction (after its barrier) and at
-// its end; block 0 prints the durations at the end of each launch.
+// the end, then 8 per instruction for a matmul's phases (`det` in
+// layer_gemm) and block 0's own end; block 0 prints both after each launch.
 struct LayerP { const LInstr* prog; i64 n; unsigned* bar; i64 hdp; i64* times; };
 
 __device__ __forceinline__ i64 layer_clock() {

@@ -9,16 +9,15 @@
 //! aligned, no room on the SMs) returns None and the thunks lower as usual.
 //!
 //! Off by default: on the H200 it measured slower than the kernel-per-thunk
-//! graph (bench/gpu-perf.md, session 6: MiniLM 1x128 278 against 164 µs,
-//! bert-base 764 against 421 µs). RLX_LAYER=auto takes runs whose matmuls
+//! graph (bench/gpu-perf.md, session 6, final code: MiniLM 1x128 291
+//! against 163 µs, bert-base 762 against 420 µs). RLX_LAYER=auto takes runs whose matmuls
 //! have at most `AUTO_MAX_ROWS` rows, RLX_LAYER=1 every eligible run,
 //! RLX_LAYER=0 none (`set_layer_policy` overrides the variable).
 //! Diagnostics: RLX_LAYER_TRACE=1 prints each instruction's time (block 0's
 //! view) after every launch and the kernel's resources at prepare;
 //! RLX_LAYER_NOOPS=k appends k empty instructions (the barrier's cost);
 //! RLX_LAYER_PREFETCH=0 drops the L2 weight prefetch; RLX_LAYER_MAX_SPLITS=s
-//! caps the K splits; RLX_LAYER_BLOCKS=n asks for n blocks per SM (at most
-//! what fits: 1 with the 8-stage pipeline).
+//! caps the K splits.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -215,13 +214,12 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     if func.set_max_dynamic_smem(SMEM).is_err() {
         return Ok(None);
     }
-    let fit = func.max_blocks_per_sm(THREADS, SMEM).unwrap_or(0);
-    let want = std::env::var("RLX_LAYER_BLOCKS").ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(1).max(1);
-    let per_sm = want.min(fit);
-    if per_sm == 0 {
+    // One block per SM (the 8-stage pipeline's shared memory allows no
+    // more), every one resident: the grid barrier needs them all at once.
+    if func.max_blocks_per_sm(THREADS, SMEM).unwrap_or(0) == 0 {
         return Ok(None);
     }
-    let blocks = per_sm * kernels.sm_count;
+    let blocks = kernels.sm_count;
 
     let opt = |x: &Option<BufRef>| -> Result<u64> { x.as_ref().map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0)) };
     let mut aligned = true;
@@ -310,7 +308,7 @@ pub(crate) fn build(dev: &Arc<Device>, kernels: &Kernels, thunks: &[Thunk], rang
     if trace {
         let (regs, local) = func.regs_and_local_bytes()?;
         eprintln!(
-            "rlx-cuda layer program: {} thunks as {} instructions, {blocks} blocks ({per_sm}/SM of {fit} that fit), {regs} registers, {local} local bytes per thread, {} KB partial sums",
+            "rlx-cuda layer program: {} thunks as {} instructions, {blocks} blocks (1 per SM), {regs} registers, {local} local bytes per thread, {} KB partial sums",
             run.len(),
             prog.len(),
             work_bytes / 1024
