@@ -387,6 +387,201 @@ __device__ void attention_mma_body(const AttnP& p) {
     }
 }
 
+// Short key ranges (at most SHORT_KEYS keys: BERT's 128 tokens at batch 32).
+// The block's W warps own 16 W query rows of one (batch, head); the whole K
+// and V load once into shared memory (two cp.async groups, one round trip),
+// and each warp then sweeps them in chunks of 32 keys (16 at head dim 64)
+// with the online softmax and no block barrier between chunks. Small chunks
+// keep few score registers, so the kernel fits in 80 registers without
+// spills and 3 blocks of 8 warps share an SM (attention_mma_w8: 128
+// registers, 2 blocks): at 12 heads x 32 sequences the 384 blocks are one
+// wave. Same masks, causal rule, valid_len, GQA mapping and masked-V
+// zeroing as attention_mma_body. Measured on the H200 in bench/gpu-perf.md
+// (session 7): bert-base 32x128 -27 us and MiniLM 32x128 -16 us per forward.
+#define SHORT_KEYS 128
+
+template <typename T, int HDP, int W>
+__device__ void attention_short_body(const AttnP& p) {
+    constexpr int NT = 32 * W;
+    constexpr int R = 16 * W;
+    constexpr int KP = HDP + 8;
+    constexpr int CH = HDP / 8;
+    // Keys per chunk: 16 at head dim 64 (32 spills under the 80-register cap).
+    constexpr int TC = HDP <= 32 ? 32 : 16;
+    __shared__ __align__(16) unsigned short sk[SHORT_KEYS * KP];
+    __shared__ __align__(16) unsigned short sv[SHORT_KEYS * KP];
+    __shared__ __align__(16) float scap[SHORT_KEYS];
+    typedef unsigned short u16;
+    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
+    const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * R;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int hd = (int)p.hd;
+    const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
+
+    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
+    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+        atomicOr(p.err, ERR_VALID_LEN);
+    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
+    if (kv_end < 0) kv_end = 0;
+    // The host picks this kernel only for kv_len <= SHORT_KEYS; a bad call
+    // reads no key past the buffers (all masked).
+    if (kv_end > SHORT_KEYS) kv_end = 0;
+
+    const u16* qb = q + b * p.qbs + h * p.hd;
+    const u16* kb = k + b * p.kbs + kvh * p.hd;
+    const u16* vb = v + b * p.vbs + kvh * p.hd;
+    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
+                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
+
+    i64 last_row = r0 + R - 1 < p.q_len - 1 ? r0 + R - 1 : p.q_len - 1;
+    i64 key_end = kv_end;
+    if (p.causal) {
+        i64 lim = valid - p.q_len + last_row + 1;
+        if (lim < key_end) key_end = lim;
+    }
+    const int nchunks = key_end > 0 ? (int)((key_end + TC - 1) / TC) : 0;
+    const int nrows = nchunks * TC;  // K/V rows loaded (zero past kv_len)
+
+    // K, then V, as two copy groups; every load is issued before the first
+    // wait. Keys at or past key_end read as masked without a load.
+    if (vec) {
+#pragma unroll 4
+        for (int e = threadIdx.x; e < nrows * CH; e += NT) {
+            const int j = e / CH, c = e % CH;
+            const bool in = j < p.kv_len && c * 8 < hd;
+            cp_async16(sk + j * KP + c * 8, in ? kb + j * p.krs + c * 8 : kb, in);
+        }
+        cp_async_commit();
+#pragma unroll 4
+        for (int e = threadIdx.x; e < nrows * CH; e += NT) {
+            const int j = e / CH, c = e % CH;
+            const bool in = j < p.kv_len && c * 8 < hd;
+            cp_async16(sv + j * KP + c * 8, in ? vb + j * p.vrs + c * 8 : vb, in);
+        }
+        cp_async_commit();
+    } else {
+        for (int e = threadIdx.x; e < nrows * HDP; e += NT) {
+            const int j = e / HDP, d = e % HDP;
+            const bool in = j < p.kv_len && d < hd;
+            sk[j * KP + d] = in ? kb[j * p.krs + d] : (u16)0;
+            sv[j * KP + d] = in ? vb[j * p.vrs + d] : (u16)0;
+        }
+    }
+    const i64 wr = r0 + warp * 16 + g;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len || d >= hd) return 0u;
+        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);
+        unsigned lo = qb[row * p.qrs + d];
+        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
+        return lo | (hi << 16);
+    };
+    unsigned qa[HDP / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+    for (int j = threadIdx.x; j < SHORT_KEYS; j += NT) {
+        const double f = j >= key_end ? 0.0 : p.mask ? ld_any(p.mask, b * p.kv_len + j, p.mask_dt) : 1.0;
+        scap[j] = f != 0.0 ? INFINITY : -INFINITY;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // A masked key's V row becomes zeros (a padded row may hold NaN or inf).
+    {
+        bool any = false;
+        for (int j = threadIdx.x; j < nrows; j += NT) any |= scap[j] == -INFINITY;
+        if (__syncthreads_or(any)) {
+            for (int e = threadIdx.x; e < nrows * CH; e += NT) {
+                const int j = e / CH, c = e % CH;
+                if (scap[j] == -INFINITY) *(uint4*)(sv + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            __syncthreads();
+        }
+    }
+
+    float o[HDP / 8][4];
+#pragma unroll
+    for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    // 32-bit: valid and q_len are at most kv_len <= SHORT_KEYS here.
+    const int fut = (int)(valid - p.q_len + wr);
+    const int mi = lane >> 3, mr = lane & 7;
+    // Causal: chunks past what the warp's last row sees hold only future
+    // keys for all 16 rows (warp-uniform, as mma.sync needs).
+    int wchunks = nchunks;
+    if (p.causal) {
+        const i64 seen = valid - p.q_len + r0 + warp * 16 + 16;
+        const i64 c = seen <= 0 ? 0 : (seen + TC - 1) / TC;
+        if (c < wchunks) wchunks = (int)c;
+    }
+    for (int ci = 0; ci < wchunks; ++ci) {
+        const int t0 = ci * TC;
+        float s[TC / 8][4];
+#pragma unroll
+        for (int n = 0; n < TC / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < HDP / 16; ++ks) {
+#pragma unroll
+            for (int n = 0; n < TC / 8; n += 2) {
+                unsigned kf[4];
+                ldsm_x4(kf, sk + (t0 + (n + (mi >> 1)) * 8 + mr) * KP + ks * 16 + (mi & 1) * 8);
+                Mma<T>::run(s[n], qa[ks], kf[0], kf[1]);
+                Mma<T>::run(s[n + 1], qa[ks], kf[2], kf[3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < TC / 8; ++n) {
+            const float2 cp = *(const float2*)(scap + t0 + n * 8 + 2 * t);
+            s[n][0] = fminf(s[n][0] * scale, cp.x);
+            s[n][1] = fminf(s[n][1] * scale, cp.y);
+            s[n][2] = fminf(s[n][2] * scale, cp.x);
+            s[n][3] = fminf(s[n][3] * scale, cp.y);
+        }
+        {
+            const int c = fut - t0;
+            const int lim = p.causal ? (c < -9 ? -9 : c > TC ? TC : c) - 2 * t : TC;
+#pragma unroll
+            for (int n = 0; n < TC / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+                }
+            }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < TC / 8; ++n) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
+        }
+        softmax_pv<T, TC, HDP, KP, true>(s, mx, m, l, o, sv + t0 * KP, lane);
+    }
+
+    T* out = (T*)p.out;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = wr + 8 * half;
+        if (row >= p.q_len) continue;
+        float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+        T* orow = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; ++n) {
+            int d = n * 8 + 2 * t;
+            if (pairs) {
+                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+            } else {
+                if (d < hd) st(orow, d, o[n][2 * half] * inv);
+                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
+            }
+        }
+    }
+}
+
 // Keys per warp tile of the key-splitting kernel: 4 warps' K+V fit in 48 KB.
 template <int HDP> struct AttnSplit {
     static constexpr int TKS = HDP <= 64 ? 32 : 16;
@@ -635,6 +830,23 @@ RLX_ATTN_MMA(32, 8, attention_mma_w8, RLX_TWO_PER_SM)
 RLX_ATTN_MMA(64, 8, attention_mma_w8, RLX_TWO_PER_SM)
 RLX_ATTN_MMA(96, 8, attention_mma_w8, RLX_NO_BOUNDS)
 RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
+
+// attention_short_<HDP>_<dtype> (4 warps, 64 rows) and attention_short_w8_<HDP>_<dtype>
+// (8 warps, 128 rows), for at most SHORT_KEYS keys: capped at 80 registers
+// so 3 blocks of 8 warps (6 of 4) share an SM.
+#define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS)                                                                        \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_f16(const AttnP p) {                                          \
+        pdl_enter();                                                                                                \
+        attention_short_body<__half, HDP, W>(p);                                                                    \
+    }                                                                                                               \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_bf16(const AttnP p) {                                         \
+        pdl_enter();                                                                                                \
+        attention_short_body<__nv_bfloat16, HDP, W>(p);                                                             \
+    }
+RLX_ATTN_SHORT(32, 4, attention_short, __launch_bounds__(128, 6))
+RLX_ATTN_SHORT(64, 4, attention_short, __launch_bounds__(128, 6))
+RLX_ATTN_SHORT(32, 8, attention_short_w8, __launch_bounds__(256, 3))
+RLX_ATTN_SHORT(64, 8, attention_short_w8, __launch_bounds__(256, 3))
 
 // attention_split_<HDP>_<dtype>
 #define RLX_ATTN_SPLIT(HDP)                                                                                               \

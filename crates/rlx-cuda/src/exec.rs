@@ -144,6 +144,16 @@ impl CudaExecutable {
         // Programmatic dependent launch between consecutive kernels (Hopper
         // and later); RLX_PDL=0 turns it off (diagnostic, A/B timing).
         let pdl = dev.cc.0 >= 9 && env_flag("RLX_PDL") != Some(false);
+        // RLX_SKIP=kind,kind (diagnostic): leave out every step of these kinds
+        // ("attention", "layer_norm", "matmul", "matmul_epilogue", ...). The
+        // results are wrong; the forward's time without them tells what those
+        // kernels cost inside the replayed graph.
+        let skip: Vec<String> = std::env::var("RLX_SKIP")
+            .map(|v| v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect())
+            .unwrap_or_default();
+        if !skip.is_empty() {
+            eprintln!("rlx-cuda: RLX_SKIP={} leaves those kernels out: results are wrong (timing diagnostic)", skip.join(","));
+        }
         for t in &schedule.thunks {
             if let Some(why) = launch::unsupported(t) {
                 return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
@@ -285,6 +295,9 @@ impl CudaExecutable {
                         steps.push(Step::new(Op::DtoH { dst: unsafe { pin_out.as_ptr().add(off) }, src, bytes }, "io"));
                     }
                 }
+            }
+            if !skip.is_empty() {
+                steps.retain(|s| s.kind == "io" || !skip.iter().any(|k| k == s.kind));
             }
             if pdl {
                 launch::mark_pdl(&mut steps);

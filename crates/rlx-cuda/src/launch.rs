@@ -410,9 +410,9 @@ pub(crate) fn lower(
                 let args = Args::default().p(d).p(res).i(n).i(act_code(e.act));
                 let width = (16 / m.dtype.size()) as u64;
                 if n.is_multiple_of(width) && (d | res).is_multiple_of(16) {
-                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, args, kind));
+                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, args, "matmul_epilogue"));
                 } else {
-                    steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, kind));
+                    steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, "matmul_epilogue"));
                 }
             }
         }
@@ -568,7 +568,7 @@ pub(crate) fn lower(
             let (grid, func, block) = match rows {
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
-                    let name = if r == 128 { "attention_mma_w8" } else { "attention_mma" };
+                    let name = attention_block_kernel(r, hdp, a.kv_len, attention_short_enabled());
                     (grid, k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?, (r * 2) as u32)
                 }
                 _ if tensor => {
@@ -674,6 +674,30 @@ pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32, forc
     let fill128 = q.div_ceil(128) * hb >= sms;
     let same_padding = q.div_ceil(128) * 2 == q.div_ceil(64);
     Some(if q > 64 && fill128 && same_padding { 128 } else { 64 })
+}
+
+/// Keys the short-range attention kernels hold in shared memory at once
+/// (`SHORT_KEYS` in kernels/attention_mma.cu).
+pub(crate) const ATTN_SHORT_KEYS: usize = 128;
+
+/// The tensor-core attention kernel for blocks of `rows` query rows (64 or
+/// 128) at padded head dim `hdp`: the short-range kernel (whole K and V in
+/// shared memory, 32-key chunks, 3 blocks of 8 warps per SM) for at most
+/// `ATTN_SHORT_KEYS` keys and head dims up to 64, else the streaming one.
+pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short: bool) -> &'static str {
+    match (short && hdp <= 64 && kv_len <= ATTN_SHORT_KEYS, rows == 128) {
+        (true, true) => "attention_short_w8",
+        (true, false) => "attention_short",
+        (false, true) => "attention_mma_w8",
+        (false, false) => "attention_mma",
+    }
+}
+
+/// `RLX_ATTN_SHORT=0` (read once): the streaming kernels even for short key
+/// ranges (A/B measurements).
+fn attention_short_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RLX_ATTN_SHORT").map(|v| v.trim() != "0").unwrap_or(true))
 }
 
 /// `RLX_ATTN_ROWS=16|64|128` (read once): rows per tensor-core attention
@@ -804,6 +828,16 @@ mod tests {
         assert_eq!(norm_warp_nv(DType::F16, 2056, &[0]), None, "too long for registers");
         assert_eq!(norm_warp_nv(DType::F16, 771, &[0]), None, "not whole vectors");
         assert_eq!(norm_warp_nv(DType::BF16, 768, &[0, 8]), None, "misaligned pointer");
+    }
+
+    #[test]
+    fn attention_short_kernel_choice() {
+        use super::attention_block_kernel as k;
+        assert_eq!(k(128, 64, 128, true), "attention_short_w8");
+        assert_eq!(k(64, 32, 77, true), "attention_short");
+        assert_eq!(k(128, 64, 129, true), "attention_mma_w8", "more keys than fit");
+        assert_eq!(k(64, 96, 128, true), "attention_mma", "head dim past 64");
+        assert_eq!(k(128, 64, 128, false), "attention_mma_w8", "RLX_ATTN_SHORT=0");
     }
 
     #[test]

@@ -156,7 +156,13 @@ fn toolkit_headers_digest(include: &Path) -> [u8; 32] {
 }
 
 fn options(arch: &str, include: &Path) -> Vec<String> {
-    vec![format!("--gpu-architecture={arch}"), format!("-I{}", include.display()), "--std=c++17".into()]
+    let mut o = vec![format!("--gpu-architecture={arch}"), format!("-I{}", include.display()), "--std=c++17".into()];
+    // RLX_PTXAS_VERBOSE=1 (kernel development, e.g. with scripts/check-kernels):
+    // ptxas prints each kernel's registers, shared memory and spills.
+    if std::env::var("RLX_PTXAS_VERBOSE").is_ok_and(|v| v.trim() == "1") {
+        o.push("--ptxas-options=-v".into());
+    }
+    o
 }
 
 /// Compiles (or loads from the disk cache) one source file to a CUBIN for
@@ -227,6 +233,9 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
                 && n > 0
                 && nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char) == nv::nvrtcResult::NVRTC_SUCCESS
             {
+                if opts.iter().any(|o| o == "--ptxas-options=-v") {
+                    eprintln!("{file} ({}):\n{log}", opts[0]);
+                }
                 Ok(bin)
             } else {
                 Err(err(format!("{file}: NVRTC produced no CUBIN ({r:?})")))

@@ -702,6 +702,28 @@ fn attention_128_row_blocks() {
     }
 }
 
+/// Short key ranges (at most 128 keys, head dim up to 64) on grids that fill
+/// the SMs: `attention_short_*`, which holds all of K and V in shared memory
+/// and sweeps them in 32-key chunks. 128-row blocks (8 warps) with and
+/// without rows past q_len, 64-row blocks, key counts that are not a
+/// multiple of 32, causal GQA, padded head dim 48, a valid length with
+/// NaN garbage past it, and a misaligned fused QKV (element loads).
+#[test]
+fn attention_short_key_ranges() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(11);
+    for dt in FLOATS {
+        attention_case(&g, &mut r, dt, 32, 12, 12, 64, 128, 128, false, true, None);
+        attention_case(&g, &mut r, dt, 11, 12, 12, 64, 100, 100, false, true, None);
+        attention_case(&g, &mut r, dt, 6, 12, 12, 32, 128, 128, false, true, None);
+        attention_case(&g, &mut r, dt, 6, 12, 4, 32, 77, 77, true, true, None);
+        attention_case(&g, &mut r, dt, 6, 12, 12, 48, 100, 128, true, false, Some(120));
+        attention_case_at(&g, &mut r, dt, 12, 12, 12, 64, 128, 128, false, true, None, 1);
+        attention_case_full(&g, &mut r, dt, (11, 12, 4, 32, 64, 128), true, true, Some(100), 0, true);
+        attention_case_full(&g, &mut r, dt, (12, 12, 12, 64, 128, 128), false, true, None, 0, true);
+    }
+}
+
 /// NaN in the K and V rows of masked keys and of keys past the valid
 /// length (padding that holds garbage) never reaches an output, on every
 /// attention kernel: 64-row tensor-core blocks, 128-row blocks, 16-row
