@@ -136,6 +136,34 @@ impl Lowerer<'_> {
                     out: self.buf(i),
                 }
             }
+            Op::EmbedLayerNorm { eps } => {
+                let (t, ids) = (in0(self)?, self.input(i, 1)?);
+                let td = g.nodes[t].shape.dims();
+                let mut addends = Vec::new();
+                for k in 4..node.inputs.len() {
+                    let a = self.input(i, k)?;
+                    let period = g.nodes[a]
+                        .shape
+                        .row_period(&node.shape)
+                        .ok_or_else(|| lower_err(g, i, format!("addend %{a} does not repeat over rows")))?;
+                    addends.push((self.dense(i, a)?, period));
+                }
+                let (rows, cols) = rows_cols();
+                Thunk::EmbedNorm {
+                    dtype,
+                    id_dtype: g.nodes[ids].dtype,
+                    rows,
+                    cols,
+                    vocab: td[0],
+                    eps: *eps,
+                    table: self.dense(i, t)?,
+                    ids: self.dense(i, ids)?,
+                    addends,
+                    gamma: self.dense(i, self.input(i, 2)?)?,
+                    beta: self.dense(i, self.input(i, 3)?)?,
+                    out: self.buf(i),
+                }
+            }
             Op::Softmax { axis } => {
                 let (outer, len, inner) = outer_len_inner(dims, *axis);
                 Thunk::Softmax { dtype, outer, len, inner, x: self.dense(i, in0(self)?)?, out: self.buf(i) }
@@ -262,7 +290,9 @@ impl Lowerer<'_> {
                 let (x, m) = (in0(self)?, self.input(i, 1)?);
                 let xd = g.nodes[x].shape.dims();
                 Thunk::MaskedMean {
-                    dtype,
+                    dtype: g.nodes[x].dtype,
+                    mask_dtype: g.nodes[m].dtype,
+                    out_dtype: dtype,
                     batch: xd[0],
                     seq: xd[1],
                     dim: xd[2],

@@ -162,11 +162,21 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                 wr("out", *out, prod(&[*batch, *s, w]), *dtype),
             ]
         }
-        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => vec![
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => vec![
             rd("x", *x, prod(&[*batch, *seq, *dim]), *dtype),
-            rd("mask", *mask, prod(&[*batch, *seq]), *dtype),
-            wr("out", *out, prod(&[*batch, *dim]), *dtype),
+            rd("mask", *mask, prod(&[*batch, *seq]), *mask_dtype),
+            wr("out", *out, prod(&[*batch, *dim]), *out_dtype),
         ],
+        Thunk::EmbedNorm { dtype, id_dtype, rows, cols, vocab, table, ids, addends, gamma, beta, out, .. } => {
+            let mut v = vec![rd("table", *table, prod(&[*vocab, *cols]), *dtype), rd("ids", *ids, *rows, *id_dtype)];
+            for (b, n) in addends {
+                v.push(rd("addend", *b, prod(&[*n, *cols]), *dtype));
+            }
+            v.push(rd("gamma", *gamma, *cols, *dtype));
+            v.push(rd("beta", *beta, *cols, *dtype));
+            v.push(wr("out", *out, prod(&[*rows, *cols]), *dtype));
+            v
+        }
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let es = dtype.size() as u64;
             vec![

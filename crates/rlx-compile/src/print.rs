@@ -116,8 +116,15 @@ fn describe(t: &Thunk) -> String {
         Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, .. } => {
             format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions} -> {out}", seq(x))
         }
-        Thunk::MaskedMean { dtype, batch, seq: s, dim, x, mask, out } => {
-            format!("{dtype} [{batch}, {s}, {dim}] x={x} mask={mask} -> {out}")
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq: s, dim, x, mask, out } => {
+            format!("{dtype} [{batch}, {s}, {dim}] x={x} mask={mask}:{mask_dtype} -> {out}:{out_dtype}")
+        }
+        Thunk::EmbedNorm { dtype, id_dtype, rows: r, cols, vocab, eps, table, ids, addends, gamma, beta, out } => {
+            let adds: Vec<String> = addends.iter().map(|(b, n)| format!("{b}x{n}")).collect();
+            format!(
+                "{dtype} rows={r} cols={cols} eps={eps:e} table={table} vocab={vocab} ids={ids}:{id_dtype} addends=[{}] gamma={gamma} beta={beta} -> {out}",
+                adds.join(", ")
+            )
         }
         Thunk::SwiGlu { dtype, rows: r, cols, gate, up, out } => {
             format!("{dtype} rows={r} cols={cols} gate={} up={} -> {out}", rows(gate), rows(up))

@@ -227,12 +227,32 @@ pub enum Thunk {
     /// out[b, d] = Σ_s x[b, s, d]·mask[b, s] / max(Σ_s mask[b, s], 1e-9), all
     /// contiguous (`Op::MaskedMean`), accumulated in f32.
     MaskedMean {
+        /// x's dtype; the mask and the output may differ.
         dtype: DType,
+        mask_dtype: DType,
+        out_dtype: DType,
         batch: usize,
         seq: usize,
         dim: usize,
         x: BufRef,
         mask: BufRef,
+        out: BufRef,
+    },
+    /// LayerNorm(table[ids] + Σ addends) over `rows` rows of `cols`
+    /// (`Op::EmbedLayerNorm`), all dense; addend k is (buffer, its rows R):
+    /// row r adds addend row r % R. An id outside the vocabulary is an error.
+    EmbedNorm {
+        dtype: DType,
+        id_dtype: DType,
+        rows: usize,
+        cols: usize,
+        vocab: usize,
+        eps: f32,
+        table: BufRef,
+        ids: BufRef,
+        addends: Vec<(BufRef, usize)>,
+        gamma: BufRef,
+        beta: BufRef,
         out: BufRef,
     },
     /// out = silu(gate) * up over `[rows, cols]`; gate/up may be strided
@@ -280,6 +300,7 @@ impl Thunk {
             Thunk::Rope { .. } => "rope",
             Thunk::SwiGlu { .. } => "swiglu",
             Thunk::MaskedMean { .. } => "masked_mean",
+            Thunk::EmbedNorm { .. } => "embed_norm",
             Thunk::WriteState { .. } => "write_state",
         }
     }

@@ -133,6 +133,9 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::ArgMax { x, out, .. } => (vec![*x], vec![*out]),
         Thunk::TopK { x, values, indices, .. } => (vec![*x], values.iter().chain(indices).copied().collect()),
         Thunk::Gather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
+        Thunk::EmbedNorm { table, ids, addends, gamma, beta, out, .. } => {
+            ([*table, *ids, *gamma, *beta].into_iter().chain(addends.iter().map(|(a, _)| *a)).collect(), vec![*out])
+        }
         Thunk::Attention(a) => {
             ([Some(a.q.buf), Some(a.k.buf), Some(a.v.buf), a.mask, a.valid_len].into_iter().flatten().collect(), vec![a.out])
         }

@@ -72,7 +72,21 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
             Ok(())
         }
         Thunk::SwiGlu { dtype, .. } => float(*dtype, "swiglu dtype"),
-        Thunk::MaskedMean { dtype, .. } => float(*dtype, "masked_mean dtype"),
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, .. } => {
+            float(*dtype, "masked_mean dtype")?;
+            float(*mask_dtype, "masked_mean mask dtype")?;
+            float(*out_dtype, "masked_mean output dtype")
+        }
+        Thunk::EmbedNorm { dtype, id_dtype, addends, rows, .. } => {
+            float(*dtype, "embed_norm dtype")?;
+            if !id_dtype.is_int() {
+                return Err(format!("embed_norm: ids must be i32 or i64, found {id_dtype}"));
+            }
+            match addends.iter().find(|(_, n)| *n == 0 || rows % n != 0) {
+                Some((_, n)) => Err(format!("embed_norm: an addend of {n} rows does not repeat over {rows} rows")),
+                None => Ok(()),
+            }
+        }
         Thunk::WriteState { .. } => Ok(()),
     }
 }

@@ -282,29 +282,17 @@ __device__ __forceinline__ void norm_warp_params(const void* gamma, const void* 
     }
 }
 
+// The norm of one row held as f32 in registers (zeros past the row):
+// both reductions and the stores.
 template <typename T, int NV>
-__device__ __forceinline__ void norm_warp_row(const uint4* x, const uint4* res, const uint4 (&rg)[NV], const uint4 (&rb)[NV], bool beta,
-                                              uint4* out, int nvec, float inv_n, bool rms, float eps, int lane) {
+__device__ __forceinline__ void norm_warp_finish(float (&v)[NV][Vec16<T>::E], const uint4 (&rg)[NV], const uint4 (&rb)[NV], bool beta,
+                                                 uint4* out, int nvec, float inv_n, bool rms, float eps, int lane) {
     constexpr int E = Vec16<T>::E;
-    uint4 raw[NV], rres[NV];
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-        const int c = lane + k * 32;
-        raw[k] = c < nvec ? x[c] : make_uint4(0, 0, 0, 0);
-        rres[k] = (res && c < nvec) ? res[c] : make_uint4(0, 0, 0, 0);
-    }
-    float v[NV][E];
     float s = 0.0f;
 #pragma unroll
     for (int k = 0; k < NV; ++k) {
-        float r[E];
-        Vec16<T>::load(raw[k], v[k]);
-        Vec16<T>::load(rres[k], r);
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            v[k][e] += r[e];  // zero when there is no residual or past the row
-            s += v[k][e];
-        }
+        for (int e = 0; e < E; ++e) s += v[k][e];
     }
     const float mean = rms ? 0.0f : warp_sum(s) * inv_n;
     float s2 = 0.0f;
@@ -334,4 +322,27 @@ __device__ __forceinline__ void norm_warp_row(const uint4* x, const uint4* res, 
             out[c] = Vec16<T>::store(o);
         }
     }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void norm_warp_row(const uint4* x, const uint4* res, const uint4 (&rg)[NV], const uint4 (&rb)[NV], bool beta,
+                                              uint4* out, int nvec, float inv_n, bool rms, float eps, int lane) {
+    constexpr int E = Vec16<T>::E;
+    uint4 raw[NV], rres[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const int c = lane + k * 32;
+        raw[k] = c < nvec ? x[c] : make_uint4(0, 0, 0, 0);
+        rres[k] = (res && c < nvec) ? res[c] : make_uint4(0, 0, 0, 0);
+    }
+    float v[NV][E];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        float r[E];
+        Vec16<T>::load(raw[k], v[k]);
+        Vec16<T>::load(rres[k], r);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[k][e] += r[e];  // zero when there is no residual or past the row
+    }
+    norm_warp_finish<T, NV>(v, rg, rb, beta, out, nvec, inv_n, rms, eps, lane);
 }

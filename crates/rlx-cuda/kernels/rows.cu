@@ -111,6 +111,67 @@ RLX_NORM_WARP(4)
 RLX_NORM_WARP(6)
 RLX_NORM_WARP(8)
 
+// LayerNorm(table[ids[row]] + addend rows) for rows that fit one warp's
+// registers (as norm_warp): the embedding gather and the position and
+// token-type adds of BERT in one pass. Addend k is dense rows of cols;
+// output row r adds its row r % rows_k (a null addend adds nothing). An id
+// outside the vocabulary gathers zeros and raises the error flag, as the
+// gather kernel does.
+struct EmbedNormP {
+    const void* table; const void* ids; const void* add0; const void* add1; const void* gamma; const void* beta; void* out; int* err;
+    i64 rows; i64 cols; i64 vocab; i64 id64; i64 rows0; i64 rows1; double eps;
+};
+
+template <typename T, int NV>
+__device__ void embed_norm_body(const EmbedNormP& p) {
+    constexpr int E = Vec16<T>::E;
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nvec = (int)(p.cols / E);
+    uint4 rg[NV], rb[NV];
+    norm_warp_params<NV>(p.gamma, p.beta, nvec, lane, rg, rb);
+    pdl_enter();
+    if (row >= p.rows) return;
+    const i64 id = p.id64 ? ((const long long*)p.ids)[row] : (i64)((const int*)p.ids)[row];
+    const bool ok = id >= 0 && id < p.vocab;
+    if (!ok && lane == 0) atomicOr(p.err, ERR_GATHER_ID);
+    const uint4* t = (const uint4*)p.table + (ok ? id : 0) * nvec;
+    const uint4* a0 = p.add0 ? (const uint4*)p.add0 + (row % p.rows0) * nvec : nullptr;
+    const uint4* a1 = p.add1 ? (const uint4*)p.add1 + (row % p.rows1) * nvec : nullptr;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    uint4 rt[NV], r0[NV], r1[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        const int c = lane + k * 32;
+        const bool in = c < nvec;
+        rt[k] = ok && in ? t[c] : z;
+        r0[k] = a0 && in ? a0[c] : z;
+        r1[k] = a1 && in ? a1[c] : z;
+    }
+    float v[NV][E];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+        float x0[E], x1[E];
+        Vec16<T>::load(rt[k], v[k]);
+        Vec16<T>::load(r0[k], x0);
+        Vec16<T>::load(r1[k], x1);
+#pragma unroll
+        for (int e = 0; e < E; ++e) v[k][e] += x0[e] + x1[e];
+    }
+    norm_warp_finish<T, NV>(v, rg, rb, true, (uint4*)p.out + row * nvec, nvec, 1.0f / (float)p.cols, false, (float)p.eps, lane);
+}
+
+#define RLX_EMBED_NORM(NV)                                                                                            \
+    extern "C" __global__ void embed_norm_##NV##_f32(const EmbedNormP p) { embed_norm_body<float, NV>(p); }          \
+    extern "C" __global__ void embed_norm_##NV##_f16(const EmbedNormP p) { embed_norm_body<__half, NV>(p); }         \
+    extern "C" __global__ void embed_norm_##NV##_bf16(const EmbedNormP p) { embed_norm_body<__nv_bfloat16, NV>(p); }
+RLX_EMBED_NORM(1)
+RLX_EMBED_NORM(2)
+RLX_EMBED_NORM(3)
+RLX_EMBED_NORM(4)
+RLX_EMBED_NORM(6)
+RLX_EMBED_NORM(8)
+
 // op: 0 sum, 1 mean, 2 max (reduce); softmax and argmax ignore it.
 struct AxisP { const void* x; void* out; i64 outer; i64 len; i64 inner; i64 op; };
 
@@ -195,7 +256,10 @@ RLX_FLOAT_KERNELS(reduce_cols, AxisP)
 // columns per block, warp w takes rows w, w + 8, ...; masked rows (mask 0)
 // are skipped, as on the CPU; the 8 partial sums meet in shared memory in a
 // fixed order. Grid: batch * ceil(dim / 32) blocks of 256 threads.
-struct MaskedMeanP { const void* x; const void* mask; void* out; i64 batch; i64 seq; i64 dim; };
+// The mask and the output may be any float type (mask_dt, out_dt: DT_*):
+// the precision pass leaves an f32 attention mask and an f32 pooled output
+// as they are instead of casting them.
+struct MaskedMeanP { const void* x; const void* mask; void* out; i64 batch; i64 seq; i64 dim; i64 mask_dt; i64 out_dt; };
 
 template <typename T>
 __device__ void masked_mean_body(const MaskedMeanP& p) {
@@ -208,17 +272,17 @@ __device__ void masked_mean_body(const MaskedMeanP& p) {
     if (b >= p.batch) return;
     const bool in = col < p.dim;
     const T* x = (const T*)p.x + b * p.seq * p.dim + col;
-    const T* m = (const T*)p.mask + b * p.seq;
+    const i64 m0 = b * p.seq;
     float v = 0.0f;
 #pragma unroll 4
     for (i64 j = w; j < p.seq; j += 8) {
-        const float mj = ld(m, j);
+        const float mj = (float)ld_any(p.mask, m0 + j, p.mask_dt);
         if (in && mj != 0.0f) v = fmaf(ld(x, j * p.dim), mj, v);
     }
     part[w][lane] = v;
     if (w == 0) {
         float c = 0.0f;
-        for (i64 j = lane; j < p.seq; j += 32) c += ld(m, j);
+        for (i64 j = lane; j < p.seq; j += 32) c += (float)ld_any(p.mask, m0 + j, p.mask_dt);
         c = warp_sum(c);
         if (lane == 0) count = c;
     }
@@ -227,7 +291,13 @@ __device__ void masked_mean_body(const MaskedMeanP& p) {
         float r = part[0][lane];
 #pragma unroll
         for (int k = 1; k < 8; ++k) r += part[k][lane];
-        st((T*)p.out, b * p.dim + col, r / fmaxf(count, 1e-9f));
+        r /= fmaxf(count, 1e-9f);
+        const i64 o = b * p.dim + col;
+        switch (p.out_dt) {
+            case DT_F32: st((float*)p.out, o, r); break;
+            case DT_F16: st((__half*)p.out, o, r); break;
+            default: st((__nv_bfloat16*)p.out, o, r); break;
+        }
     }
 }
 RLX_FLOAT_KERNELS(masked_mean, MaskedMeanP)

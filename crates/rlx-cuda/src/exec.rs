@@ -556,6 +556,9 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
         Thunk::Rope { x, positions, out, .. } => vec![&x.buf, positions, out],
         Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
         Thunk::MaskedMean { x, mask, out, .. } => vec![x, mask, out],
+        Thunk::EmbedNorm { table, ids, addends, gamma, beta, out, .. } => {
+            [table, ids].into_iter().chain(addends.iter().map(|(a, _)| a)).chain([gamma, beta, out]).collect()
+        }
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
     }
 }
@@ -643,7 +646,7 @@ impl Executable for CudaExecutable {
         if flag != 0 {
             let mut why = Vec::new();
             if flag & 1 != 0 {
-                why.push("a gather id was outside 0..vocab (its rows were written as zeros)");
+                why.push("a gather or embedding id was outside 0..vocab (its rows were gathered as zeros)");
             }
             if flag & 2 != 0 {
                 why.push("a state write ran past the state's capacity (position + new rows > max rows; nothing was written)");

@@ -485,9 +485,17 @@ pub(crate) fn lower(
                 steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
             }
         }
-        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => {
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => {
             // 32 columns per block, 8 warps splitting the sequence (kernels/rows.cu).
-            let args = Args::default().p(b.ptr(x)?).p(b.ptr(mask)?).p(b.ptr(out)?).i(*batch).i(*seq).i(*dim);
+            let args = Args::default()
+                .p(b.ptr(x)?)
+                .p(b.ptr(mask)?)
+                .p(b.ptr(out)?)
+                .i(*batch)
+                .i(*seq)
+                .i(*dim)
+                .i(dtype_code(*mask_dtype))
+                .i(dtype_code(*out_dtype));
             let blocks = (*batch as u64) * (*dim as u64).div_ceil(32);
             steps.push(k.rows(k.typed("masked_mean", *dtype)?, blocks, args, kind));
         }
@@ -532,6 +540,87 @@ pub(crate) fn lower(
                 steps.push(k.flat(k.get("gather_vec")?, *n as u64 * (row_bytes / 16), args, kind));
             } else {
                 steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, args, kind));
+            }
+        }
+        Thunk::EmbedNorm { dtype, id_dtype, rows, cols, vocab, eps, table, ids, addends, gamma, beta, out } => {
+            let mut ptrs = vec![b.ptr(table)?, b.ptr(gamma)?, b.ptr(beta)?, b.ptr(out)?];
+            for (a, _) in addends {
+                ptrs.push(b.ptr(a)?);
+            }
+            // RLX_EMBED_NORM=0 (A/B): always the separate kernels below.
+            let fused = std::env::var("RLX_EMBED_NORM").map(|v| v.trim() != "0").unwrap_or(true);
+            match norm_warp_nv(*dtype, *cols, &ptrs).filter(|_| addends.len() <= 2 && fused) {
+                Some(nv) => {
+                    let add = |k: usize| -> Result<(u64, usize)> { addends.get(k).map(|(a, n)| Ok((b.ptr(a)?, *n))).unwrap_or(Ok((0, 1))) };
+                    let ((a0, n0), (a1, n1)) = (add(0)?, add(1)?);
+                    let args = Args::default()
+                        .p(b.ptr(table)?)
+                        .p(b.ptr(ids)?)
+                        .p(a0)
+                        .p(a1)
+                        .p(b.ptr(gamma)?)
+                        .p(b.ptr(beta)?)
+                        .p(b.ptr(out)?)
+                        .p(b.err)
+                        .i(*rows)
+                        .i(*cols)
+                        .i(*vocab)
+                        .i((*id_dtype == DType::I64) as i64)
+                        .i(n0.max(1))
+                        .i(n1.max(1))
+                        .f(*eps as f64);
+                    let func = k.get(&format!("embed_norm_{nv}_{}", suffix(*dtype)))?;
+                    let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
+                    steps.push(Step::new(
+                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
+                        kind,
+                    ));
+                }
+                // Rows too wide for one warp, or unaligned: the gather, one
+                // broadcast add per addend and the norm, in place in `out`.
+                None => {
+                    let gather = Thunk::Gather {
+                        dtype: *dtype,
+                        id_dtype: *id_dtype,
+                        n: *rows,
+                        dim: *cols,
+                        vocab: *vocab,
+                        table: *table,
+                        ids: *ids,
+                        out: *out,
+                    };
+                    steps.extend(lower(&gather, b, k, blas, None, None)?);
+                    for (a, n) in addends {
+                        let n = (*n).max(1);
+                        let add = Thunk::Binary {
+                            op: BinaryOp::Add,
+                            dtype: *dtype,
+                            out_shape: vec![rows / n, n, *cols],
+                            a: *out,
+                            a_strides: vec![(n * cols) as u64, *cols as u64, 1],
+                            b: *a,
+                            b_strides: vec![0, *cols as u64, 1],
+                            out: *out,
+                        };
+                        steps.extend(lower(&add, b, k, blas, None, None)?);
+                    }
+                    let norm = Thunk::Norm {
+                        rms: false,
+                        dtype: *dtype,
+                        rows: *rows,
+                        cols: *cols,
+                        eps: *eps,
+                        x: *out,
+                        residual: None,
+                        gamma: *gamma,
+                        beta: Some(*beta),
+                        out: *out,
+                    };
+                    steps.extend(lower(&norm, b, k, blas, None, None)?);
+                    for s in &mut steps {
+                        s.kind = kind;
+                    }
+                }
             }
         }
         Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
@@ -743,12 +832,20 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         | Thunk::TopK { dtype, .. }
         | Thunk::Rope { dtype, .. }
         | Thunk::SwiGlu { dtype, .. }
-        | Thunk::MaskedMean { dtype, .. }
+        | Thunk::EmbedNorm { dtype, .. }
             if !float(dtype) =>
         {
             Some(format!("{} on {dtype} (f32, f16, bf16 only)", t.kind()))
         }
-        Thunk::Gather { id_dtype, .. } if !matches!(id_dtype, DType::I32 | DType::I64) => Some(format!("gather with {id_dtype} ids")),
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, .. } if !(float(dtype) && float(mask_dtype) && float(out_dtype)) => {
+            Some(format!("masked_mean on {dtype} with a {mask_dtype} mask into {out_dtype} (float types only)"))
+        }
+        Thunk::Gather { id_dtype, .. } | Thunk::EmbedNorm { id_dtype, .. } if !matches!(id_dtype, DType::I32 | DType::I64) => {
+            Some(format!("{} with {id_dtype} ids", t.kind()))
+        }
+        Thunk::EmbedNorm { rows, addends, .. } if addends.iter().any(|(_, n)| *n == 0 || rows % n != 0) => {
+            Some("embed_norm addend rows that do not divide the rows".into())
+        }
         Thunk::Attention(a) if a.head_dim == 0 || a.head_dim > 128 => Some(format!("attention head_dim {} (1..=128)", a.head_dim)),
         Thunk::Attention(a) if a.kv_heads == 0 || a.heads % a.kv_heads != 0 => {
             Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads))
@@ -756,7 +853,9 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         Thunk::Attention(a) if !float(&a.dtype) || a.batch > 65535 || a.heads > 65535 => Some("attention dtype or grid".into()),
         Thunk::Rope { head_dim, .. } if head_dim % 2 != 0 => Some(format!("rope with odd head_dim {head_dim}")),
         Thunk::TopK { k, len, .. } if *k > *len || *k == 0 => Some(format!("topk k={k} of len {len}")),
-        Thunk::Norm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => Some("too many rows".into()),
+        Thunk::Norm { rows, .. } | Thunk::EmbedNorm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => {
+            Some("too many rows".into())
+        }
         _ => None,
     }
 }

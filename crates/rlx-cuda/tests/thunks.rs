@@ -196,12 +196,14 @@ fn masked_mean_matches_cpu() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(14);
     for dt in FLOATS {
-        for (batch, seq, dim) in [(1, 128, 384), (3, 5, 40), (32, 128, 768), (2, 300, 33)] {
+        for (i, (batch, seq, dim)) in [(1, 128, 384), (3, 5, 40), (32, 128, 768), (2, 300, 33)].into_iter().enumerate() {
+            // Odd cases: an f32 mask and an f32 output (BERT after the precision pass).
+            let (mdt, odt) = if i % 2 == 1 { (DType::F32, DType::F32) } else { (dt, dt) };
             let mut sb = Sb::new();
             let x = sb.input("x", &[batch, seq, dim], dt);
-            let m = sb.input("m", &[batch, seq], dt);
-            let out = sb.output("out", &[batch, dim], dt);
-            sb.thunk(Thunk::MaskedMean { dtype: dt, batch, seq, dim, x, mask: m, out });
+            let m = sb.input("m", &[batch, seq], mdt);
+            let out = sb.output("out", &[batch, dim], odt);
+            sb.thunk(Thunk::MaskedMean { dtype: dt, mask_dtype: mdt, out_dtype: odt, batch, seq, dim, x, mask: m, out });
             let (sch, w) = sb.finish();
             let mask: Vec<f32> = (0..batch * seq)
                 .map(|i| {
@@ -214,9 +216,9 @@ fn masked_mean_matches_cpu() {
                     }
                 })
                 .collect();
-            let mask = Tensor::from_f32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}")).to_dtype(dt);
+            let mask = Tensor::from_f32(vec![batch, seq], &mask).unwrap_or_else(|e| panic!("{e}")).to_dtype(mdt);
             let inputs = named(vec![("x", rand_tensor(&mut r, &[batch, seq, dim], dt)), ("m", mask)]);
-            check(&format!("masked_mean {dt} [{batch}, {seq}, {dim}]"), &g, &sch, &w, &inputs, 1.0);
+            check(&format!("masked_mean {dt} (mask {mdt}, out {odt}) [{batch}, {seq}, {dim}]"), &g, &sch, &w, &inputs, 1.0);
         }
     }
 }
@@ -459,6 +461,48 @@ fn gather_copy_cast() {
             &named(vec![("x", xt), ("ints", Tensor::from_i64(vec![n], &iv).unwrap_or_else(|e| panic!("{e}")))]),
             1.0,
         );
+    }
+}
+
+/// LayerNorm(table[ids] + repeating addends) (`Thunk::EmbedNorm`, BERT's
+/// embeddings) against the CPU: one warp per row where rows are whole
+/// 16-byte vectors (384 and 768 columns; none, one or two addends of 1, S or
+/// all rows; i32 and i64 ids), the gather + adds + norm kernels otherwise
+/// (20 columns). A bad id is an error on both backends.
+#[test]
+fn embed_norm_matches_cpu() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(12);
+    for dt in FLOATS {
+        for (id_dt, rows, cols, periods) in [
+            (DType::I32, 2 * 77, 384usize, vec![77usize, 1]),
+            (DType::I64, 3 * 128, 768, vec![128]),
+            (DType::I32, 64, 768, vec![]),
+            (DType::I32, 40, 384, vec![40, 8]),
+            (DType::I64, 15, 20, vec![5, 1]),
+        ] {
+            let vocab = 300;
+            let mut sb = Sb::new();
+            let table = sb.weight("emb", &[vocab, cols], dt, &mut r);
+            let ids = sb.input("ids", &[rows], id_dt);
+            let addends: Vec<(rlx_compile::BufRef, usize)> =
+                periods.iter().enumerate().map(|(k, &n)| (sb.weight(&format!("add{k}"), &[n, cols], dt, &mut r), n)).collect();
+            let gamma = sb.weight("gamma", &[cols], dt, &mut r);
+            let beta = sb.weight("beta", &[cols], dt, &mut r);
+            let out = sb.output("out", &[rows, cols], dt);
+            sb.thunk(Thunk::EmbedNorm { dtype: dt, id_dtype: id_dt, rows, cols, vocab, eps: 1e-12, table, ids, addends, gamma, beta, out });
+            let (s, w) = sb.finish();
+            let idv: Vec<i32> = (0..rows).map(|_| r.random_range(0..vocab as i32)).collect();
+            let ids_t = |v: &[i32]| Tensor::from_i32(vec![rows], v).unwrap_or_else(|e| panic!("{e}")).to_dtype(id_dt);
+            let what = format!("embed_norm {dt} ids {id_dt} rows {rows} cols {cols} addends {periods:?}");
+            check(&what, &g, &s, &w, &named(vec![("ids", ids_t(&idv))]), 2.0);
+            let mut bad = idv.clone();
+            bad[rows / 2] = vocab as i32 + 3;
+            if let Some(g) = &g {
+                let e = run(g, &s, &w, &named(vec![("ids", ids_t(&bad))]), true).err().map(|e| e.to_string()).unwrap_or_default();
+                assert!(e.contains("outside 0..vocab"), "{what}: {e}");
+            }
+        }
     }
 }
 

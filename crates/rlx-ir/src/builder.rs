@@ -166,6 +166,23 @@ impl Graph {
         self.push(Op::MaskedMean, vec![x, mask], None)
     }
 
+    /// LayerNorm(table[ids] + Σ addends), each addend `[.., R, D]` repeating
+    /// over the gathered rows (see [`Op::EmbedLayerNorm`]). The fusion pass
+    /// builds it from a gather, adds and a LayerNorm.
+    pub fn embed_layer_norm(
+        &mut self,
+        table: NodeId,
+        ids: NodeId,
+        gamma: NodeId,
+        beta: NodeId,
+        addends: &[NodeId],
+        eps: f32,
+    ) -> Result<NodeId> {
+        let mut ins = vec![table, ids, gamma, beta];
+        ins.extend_from_slice(addends);
+        self.push(Op::EmbedLayerNorm { eps }, ins, None)
+    }
+
     /// `x·w (+ bias)`: the common linear layer, `w` as `[K, N]`, or `[N, K]`
     /// with `transposed` (PyTorch's layout).
     pub fn linear(&mut self, x: NodeId, w: NodeId, bias: Option<NodeId>, transposed: bool) -> Result<NodeId> {

@@ -119,10 +119,17 @@ pub enum Op {
     ResidualRmsNorm { eps: f32 },
     /// inputs: gate, up — silu(gate) * up.
     SwiGlu,
-    /// inputs: x `[B, S, D]`, mask `[B, S]` (same float dtype) → `[B, D]`:
+    /// inputs: x `[B, S, D]`, mask `[B, S]` (any float dtype) → `[B, D]` (x's
+    /// dtype unless the node declares another float dtype):
     /// Σ_s x·mask / max(Σ_s mask, 1e-9), sentence-transformers' mean
     /// pooling (a row whose mask is all zero gives zeros).
     MaskedMean,
+    /// inputs: table `[V, D]`, ids (i32/i64, any shape), gamma `[D]`, beta
+    /// `[D]`, then 0 to 2 addends → `[..ids, D]`: LayerNorm(table[ids] + Σ
+    /// addends). An addend is `[.., R, D]`: leading 1s, then the trailing
+    /// dims of the output, so output row r adds addend row r % R (BERT's
+    /// position and token-type rows).
+    EmbedLayerNorm { eps: f32 },
 }
 
 impl Op {
@@ -163,6 +170,7 @@ impl Op {
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
             Op::SwiGlu => "swiglu",
             Op::MaskedMean => "masked_mean",
+            Op::EmbedLayerNorm { .. } => "embed_layer_norm",
         }
     }
 
@@ -202,6 +210,7 @@ impl Op {
                 | Op::Attention(_)
                 | Op::Reduce { .. }
                 | Op::MaskedMean
+                | Op::EmbedLayerNorm { .. }
         )
     }
 

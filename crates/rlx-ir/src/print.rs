@@ -29,7 +29,11 @@ fn attrs(op: &Op) -> String {
             }
             s.join(" ")
         }
-        Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::ResidualLayerNorm { eps } | Op::ResidualRmsNorm { eps } => format!("eps={eps:e}"),
+        Op::LayerNorm { eps }
+        | Op::RmsNorm { eps }
+        | Op::ResidualLayerNorm { eps }
+        | Op::ResidualRmsNorm { eps }
+        | Op::EmbedLayerNorm { eps } => format!("eps={eps:e}"),
         Op::Softmax { axis } | Op::Concat { axis } | Op::ArgMax { axis } => format!("axis={axis}"),
         Op::Reduce { op, axes, keep_dims } => format!("{op:?} axes={axes:?}{}", if *keep_dims { " keep" } else { "" }).to_lowercase(),
         Op::Narrow { axis, start, len } => format!("axis={axis} {start}..{}", start + len),

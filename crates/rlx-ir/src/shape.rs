@@ -31,6 +31,18 @@ impl Shape {
     pub fn last(&self) -> usize {
         self.0.last().copied().unwrap_or(1)
     }
+
+    /// When `self` is leading 1s and then the trailing dims of `of` (last
+    /// dim included), row r of `of` (rows of its last dim) lines up with
+    /// row r % R of `self`: returns R, the rows of `self`. None otherwise.
+    pub fn row_period(&self, of: &Shape) -> Option<usize> {
+        let first = self.0.iter().position(|&d| d != 1).unwrap_or(self.0.len());
+        let tail = &self.0[first..];
+        if self.0.is_empty() || tail.len() > of.0.len() || !of.0.ends_with(tail) || self.last() != of.last() {
+            return None;
+        }
+        Some(self.numel() / self.last().max(1))
+    }
 }
 
 impl From<Vec<usize>> for Shape {

@@ -119,12 +119,41 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
         Op::MaskedMean => {
             arity(name, ins.len(), 2..=2)?;
             float(name, ins[0].1)?;
-            same_dtype(name, ins[0].1, ins[1].1, "mask")?;
+            float(name, ins[1].1).map_err(|_| IrError::dtype(name, format!("mask: expected a float tensor, found {}", ins[1].1)))?;
             let (x, m) = (ins[0].0, ins[1].0);
             if x.rank() != 3 || m.rank() != 2 || x.0[..2] != m.0[..] {
                 return Err(IrError::shape(name, format!("expected x [B, S, D] and mask [B, S], found x {x} and mask {m}")));
             }
-            Ok((Shape(vec![x.0[0], x.0[2]]), ins[0].1))
+            // The mask may be any float type, and so may the output (the
+            // precision pass keeps a pooled f32 output f32): x's by default.
+            let out = match declared {
+                Some((_, d)) if d.is_float() => d,
+                _ => ins[0].1,
+            };
+            Ok((Shape(vec![x.0[0], x.0[2]]), out))
+        }
+        Op::EmbedLayerNorm { eps } => {
+            arity(name, ins.len(), 4..=6)?;
+            let (table, ids) = (ins[0], ins[1]);
+            float(name, table.1)?;
+            int(name, ids.1, "ids")?;
+            if table.0.rank() != 2 {
+                return Err(IrError::shape(name, format!("table must be [V, D], found {}", table.0)));
+            }
+            let mut out = ids.0 .0.clone();
+            out.push(table.0 .0[1]);
+            let out = Shape(out);
+            norm_checks(name, *eps, (&out, table.1), &ins[2..4])?;
+            for (k, (a, d)) in ins[4..].iter().enumerate() {
+                same_dtype(name, table.1, *d, &format!("addend {k}"))?;
+                if a.row_period(&out).is_none() {
+                    return Err(IrError::shape(
+                        name,
+                        format!("addend {k} must be leading 1s then trailing dims of the output {out}, found {a}"),
+                    ));
+                }
+            }
+            Ok((out, table.1))
         }
         Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
             let n = if matches!(op, Op::LayerNorm { .. }) { 3 } else { 2 };

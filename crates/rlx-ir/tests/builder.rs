@@ -136,3 +136,30 @@ fn masked_mean_shapes_and_errors() {
     let flat = g.input("f", [10, 8], DType::F32).unwrap();
     assert!(g.masked_mean(flat, m).is_err(), "x must be [B, S, D]");
 }
+
+#[test]
+fn embed_layer_norm_shapes() {
+    let s = |d: &[usize]| Shape::new(d.to_vec());
+    let out = s(&[2, 7, 16]);
+    assert_eq!(s(&[7, 16]).row_period(&out), Some(7));
+    assert_eq!(s(&[1, 16]).row_period(&out), Some(1));
+    assert_eq!(s(&[1, 1, 16]).row_period(&out), Some(1));
+    assert_eq!(s(&[2, 7, 16]).row_period(&out), Some(14));
+    assert_eq!(s(&[2, 1, 16]).row_period(&out), None, "not periodic over rows");
+    assert_eq!(s(&[7, 8]).row_period(&out), None, "other width");
+
+    let mut g = Graph::new();
+    let ids = g.input("ids", [2, 7], DType::I32).unwrap();
+    let table = g.param("t", [30, 16], DType::F32).unwrap();
+    let (gm, bt) = (g.param("g", [16], DType::F32).unwrap(), g.param("b", [16], DType::F32).unwrap());
+    let pos = g.param("pos", [7, 16], DType::F32).unwrap();
+    let bad = g.param("bad", [2, 1, 16], DType::F32).unwrap();
+    let y = g.embed_layer_norm(table, ids, gm, bt, &[pos], 1e-12).unwrap();
+    assert_eq!((g.nodes[y.0].shape.dims(), g.nodes[y.0].dtype), (&[2, 7, 16][..], DType::F32));
+    let e = g.embed_layer_norm(table, ids, gm, bt, &[bad], 1e-12).unwrap_err().to_string();
+    assert!(e.contains("addend 0") && e.contains("[2, 1, 16]"), "{e}");
+    let e = g.embed_layer_norm(table, table, gm, bt, &[], 1e-12).unwrap_err().to_string();
+    assert!(e.contains("ids"), "{e}");
+    let e = g.embed_layer_norm(table, ids, gm, bt, &[pos, pos, pos], 1e-12).unwrap_err().to_string();
+    assert!(e.contains("inputs"), "{e}");
+}

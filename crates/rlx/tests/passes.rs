@@ -282,3 +282,118 @@ fn dce_removes_dead_work_without_changing_outputs() {
     let err = max_rel_err(&got, &want);
     assert!(err <= 1e-5, "dce changed outputs: {err:e}");
 }
+
+/// BERT's embeddings: word rows gathered by id, plus position rows (a
+/// narrow of a table) and one token-type row, then LayerNorm. Returns the
+/// graph and its feeds (ids in range).
+fn embeddings(with_type: bool, gather_also_output: bool) -> (Graph, Named, Named) {
+    let (b, s, h, vocab) = (3, 9, 24, 50);
+    let mut g = Graph::new();
+    let ids = g.input("ids", [b, s], DType::I32).unwrap();
+    let word = g.param("word", [vocab, h], DType::F32).unwrap();
+    let pos_table = g.param("pos", [16, h], DType::F32).unwrap();
+    let tt_table = g.param("tt", [2, h], DType::F32).unwrap();
+    let x = g.gather(word, ids).unwrap();
+    let pos = g.narrow(pos_table, 0, 0, s).unwrap();
+    let mut y = g.add(x, pos).unwrap();
+    if with_type {
+        let tt = g.narrow(tt_table, 0, 0, 1).unwrap();
+        y = g.add(y, tt).unwrap();
+    }
+    let (gm, bt) = (g.param("ln.g", [h], DType::F32).unwrap(), g.param("ln.b", [h], DType::F32).unwrap());
+    let out = g.layer_norm(y, gm, bt, 1e-12).unwrap();
+    g.output(out).unwrap();
+    if gather_also_output {
+        g.output(x).unwrap();
+    }
+    let mut rng = StdRng::seed_from_u64(7);
+    let params = vec![
+        ("word".to_string(), random(&mut rng, &[vocab, h])),
+        ("pos".to_string(), random(&mut rng, &[16, h])),
+        ("tt".to_string(), random(&mut rng, &[2, h])),
+        ("ln.g".to_string(), random(&mut rng, &[h])),
+        ("ln.b".to_string(), random(&mut rng, &[h])),
+    ];
+    let idv: Vec<i32> = (0..b * s).map(|_| rng.random_range(0..vocab as i32)).collect();
+    let inputs = vec![("ids".to_string(), Tensor::from_i32(vec![b, s], &idv).unwrap())];
+    (g, params, inputs)
+}
+
+fn run_fed(g: &Graph, opts: CompileOptions, params: &Named, inputs: &Named) -> (Vec<Vec<f32>>, Graph) {
+    let mut s = Session::new(Device::Cpu).unwrap();
+    s.set_compile_options(opts);
+    for (name, t) in params {
+        s.weights().set(name, t.clone()).unwrap();
+    }
+    let mut exe = s.compile(g).unwrap();
+    let ins: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let out = exe.run(&ins).unwrap();
+    (out.iter().map(|t| t.to_f32()).collect(), exe.after().clone())
+}
+
+/// Gather + position rows (+ the token-type row) + LayerNorm become one
+/// EmbedLayerNorm; the outputs match the unfused graph, and in f16. A
+/// gather whose rows are also an output stays as it is.
+#[test]
+fn embedding_layer_norm_fusion_agrees() {
+    for with_type in [false, true] {
+        let (g, params, inputs) = embeddings(with_type, false);
+        let (off, _) = run_fed(&g, OFF, &params, &inputs);
+        let (on, after) = run_fed(&g, CompileOptions { fuse: true, ..OFF }, &params, &inputs);
+        assert_eq!(count(&after, |o| matches!(o, Op::EmbedLayerNorm { .. })), 1, "{after}");
+        assert_eq!(count(&after, |o| matches!(o, Op::Gather | Op::Binary(_) | Op::LayerNorm { .. })), 0, "{after}");
+        let err = max_rel_err(&on, &off);
+        assert!(err <= 1e-5, "embedding fusion (token type {with_type}): {err:e}");
+        let (half, _) = run_fed(&g, CompileOptions { fuse: true, precision: Some(DType::F16), ..OFF }, &params, &inputs);
+        let err = max_rel_err(&half, &off);
+        assert!(err <= 1e-2, "embedding fusion in f16: {err:e}");
+    }
+    let (g, params, inputs) = embeddings(true, true);
+    let (on, after) = run_fed(&g, CompileOptions { fuse: true, ..OFF }, &params, &inputs);
+    assert_eq!(count(&after, |o| matches!(o, Op::EmbedLayerNorm { .. })), 0, "{after}");
+    let (off, _) = run_fed(&g, OFF, &params, &inputs);
+    assert!(max_rel_err(&on, &off) <= 1e-5);
+}
+
+/// An id outside the vocabulary is an error naming it, fused or not.
+#[test]
+fn embedding_layer_norm_bad_id_is_an_error() {
+    let (g, params, _) = embeddings(true, false);
+    let mut idv = vec![1i32; 27];
+    idv[13] = 50;
+    let inputs = [("ids".to_string(), Tensor::from_i32(vec![3, 9], &idv).unwrap())];
+    for opts in [OFF, CompileOptions { fuse: true, ..OFF }] {
+        let mut s = Session::new(Device::Cpu).unwrap();
+        s.set_compile_options(opts);
+        for (name, t) in &params {
+            s.weights().set(name, t.clone()).unwrap();
+        }
+        let mut exe = s.compile(&g).unwrap();
+        let ins: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let e = exe.run(&ins).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("id 50 at position 13") && e.contains("vocabulary"), "{e}");
+    }
+}
+
+/// Under f16 storage, an input read only as a mask (attention's and mean
+/// pooling's) stays f32 with no cast, and a pooled output no node reads is
+/// written as f32 by the pooling itself: the only cast left is x's.
+#[test]
+fn precision_keeps_masks_and_pooled_outputs_without_casts() {
+    let (b, s, h) = (2, 7, 32);
+    let mut g = Graph::new();
+    let x = g.input("x", [b, s, h], DType::F32).unwrap();
+    let mask = g.input("mask", [b, s], DType::F32).unwrap();
+    let q = linear(&mut g, x, "q", h, h, true);
+    let spec = AttentionSpec { heads: 4, kv_heads: 4, head_dim: 8, scale: 8f32.powf(-0.5), causal: false, mask: true, valid_len: false };
+    let a = g.attention(spec, q, q, q, Some(mask), None).unwrap();
+    let pooled = g.masked_mean(a, mask).unwrap();
+    g.output(pooled).unwrap();
+    let (want, _) = run(&g, OFF, 9);
+    let (got, after) = run(&g, CompileOptions { precision: Some(DType::F16), ..OFF }, 9);
+    assert_eq!(count(&after, |o| matches!(o, Op::Cast)), 1, "{after}");
+    let out = after.outputs[0];
+    assert_eq!((&after.nodes[out.0].op, after.nodes[out.0].dtype), (&Op::MaskedMean, DType::F32), "{after}");
+    let err = max_rel_err(&got, &want);
+    assert!(err <= 1e-2, "f16 storage with f32 mask and output: {err:e}");
+}

@@ -3,6 +3,8 @@
 //! - MatMul (+ Add bias `[N]`) (+ Activation) (+ Add residual) → MatMulFused
 //! - Add(x, r) → LayerNorm / RmsNorm → ResidualLayerNorm / ResidualRmsNorm
 //! - Mul(Silu(a), b) with equal shapes → SwiGlu(a, b)
+//! - LayerNorm(Gather(table, ids) + up to 2 addends that repeat over its
+//!   rows, e.g. BERT's position and token-type rows) → EmbedLayerNorm
 //!
 //! A residual Add that feeds a norm goes to the norm, and a Silu that feeds
 //! a SwiGLU product goes to the SwiGLU: both remove the same kernel, and the
@@ -59,6 +61,51 @@ impl Ctx<'_> {
         same && norm.is_some_and(|n| matches!(n.op, Op::LayerNorm { .. } | Op::RmsNorm { .. }) && n.inputs[0].0 == add)
     }
 
+    /// For LayerNorm `norm`: its input is a chain of Adds over one Gather
+    /// and at most 2 addends that repeat over the gathered rows (each read
+    /// densely: a param, constant or input, or rows of one), every link
+    /// used once. Returns (gather, addends, adds).
+    fn embed_chain(&self, plan: &[Plan], norm: usize) -> Option<(usize, Vec<usize>, Vec<usize>)> {
+        let out = &self.g.nodes[norm].shape;
+        let free = |i: usize, user: usize| matches!(plan[i], Plan::Keep) && self.sole_user(i) == Some(user);
+        let dense_leaf = |i: usize| {
+            let n = &self.g.nodes[i];
+            match &n.op {
+                Op::Param { .. } | Op::Constant { .. } | Op::Input { .. } => true,
+                Op::Narrow { axis: 0, .. } => self.g.nodes[n.inputs[0].0].op.is_leaf(),
+                _ => false,
+            }
+        };
+        let (mut cur, mut user) = (self.g.nodes[norm].inputs[0].0, norm);
+        let (mut addends, mut adds) = (Vec::new(), Vec::new());
+        loop {
+            let n = &self.g.nodes[cur];
+            if !free(cur, user) || n.shape != *out {
+                return None;
+            }
+            match n.op {
+                Op::Gather => return (!adds.is_empty()).then_some((cur, addends, adds)),
+                Op::Binary(BinaryOp::Add) if adds.len() < 2 => {
+                    let (a, b) = (n.inputs[0].0, n.inputs[1].0);
+                    let addend_ok = |x: usize| dense_leaf(x) && self.g.nodes[x].shape.row_period(out).is_some();
+                    let next = if addend_ok(b) && a != b {
+                        addends.push(b);
+                        a
+                    } else if addend_ok(a) && a != b {
+                        addends.push(a);
+                        b
+                    } else {
+                        return None;
+                    };
+                    adds.push(cur);
+                    user = cur;
+                    cur = next;
+                }
+                _ => return None,
+            }
+        }
+    }
+
     /// `s` is a Silu whose only user multiplies it by a same-shaped tensor.
     fn feeds_swiglu(&self, s: usize) -> bool {
         let Some(m) = self.sole_user(s) else { return false };
@@ -79,6 +126,17 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
         }
         match &node.op {
             Op::MatMul { transpose_rhs } => matmul_chain(&cx, &mut plan, i, *transpose_rhs),
+            Op::LayerNorm { eps } if cx.embed_chain(&plan, i).is_some() => {
+                if let Some((gather, addends, adds)) = cx.embed_chain(&plan, i) {
+                    for a in adds.into_iter().chain([gather]) {
+                        plan[a] = Plan::Skip;
+                    }
+                    let gn = &g.nodes[gather];
+                    let mut ins = vec![gn.inputs[0], gn.inputs[1], node.inputs[1], node.inputs[2]];
+                    ins.extend(addends.into_iter().map(NodeId));
+                    plan[i] = Plan::Replace(Op::EmbedLayerNorm { eps: *eps }, ins);
+                }
+            }
             Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
                 let add = node.inputs[0].0;
                 if cx.is_binary(add, BinaryOp::Add) && matches!(plan[add], Plan::Keep) && cx.feeds_norm(add) {

@@ -2,7 +2,10 @@
 //! stored as `dtype`; graph inputs and outputs keep their declared dtypes
 //! (a Cast follows each float input and precedes each float output whose
 //! dtype changed). Integer tensors are untouched. Accumulation in f32 is
-//! the kernels' job, not the graph's.
+//! the kernels' job, not the graph's. Two casts are not needed: an input
+//! read only as a mask (attention's, or mean pooling's, which read any
+//! float type) stays as given, and a mean pooling that is an output writes
+//! the output's dtype itself.
 
 use half::{bf16, f16};
 use rlx_ir::{DType, Graph, IrError, NodeId, Op};
@@ -15,6 +18,19 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
     }
     g.verify()?;
     let store = |d: DType| if d.is_float() { dtype } else { d };
+    let users = super::users(g);
+    // Input i is read only in mask slots, which take any float dtype.
+    let mask_only = |i: usize| {
+        !users[i].is_empty()
+            && users[i].iter().all(|&u| {
+                let n = &g.nodes[u];
+                n.inputs.iter().enumerate().filter(|(_, x)| x.0 == i).all(|(k, _)| match &n.op {
+                    Op::Attention(spec) => spec.mask && k == 3,
+                    Op::MaskedMean => k == 1,
+                    _ => false,
+                })
+            })
+    };
     let mut out = Graph::new();
     let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
     for (i, node) in g.nodes.iter().enumerate() {
@@ -22,7 +38,7 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
         let id = match &node.op {
             Op::Input { .. } => {
                 let x = emit(&mut out, node, ins)?;
-                if node.dtype.is_float() && node.dtype != dtype {
+                if node.dtype.is_float() && node.dtype != dtype && !mask_only(i) {
                     out.cast(x, dtype)?
                 } else {
                     x
@@ -36,7 +52,10 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
             // are stored alike.
             Op::Cast if ins.first().is_some_and(|x| out.dtype(*x) == store(node.dtype)) => ins[0],
             _ => {
-                let id = out.push(node.op.clone(), ins, Some((node.shape.clone(), store(node.dtype))))?;
+                // A pooled output no node reads: written in the output's dtype.
+                let keep = node.op == Op::MaskedMean && users[i].is_empty() && g.outputs.iter().any(|o| o.0 == i);
+                let d = if keep { node.dtype } else { store(node.dtype) };
+                let id = out.push(node.op.clone(), ins, Some((node.shape.clone(), d)))?;
                 if let Some(name) = &node.name {
                     out.set_name(id, name.clone());
                 }

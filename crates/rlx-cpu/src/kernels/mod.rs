@@ -75,7 +75,26 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
             mem,
         ),
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => elementwise::swiglu(*dtype, *rows, *cols, gate, up, out, mem),
-        Thunk::MaskedMean { dtype, batch, seq, dim, x, mask, out } => reduce::masked_mean(*dtype, [*batch, *seq, *dim], x, mask, out, mem),
+        Thunk::EmbedNorm { dtype, id_dtype, rows, cols, vocab, eps, table, ids, addends, gamma, beta, out } => norm::embed(
+            &norm::EmbedArgs {
+                dtype: *dtype,
+                id_dtype: *id_dtype,
+                rows: *rows,
+                cols: *cols,
+                vocab: *vocab,
+                eps: *eps,
+                table,
+                ids,
+                addends,
+                gamma,
+                beta,
+                out,
+            },
+            mem,
+        ),
+        Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => {
+            reduce::masked_mean(*dtype, *mask_dtype, *out_dtype, [*batch, *seq, *dim], x, mask, out, mem)
+        }
         Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => state::run(
             &state::WriteStateArgs {
                 dtype: *dtype,

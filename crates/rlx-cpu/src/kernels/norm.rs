@@ -1,4 +1,5 @@
-//! LayerNorm and RmsNorm over rows, with an optional residual added first.
+//! LayerNorm and RmsNorm over rows, with an optional residual added first;
+//! and LayerNorm over embedding rows gathered by id plus repeating addends.
 //! Two passes over the row in f32: mean, then variance of the deviations
 //! (more accurate than E[x²] - E[x]² when the mean is large).
 
@@ -7,7 +8,7 @@ use rlx_compile::BufRef;
 use rlx_ir::DType;
 
 use super::lanes;
-use crate::elem::{with_float, Elem};
+use crate::elem::{read_int, with_float, Elem};
 use crate::memory::{Dst, Mem, Src};
 use crate::{exec_err, Result};
 
@@ -36,7 +37,58 @@ pub fn run(a: &NormArgs<'_>, mem: &Mem) -> Result<()> {
     Ok(())
 }
 
-/// gamma / beta widened to f32 once per call (a few KB).
+pub struct EmbedArgs<'a> {
+    pub dtype: DType,
+    pub id_dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    pub table: &'a BufRef,
+    pub ids: &'a BufRef,
+    /// (buffer, its rows R): row r adds addend row r % R.
+    pub addends: &'a [(BufRef, usize)],
+    pub gamma: &'a BufRef,
+    pub beta: &'a BufRef,
+    pub out: &'a BufRef,
+}
+
+/// LayerNorm(table[ids[r]] + Σ addend rows) per row, in f32. Every id is
+/// checked before anything is written (as the gather does).
+pub fn embed(a: &EmbedArgs<'_>, mem: &Mem) -> Result<()> {
+    let ids = mem.src::<u8>(a.ids).map_err(exec_err)?;
+    for i in 0..a.rows {
+        let id = read_int(&ids, a.id_dtype, i);
+        if id < 0 || id as u64 >= a.vocab as u64 {
+            return Err(exec_err(format!("embedding: id {id} at position {i} is outside the vocabulary (size {})", a.vocab)));
+        }
+    }
+    with_float!(a.dtype, T => {
+        let table = mem.src::<T>(a.table).map_err(exec_err)?;
+        let adds = a.addends.iter().map(|(b, n)| mem.src::<T>(b).map(|s| (s, (*n).max(1)))).collect::<std::result::Result<Vec<_>, _>>().map_err(exec_err)?;
+        let gamma = load_param::<T>(mem, a.gamma, a.cols)?;
+        let beta = load_param::<T>(mem, a.beta, a.cols)?;
+        let out = mem.dst::<T>(a.out).map_err(exec_err)?;
+        let cols = a.cols;
+        let inv_n = 1.0 / cols.max(1) as f32;
+        (0..a.rows).into_par_iter().with_min_len((1 << 13) / cols.max(1) + 1).for_each_init(
+            || (vec![0f32; cols], vec![0f32; cols]),
+            |(v, t), r| {
+                let id = read_int(&ids, a.id_dtype, r) as usize;
+                table.load(id * cols, v);
+                for (s, n) in &adds {
+                    s.load((r % n) * cols, t);
+                    v.iter_mut().zip(t.iter()).for_each(|(x, y)| *x += y);
+                }
+                norm_row(v, None, &gamma, Some(&beta), a.eps, false, inv_n);
+                out.store(r * cols, v);
+            },
+        );
+    });
+    Ok(())
+}
+
+/// gamma / beta widened to f32 once per call (a few KB)./// gamma / beta widened to f32 once per call (a few KB).
 fn load_param<T: Elem>(mem: &Mem, b: &BufRef, cols: usize) -> Result<Vec<f32>> {
     let s = mem.src::<T>(b).map_err(exec_err)?;
     let mut v = vec![0f32; cols];

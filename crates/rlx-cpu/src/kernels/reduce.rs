@@ -30,20 +30,36 @@ fn reduce_t<T: Elem>(op: ReduceOp, outer: usize, len: usize, inner: usize, x: Sr
 
 /// out[b, d] = Σ_s x[b, s, d]·mask[b, s] / max(Σ_s mask[b, s], 1e-9) for
 /// x `[batch, seq, dim]` (`Op::MaskedMean`): per batch row, the masked rows
-/// summed in f32 in sequence order.
-pub fn masked_mean(dtype: DType, [batch, seq, dim]: [usize; 3], x: &BufRef, mask: &BufRef, out: &BufRef, mem: &Mem) -> Result<()> {
-    with_float!(dtype, T => masked_mean_t::<T>([batch, seq, dim], mem.src::<T>(x).map_err(exec_err)?, mem.src::<T>(mask).map_err(exec_err)?, mem.dst::<T>(out).map_err(exec_err)?));
+/// summed in f32 in sequence order. The mask and the output may be any
+/// float type (the mask is widened to f32 first: batch x seq values).
+#[allow(clippy::too_many_arguments)]
+pub fn masked_mean(
+    dtype: DType,
+    mask_dtype: DType,
+    out_dtype: DType,
+    [batch, seq, dim]: [usize; 3],
+    x: &BufRef,
+    mask: &BufRef,
+    out: &BufRef,
+    mem: &Mem,
+) -> Result<()> {
+    let mut m = vec![0f32; batch * seq];
+    with_float!(mask_dtype, M => mem.src::<M>(mask).map_err(exec_err)?.load(0, &mut m));
+    with_float!(dtype, T => {
+        let x = mem.src::<T>(x).map_err(exec_err)?;
+        with_float!(out_dtype, O => masked_mean_t::<T, O>([batch, seq, dim], x, &m, mem.dst::<O>(out).map_err(exec_err)?));
+    });
     Ok(())
 }
 
-fn masked_mean_t<T: Elem>([batch, seq, dim]: [usize; 3], x: Src<T>, mask: Src<T>, out: Dst<T>) {
+fn masked_mean_t<T: Elem, O: Elem>([batch, seq, dim]: [usize; 3], x: Src<T>, mask: &[f32], out: Dst<O>) {
     (0..batch).into_par_iter().for_each_init(
         || (vec![0f32; dim], vec![0f32; dim]),
         |(acc, row), b| {
             acc.fill(0.0);
             let mut count = 0f32;
             for s in 0..seq {
-                let m = mask.get(b * seq + s).to_f32();
+                let m = mask[b * seq + s];
                 count += m;
                 if m != 0.0 {
                     x.load((b * seq + s) * dim, row);
