@@ -131,8 +131,12 @@ fn masked_mean_shapes_and_errors() {
     let wrong = g.input("w", [2, 4], DType::F32).unwrap();
     let err = g.masked_mean(x, wrong).unwrap_err().to_string();
     assert!(err.contains("[2, 5, 8]") && err.contains("[2, 4]"), "{err}");
+    // Any float mask; the output takes x's dtype.
     let half = g.input("h", [2, 5], DType::F16).unwrap();
-    assert!(matches!(g.masked_mean(x, half), Err(IrError::DType { .. })));
+    let y = g.masked_mean(x, half).unwrap();
+    assert_eq!(g.dtype(y), DType::F32);
+    let ints = g.input("i", [2, 5], DType::I32).unwrap();
+    assert!(matches!(g.masked_mean(x, ints), Err(IrError::DType { .. })));
     let flat = g.input("f", [10, 8], DType::F32).unwrap();
     assert!(g.masked_mean(flat, m).is_err(), "x must be [B, S, D]");
 }
