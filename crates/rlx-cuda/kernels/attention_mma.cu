@@ -152,6 +152,126 @@ __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2]
 // before the tile that needs them.
 #define FLAGS_ALL 512
 
+// What every tensor-core attention kernel reads for one (batch, head): its
+// Q, K and V rows (query head h reads kv head h / (heads / kv_heads)), the
+// valid key count and the end of the keys in the cache, and whether every
+// row allows 16-byte copies (whole 8-element chunks, all aligned). A
+// valid_len outside 0..=kv_len is the caller's error (the CPU backend
+// refuses it): the `first` thread raises the flag, and every block clamps
+// so no memory outside the cache is read.
+struct AttnView {
+    const unsigned short* qb; const unsigned short* kb; const unsigned short* vb;
+    i64 valid; i64 kv_end; bool vec;
+};
+
+__device__ __forceinline__ AttnView attn_view(const AttnP& p, i64 b, i64 h, bool first) {
+    typedef unsigned short u16;
+    AttnView a;
+    a.valid = p.valid ? (i64)*p.valid : p.kv_len;
+    if ((a.valid < 0 || a.valid > p.kv_len) && first) atomicOr(p.err, ERR_VALID_LEN);
+    a.kv_end = a.valid < p.kv_len ? a.valid : p.kv_len;
+    if (a.kv_end < 0) a.kv_end = 0;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    a.qb = (const u16*)p.q + b * p.qbs + h * p.hd;
+    a.kb = (const u16*)p.k + b * p.kbs + kvh * p.hd;
+    a.vb = (const u16*)p.v + b * p.vbs + kvh * p.hd;
+    a.vec = p.hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
+            (((unsigned long long)a.qb | (unsigned long long)a.kb | (unsigned long long)a.vb) & 15) == 0;
+    return a;
+}
+
+// Keys that any of query rows r0 .. r0 + rows - 1 may see: the valid
+// keys, cut by the causal rule at the last of those rows.
+__device__ __forceinline__ i64 attn_key_end(const AttnP& p, const AttnView& a, i64 r0, i64 rows) {
+    const i64 last_row = r0 + rows - 1 < p.q_len - 1 ? r0 + rows - 1 : p.q_len - 1;
+    i64 end = a.kv_end;
+    if (p.causal) {
+        const i64 lim = a.valid - p.q_len + last_row + 1;
+        if (lim < end) end = lim;
+    }
+    return end;
+}
+
+// The A fragments of one warp's 16 query rows (wr and wr + 8 for the two
+// halves of each fragment); zeros past q_len and the head dim.
+template <int HDP>
+__device__ __forceinline__ void attn_load_q(unsigned (&qa)[HDP / 16][4], const AttnP& p, const AttnView& a, i64 wr, int t) {
+    const int hd = (int)p.hd;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len || d >= hd) return 0u;
+        if (a.vec) return *(const unsigned*)(a.qb + row * p.qrs + d);  // d even, d + 1 < hd
+        unsigned lo = a.qb[row * p.qrs + d];
+        unsigned hi = d + 1 < hd ? a.qb[row * p.qrs + d + 1] : 0u;
+        return lo | (hi << 16);
+    };
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+}
+
+// Scale and mask one warp's NK-key score tile (keys 8n + 2t + c; rows wr,
+// wr + 8) and take its row maxima. cap: the tile's per-key caps. Causal:
+// key j of the tile is in the future of row wr + 8 half when j > c + 8 half
+// (c = fut - t0); clamped to -9..NK the test stays exact for both rows, and
+// without causal masking nothing is cut.
+template <int NK>
+__device__ __forceinline__ void attn_mask_scores(float (&s)[NK / 8][4], float (&mx)[2], const float* cap, float scale, bool causal, i64 c,
+                                                 int t) {
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+        const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
+        s[n][0] = fminf(s[n][0] * scale, cp.x);
+        s[n][1] = fminf(s[n][1] * scale, cp.y);
+        s[n][2] = fminf(s[n][2] * scale, cp.x);
+        s[n][3] = fminf(s[n][3] * scale, cp.y);
+    }
+    const int lim = causal ? (int)(c < -9 ? -9 : c > NK ? NK : c) - 2 * t : NK;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+        }
+    }
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
+    }
+}
+
+// O / l of one warp's rows into out [b, row, h * hd + d]; a row that sees
+// no key at all (fully masked) yields zeros. Pairs go as one 4-byte store
+// when the row allows it (same rounding as st).
+template <typename T, int HDP>
+__device__ __forceinline__ void attn_store_rows(const float (&o)[HDP / 8][4], const float (&l)[2], const AttnP& p, i64 b, i64 h, i64 wr,
+                                                int t) {
+    const int hd = (int)p.hd;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const i64 row = wr + 8 * half;
+        if (row >= p.q_len) continue;
+        const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+        T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; ++n) {
+            const int d = n * 8 + 2 * t;
+            if (pairs) {
+                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+            } else {
+                if (d < hd) st(orow, d, o[n][2 * half] * inv);
+                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
+            }
+        }
+    }
+}
+
 template <typename T, int HDP, int W>
 __device__ void attention_mma_body(const AttnP& p) {
     constexpr int NT = 32 * W;  // threads of the block
@@ -171,36 +291,19 @@ __device__ void attention_mma_body(const AttnP& p) {
     // (garbage past the valid length) still reads as masked.
     __shared__ __align__(16) float scap[FLAGS_ALL];
     typedef unsigned short u16;
-    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * R;
-    const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int hd = (int)p.hd;
     // Scores live in the log2 domain (scale * log2(e) folded in), so each
     // exponential is one exp2: softmax is unchanged by the base.
     const float scale = (float)p.scale * 1.4426950408889634f;
 
-    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
-    // Out of 0..=kv_len is the caller's error (the CPU backend refuses it):
-    // raise the flag, and clamp so no memory outside the cache is read.
-    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-        atomicOr(p.err, ERR_VALID_LEN);
-    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
-    if (kv_end < 0) kv_end = 0;
-
-    const u16* qb = q + b * p.qbs + h * p.hd;
-    const u16* kb = k + b * p.kbs + kvh * p.hd;
-    const u16* vb = v + b * p.vbs + kvh * p.hd;
-    // 16-byte path: whole 8-element chunks of every row, all aligned.
-    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
-                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
-
-    i64 last_row = r0 + R - 1 < p.q_len - 1 ? r0 + R - 1 : p.q_len - 1;
-    i64 tile_end = kv_end;
-    if (p.causal) {
-        i64 lim = valid - p.q_len + last_row + 1;
-        if (lim < tile_end) tile_end = lim;
-    }
+    const AttnView av = attn_view(p, b, h, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0);
+    const u16* kb = av.kb;
+    const u16* vb = av.vb;
+    const bool vec = av.vec;
+    const i64 valid = av.valid;
+    const i64 tile_end = attn_key_end(p, av, r0, R);
     const int ntiles = tile_end > 0 ? (int)((tile_end + TK - 1) / TK) : 0;
 
     // Tile loads: 16-byte cp.async copies (zero-filled past the keys or the
@@ -257,21 +360,8 @@ __device__ void attention_mma_body(const AttnP& p) {
 
     // This warp's rows: wr and wr + 8 for the two halves of each fragment.
     const i64 wr = r0 + warp * 16 + g;
-    auto qpair = [&](i64 row, int d) -> unsigned {
-        if (row >= p.q_len || d >= hd) return 0u;
-        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);  // d even, d + 1 < hd
-        unsigned lo = qb[row * p.qrs + d];
-        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
-        return lo | (hi << 16);
-    };
     unsigned qa[HDP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    attn_load_q<HDP>(qa, p, av, wr, t);
     if (ntiles > 0) load_flags(0);
 
     float o[HDP / 8][4];
@@ -328,63 +418,16 @@ __device__ void attention_mma_body(const AttnP& p) {
             }
         }
 
-        // Scale and mask (keys 8n + 2t + c; rows wr, wr + 8), then the
-        // online-softmax update. Causal: key j of this tile is in the future
-        // of row wr + 8 half when j > fut - t0 + 8 half.
-#pragma unroll
-        for (int n = 0; n < TK / 8; ++n) {
-            const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
-            s[n][0] = fminf(s[n][0] * scale, cp.x);
-            s[n][1] = fminf(s[n][1] * scale, cp.y);
-            s[n][2] = fminf(s[n][2] * scale, cp.x);
-            s[n][3] = fminf(s[n][3] * scale, cp.y);
-        }
-        {
-            // Clamped to -9..TK, the test stays exact for both rows; without
-            // causal masking lim = TK masks nothing.
-            const i64 c = fut - t0;
-            const int lim = p.causal ? (int)(c < -9 ? -9 : c > TK ? TK : c) - 2 * t : TK;
-#pragma unroll
-            for (int n = 0; n < TK / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
-                }
-            }
-        }
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < TK / 8; ++n) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
-        }
+        // Scale and mask, then the online-softmax update.
+        float mx[2];
+        attn_mask_scores<TK>(s, mx, cap, scale, p.causal, fut - t0, t);
         softmax_pv<T, TK, HDP, KP, true>(s, mx, m, l, o, cv, lane);
         __syncthreads();  // every warp is done with this buffer (and these flags)
         // The freed buffer takes the tile STAGES ahead.
         if (ti + STAGES < ntiles) load_tile(buf, t0 + STAGES * TK);
     }
 
-    T* out = (T*)p.out;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const i64 row = wr + 8 * half;
-        if (row >= p.q_len) continue;
-        // A row that sees no key at all (fully masked) yields zeros.
-        float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
-        T* orow = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
-        // Pairs as one 4-byte store when the row allows it (same rounding as st).
-        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
-#pragma unroll
-        for (int n = 0; n < HDP / 8; ++n) {
-            int d = n * 8 + 2 * t;
-            if (pairs) {
-                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-            } else {
-                if (d < hd) st(orow, d, o[n][2 * half] * inv);
-                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
-            }
-        }
-    }
+    attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
 }
 
 // Short key ranges (at most SHORT_KEYS keys: BERT's 128 tokens at batch 32).
@@ -412,34 +455,20 @@ __device__ void attention_short_body(const AttnP& p) {
     __shared__ __align__(16) unsigned short sv[SHORT_KEYS * KP];
     __shared__ __align__(16) float scap[SHORT_KEYS];
     typedef unsigned short u16;
-    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * R;
-    const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int hd = (int)p.hd;
     const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
 
-    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
-    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
-        atomicOr(p.err, ERR_VALID_LEN);
-    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
-    if (kv_end < 0) kv_end = 0;
+    AttnView av = attn_view(p, b, h, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0);
     // The host picks this kernel only for kv_len <= SHORT_KEYS; a bad call
     // reads no key past the buffers (all masked).
-    if (kv_end > SHORT_KEYS) kv_end = 0;
-
-    const u16* qb = q + b * p.qbs + h * p.hd;
-    const u16* kb = k + b * p.kbs + kvh * p.hd;
-    const u16* vb = v + b * p.vbs + kvh * p.hd;
-    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
-                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
-
-    i64 last_row = r0 + R - 1 < p.q_len - 1 ? r0 + R - 1 : p.q_len - 1;
-    i64 key_end = kv_end;
-    if (p.causal) {
-        i64 lim = valid - p.q_len + last_row + 1;
-        if (lim < key_end) key_end = lim;
-    }
+    if (av.kv_end > SHORT_KEYS) av.kv_end = 0;
+    const u16* kb = av.kb;
+    const u16* vb = av.vb;
+    const bool vec = av.vec;
+    const i64 valid = av.valid;
+    const i64 key_end = attn_key_end(p, av, r0, R);
     const int nchunks = key_end > 0 ? (int)((key_end + TC - 1) / TC) : 0;
     const int nrows = nchunks * TC;  // K/V rows loaded (zero past kv_len)
 
@@ -469,21 +498,8 @@ __device__ void attention_short_body(const AttnP& p) {
         }
     }
     const i64 wr = r0 + warp * 16 + g;
-    auto qpair = [&](i64 row, int d) -> unsigned {
-        if (row >= p.q_len || d >= hd) return 0u;
-        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);
-        unsigned lo = qb[row * p.qrs + d];
-        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
-        return lo | (hi << 16);
-    };
     unsigned qa[HDP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    attn_load_q<HDP>(qa, p, av, wr, t);
     for (int j = threadIdx.x; j < SHORT_KEYS; j += NT) {
         const double f = j >= key_end ? 0.0 : p.mask ? ld_any(p.mask, b * p.kv_len + j, p.mask_dt) : 1.0;
         scap[j] = f != 0.0 ? INFINITY : -INFINITY;
@@ -533,53 +549,12 @@ __device__ void attention_short_body(const AttnP& p) {
                 Mma<T>::run(s[n + 1], qa[ks], kf[2], kf[3]);
             }
         }
-#pragma unroll
-        for (int n = 0; n < TC / 8; ++n) {
-            const float2 cp = *(const float2*)(scap + t0 + n * 8 + 2 * t);
-            s[n][0] = fminf(s[n][0] * scale, cp.x);
-            s[n][1] = fminf(s[n][1] * scale, cp.y);
-            s[n][2] = fminf(s[n][2] * scale, cp.x);
-            s[n][3] = fminf(s[n][3] * scale, cp.y);
-        }
-        {
-            const int c = fut - t0;
-            const int lim = p.causal ? (c < -9 ? -9 : c > TC ? TC : c) - 2 * t : TC;
-#pragma unroll
-            for (int n = 0; n < TC / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
-                }
-            }
-        }
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < TC / 8; ++n) {
-            mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
-        }
+        float mx[2];
+        attn_mask_scores<TC>(s, mx, scap + t0, scale, p.causal, fut - t0, t);
         softmax_pv<T, TC, HDP, KP, true>(s, mx, m, l, o, sv + t0 * KP, lane);
     }
 
-    T* out = (T*)p.out;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const i64 row = wr + 8 * half;
-        if (row >= p.q_len) continue;
-        float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
-        T* orow = out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
-        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
-#pragma unroll
-        for (int n = 0; n < HDP / 8; ++n) {
-            int d = n * 8 + 2 * t;
-            if (pairs) {
-                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-            } else {
-                if (d < hd) st(orow, d, o[n][2 * half] * inv);
-                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
-            }
-        }
-    }
+    attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
 }
 
 // Keys per warp tile of the key-splitting kernel: 4 warps' K+V fit in 48 KB.
@@ -615,30 +590,17 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     __shared__ float sm_m[4][16], sm_l[4][16];
     __shared__ unsigned char sok[4][TKS];
     typedef unsigned short u16;
-    const u16* q = (const u16*)p.q; const u16* k = (const u16*)p.k; const u16* v = (const u16*)p.v;
     const i64 r0 = rblk * 16;
-    const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int hd = (int)p.hd;
     const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
 
-    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
-    if ((valid < 0 || valid > p.kv_len) && first) atomicOr(p.err, ERR_VALID_LEN);
-    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
-    if (kv_end < 0) kv_end = 0;
-
-    const u16* qb = q + b * p.qbs + h * p.hd;
-    const u16* kb = k + b * p.kbs + kvh * p.hd;
-    const u16* vb = v + b * p.vbs + kvh * p.hd;
-    const bool vec = hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
-                     (((unsigned long long)qb | (unsigned long long)kb | (unsigned long long)vb) & 15) == 0;
-
-    i64 last_row = r0 + 15 < p.q_len - 1 ? r0 + 15 : p.q_len - 1;
-    i64 tile_end = kv_end;
-    if (p.causal) {
-        i64 lim = valid - p.q_len + last_row + 1;
-        if (lim < tile_end) tile_end = lim;
-    }
+    const AttnView av = attn_view(p, b, h, first);
+    const u16* kb = av.kb;
+    const u16* vb = av.vb;
+    const bool vec = av.vec;
+    const i64 valid = av.valid, kv_end = av.kv_end;
+    const i64 tile_end = attn_key_end(p, av, r0, 16);
     const int ntiles = tile_end > 0 ? (int)((tile_end + TKS - 1) / TKS) : 0;
 
     u16* sk = (u16*)smem + warp * 2 * TKS * KP;
@@ -677,21 +639,8 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     if (warp < ntiles) load_tile((i64)warp * TKS);
 
     const i64 wr = r0 + g;
-    auto qpair = [&](i64 row, int d) -> unsigned {
-        if (row >= p.q_len || d >= hd) return 0u;
-        if (vec) return *(const unsigned*)(qb + row * p.qrs + d);
-        unsigned lo = qb[row * p.qrs + d];
-        unsigned hi = d + 1 < hd ? qb[row * p.qrs + d + 1] : 0u;
-        return lo | (hi << 16);
-    };
     unsigned qa[HDP / 16][4];
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    attn_load_q<HDP>(qa, p, av, wr, t);
 
     float o[HDP / 8][4];
 #pragma unroll
