@@ -126,8 +126,9 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
         }
         match &node.op {
             Op::MatMul { transpose_rhs } => matmul_chain(&cx, &mut plan, i, *transpose_rhs),
-            Op::LayerNorm { eps } if cx.embed_chain(&plan, i).is_some() => {
-                if let Some((gather, addends, adds)) = cx.embed_chain(&plan, i) {
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+                let embed = if matches!(node.op, Op::LayerNorm { .. }) { cx.embed_chain(&plan, i) } else { None };
+                if let Some((gather, addends, adds)) = embed {
                     for a in adds.into_iter().chain([gather]) {
                         plan[a] = Plan::Skip;
                     }
@@ -135,9 +136,8 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
                     let mut ins = vec![gn.inputs[0], gn.inputs[1], node.inputs[1], node.inputs[2]];
                     ins.extend(addends.into_iter().map(NodeId));
                     plan[i] = Plan::Replace(Op::EmbedLayerNorm { eps: *eps }, ins);
+                    continue;
                 }
-            }
-            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
                 let add = node.inputs[0].0;
                 if cx.is_binary(add, BinaryOp::Add) && matches!(plan[add], Plan::Keep) && cx.feeds_norm(add) {
                     let a = &g.nodes[add];
