@@ -759,15 +759,16 @@ __device__ void attention_split_body(const AttnP& p) {
 // (ptxas -v: no spill at 64, 16 bytes at 32) so 4 blocks of 4 warps (2 of 8)
 // share an SM instead of 3; 96 and 128 keep the compiler's own allocation
 // (a cap there spills, or costs blocks).
-#define RLX_ATTN_MMA(HDP, W, NAME, BOUNDS)                                                                          \
+#define RLX_ATTN_BLOCKS(BODY, HDP, W, NAME, BOUNDS)                                                                 \
     extern "C" __global__ void BOUNDS NAME##_##HDP##_f16(const AttnP p) {                                          \
         pdl_enter();                                                                                                \
-        attention_mma_body<__half, HDP, W>(p);                                                                      \
+        BODY<__half, HDP, W>(p);                                                                                    \
     }                                                                                                               \
     extern "C" __global__ void BOUNDS NAME##_##HDP##_bf16(const AttnP p) {                                         \
         pdl_enter();                                                                                                \
-        attention_mma_body<__nv_bfloat16, HDP, W>(p);                                                               \
+        BODY<__nv_bfloat16, HDP, W>(p);                                                                             \
     }
+#define RLX_ATTN_MMA(HDP, W, NAME, BOUNDS) RLX_ATTN_BLOCKS(attention_mma_body, HDP, W, NAME, BOUNDS)
 #define RLX_FOUR_PER_SM __launch_bounds__(128, 4)
 #define RLX_TWO_PER_SM __launch_bounds__(256, 2)
 #define RLX_NO_BOUNDS
@@ -783,15 +784,7 @@ RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
 // attention_short_<HDP>_<dtype> (4 warps, 64 rows) and attention_short_w8_<HDP>_<dtype>
 // (8 warps, 128 rows), for at most SHORT_KEYS keys: capped at 80 registers
 // so 3 blocks of 8 warps (6 of 4) share an SM.
-#define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS)                                                                        \
-    extern "C" __global__ void BOUNDS NAME##_##HDP##_f16(const AttnP p) {                                          \
-        pdl_enter();                                                                                                \
-        attention_short_body<__half, HDP, W>(p);                                                                    \
-    }                                                                                                               \
-    extern "C" __global__ void BOUNDS NAME##_##HDP##_bf16(const AttnP p) {                                         \
-        pdl_enter();                                                                                                \
-        attention_short_body<__nv_bfloat16, HDP, W>(p);                                                             \
-    }
+#define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS) RLX_ATTN_BLOCKS(attention_short_body, HDP, W, NAME, BOUNDS)
 RLX_ATTN_SHORT(32, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(64, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(32, 8, attention_short_w8, __launch_bounds__(256, 3))
