@@ -771,7 +771,7 @@ pub(crate) const ATTN_SHORT_KEYS: usize = 128;
 
 /// The tensor-core attention kernel for blocks of `rows` query rows (64 or
 /// 128) at padded head dim `hdp`: the short-range kernel (whole K and V in
-/// shared memory, 32-key chunks, 3 blocks of 8 warps per SM) for at most
+/// shared memory, 16- or 32-key chunks, 3 blocks of 8 warps per SM) for at most
 /// `ATTN_SHORT_KEYS` keys and head dims up to 64, else the streaming one.
 pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short: bool) -> &'static str {
     match (short && hdp <= 64 && kv_len <= ATTN_SHORT_KEYS, rows == 128) {
