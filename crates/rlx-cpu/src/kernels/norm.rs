@@ -37,6 +37,7 @@ pub fn run(a: &NormArgs<'_>, mem: &Mem) -> Result<()> {
     Ok(())
 }
 
+/// Arguments of [`embed`] (`Thunk::EmbedNorm`).
 pub struct EmbedArgs<'a> {
     pub dtype: DType,
     pub id_dtype: DType,
@@ -88,7 +89,7 @@ pub fn embed(a: &EmbedArgs<'_>, mem: &Mem) -> Result<()> {
     Ok(())
 }
 
-/// gamma / beta widened to f32 once per call (a few KB)./// gamma / beta widened to f32 once per call (a few KB).
+/// gamma / beta widened to f32 once per call (a few KB).
 fn load_param<T: Elem>(mem: &Mem, b: &BufRef, cols: usize) -> Result<Vec<f32>> {
     let s = mem.src::<T>(b).map_err(exec_err)?;
     let mut v = vec![0f32; cols];
