@@ -267,8 +267,8 @@ __device__ __forceinline__ void pdl_enter() {
     extern "C" __global__ void NAME##_f16(const P p) { pdl_enter(); NAME##_body<__half>(p); }          \
     extern "C" __global__ void NAME##_bf16(const P p) { pdl_enter(); NAME##_body<__nv_bfloat16>(p); }
 
-// LayerNorm / RmsNorm of one row by one warp (norm_warp in rows.cu, the
-// layer program's NORM in layer.cu): NV 16-byte vectors per lane, `nvec` in
+// LayerNorm / RmsNorm of one row by one warp (norm_warp and embed_norm in
+// rows.cu, the layer program's NORM in layer.cu): NV 16-byte vectors per lane, `nvec` in
 // the row; gamma and beta come in registers (`norm_warp_params`). Every load
 // of the row is issued before the first use; out may alias x or res (the
 // warp has read its whole row before the first store).
