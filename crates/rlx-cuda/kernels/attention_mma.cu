@@ -472,8 +472,10 @@ __device__ void attention_short_body(const AttnP& p) {
     const int nchunks = key_end > 0 ? (int)((key_end + TC - 1) / TC) : 0;
     const int nrows = nchunks * TC;  // K/V rows loaded (zero past kv_len)
 
-    // K, then V, as two copy groups; every load is issued before the first
-    // wait. Keys at or past key_end read as masked without a load.
+    // All of K, then all of V (two copy groups, waited for together: a
+    // per-group pipeline measured slower, bench/gpu-perf.md session 7);
+    // every load is issued before the wait. Keys at or past key_end read as
+    // masked without a load.
     if (vec) {
 #pragma unroll 4
         for (int e = threadIdx.x; e < nrows * CH; e += NT) {

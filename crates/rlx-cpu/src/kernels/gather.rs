@@ -5,7 +5,7 @@ use rlx_compile::BufRef;
 use rlx_ir::DType;
 
 use crate::elem::read_int;
-use crate::memory::Mem;
+use crate::memory::{Mem, Src};
 use crate::{exec_err, Result};
 
 pub struct GatherArgs<'a> {
@@ -23,17 +23,23 @@ pub fn run(a: &GatherArgs<'_>, mem: &Mem) -> Result<()> {
     let ids = mem.src::<u8>(a.ids).map_err(exec_err)?;
     let table = mem.src::<u8>(a.table).map_err(exec_err)?;
     let out = mem.dst::<u8>(a.out).map_err(exec_err)?;
-    // Check every id before writing anything, so an error leaves no partial rows.
-    for i in 0..a.n {
-        let id = read_int(&ids, a.id_dtype, i);
-        if id < 0 || id as u64 >= a.vocab as u64 {
-            return Err(exec_err(format!("gather: id {id} at position {i} is outside the vocabulary (size {})", a.vocab)));
-        }
-    }
+    check_ids("gather", &ids, a.id_dtype, a.n, a.vocab)?;
     let row = a.dim * a.dtype.size();
     (0..a.n).into_par_iter().with_min_len((1 << 16) / row.max(1) + 1).for_each(|i| {
         let id = read_int(&ids, a.id_dtype, i) as usize;
         out.copy_from(i * row, &table, id * row, row);
     });
+    Ok(())
+}
+
+/// Every one of the first `n` ids lies in 0..vocab; checked before anything
+/// is written, so an error leaves no partial rows. `what` names the op.
+pub(super) fn check_ids(what: &str, ids: &Src<u8>, id_dtype: DType, n: usize, vocab: usize) -> Result<()> {
+    for i in 0..n {
+        let id = read_int(ids, id_dtype, i);
+        if id < 0 || id as u64 >= vocab as u64 {
+            return Err(exec_err(format!("{what}: id {id} at position {i} is outside the vocabulary (size {vocab})")));
+        }
+    }
     Ok(())
 }

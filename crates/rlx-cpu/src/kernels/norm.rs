@@ -58,12 +58,7 @@ pub struct EmbedArgs<'a> {
 /// checked before anything is written (as the gather does).
 pub fn embed(a: &EmbedArgs<'_>, mem: &Mem) -> Result<()> {
     let ids = mem.src::<u8>(a.ids).map_err(exec_err)?;
-    for i in 0..a.rows {
-        let id = read_int(&ids, a.id_dtype, i);
-        if id < 0 || id as u64 >= a.vocab as u64 {
-            return Err(exec_err(format!("embedding: id {id} at position {i} is outside the vocabulary (size {})", a.vocab)));
-        }
-    }
+    super::gather::check_ids("embedding", &ids, a.id_dtype, a.rows, a.vocab)?;
     with_float!(a.dtype, T => {
         let table = mem.src::<T>(a.table).map_err(exec_err)?;
         let adds = a.addends.iter().map(|(b, n)| mem.src::<T>(b).map(|s| (s, (*n).max(1)))).collect::<std::result::Result<Vec<_>, _>>().map_err(exec_err)?;
