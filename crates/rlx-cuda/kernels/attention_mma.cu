@@ -171,7 +171,8 @@ __device__ __forceinline__ AttnView attn_view(const AttnP& p, i64 b, i64 h, bool
     if ((a.valid < 0 || a.valid > p.kv_len) && first) atomicOr(p.err, ERR_VALID_LEN);
     a.kv_end = a.valid < p.kv_len ? a.valid : p.kv_len;
     if (a.kv_end < 0) a.kv_end = 0;
-    const i64 kvh = h / (p.heads / p.kv_heads);
+    // 32-bit division (once per thread; the 64-bit one is a long sequence).
+    const i64 kvh = (int)h / ((int)p.heads / (int)p.kv_heads);
     a.qb = (const u16*)p.q + b * p.qbs + h * p.hd;
     a.kb = (const u16*)p.k + b * p.kbs + kvh * p.hd;
     a.vb = (const u16*)p.v + b * p.vbs + kvh * p.hd;
@@ -204,6 +205,19 @@ __device__ __forceinline__ void attn_load_q(unsigned (&qa)[HDP / 16][4], const A
         unsigned hi = d + 1 < hd ? a.qb[row * p.qrs + d + 1] : 0u;
         return lo | (hi << 16);
     };
+    if (a.vec && hd == HDP && wr + 8 < p.q_len) {
+        // Whole rows, 4-byte aligned pairs: plain loads without checks.
+        const unsigned* lo = (const unsigned*)(a.qb + wr * p.qrs);
+        const unsigned* hi = (const unsigned*)(a.qb + (wr + 8) * p.qrs);
+#pragma unroll
+        for (int ks = 0; ks < HDP / 16; ++ks) {
+            qa[ks][0] = lo[ks * 8 + t];
+            qa[ks][1] = hi[ks * 8 + t];
+            qa[ks][2] = lo[ks * 8 + t + 4];
+            qa[ks][3] = hi[ks * 8 + t + 4];
+        }
+        return;
+    }
 #pragma unroll
     for (int ks = 0; ks < HDP / 16; ++ks) {
         qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
@@ -434,16 +448,118 @@ __device__ void attention_mma_body(const AttnP& p) {
 // The block's W warps own 16 W query rows of one (batch, head); the whole K
 // and V load once into shared memory (two cp.async groups, one round trip),
 // and each warp then sweeps them in chunks of 32 keys (16 at head dim 64)
-// with the online softmax and no block barrier between chunks. Small chunks
-// keep few score registers, so the kernel fits in 80 registers without
-// spills and 3 blocks of 8 warps share an SM (attention_mma_w8: 128
-// registers, 2 blocks): at 12 heads x 32 sequences the 384 blocks are one
-// wave. Same masks, causal rule, valid_len, GQA mapping and masked-V
-// zeroing as attention_mma_body. Measured on the H200 in bench/gpu-perf.md
-// (session 7): bert-base 32x128 -27 us and MiniLM 32x128 -16 us per forward.
+// with no block barrier between chunks. Small chunks keep few score
+// registers, so the kernel fits in 80 registers without spills and 3 blocks
+// of 8 warps share an SM (attention_mma_w8: 128 registers, 2 blocks): at 12
+// heads x 32 sequences the 384 blocks are one wave.
+//
+// ncu (session 8) found the first version issue-bound at ~2900 instructions
+// per warp, 190 per 16-key chunk, a third of them rescaling O and reducing
+// maxima and sums across the quad every chunk. Here the softmax is lazy
+// (softmax_pv_lazy): the base a row's probabilities are taken against moves
+// only when a score passes it by more than LAZY_SLACK (log2 units), so after
+// the first chunk a warp normally neither shuffles nor rescales; sums stay
+// per lane until the end; the scale is folded into the exponent's FMA; the
+// causal rule is compiled only into the causal variant.
+// Same masks, causal rule, valid_len, GQA mapping and masked-V zeroing as
+// attention_mma_body. The host picks it only for a positive scale.
 #define SHORT_KEYS 128
+// A probability is at most 2^LAZY_SLACK before its row is rescaled: far
+// inside f16's and bf16's range, and the same relative precision as 1.
+#define LAZY_SLACK 8.0f
 
-template <typename T, int HDP, int W>
+// Mask one warp's NK-key chunk of raw (unscaled) scores: cap (+inf seen,
+// -inf masked, a NaN of a masked key reads as masked), the causal rule when
+// CAUSAL (key j of the chunk is in the future of row wr + 8 half when j > c
+// + 8 half), and this lane's maxima of its row halves (not across the quad).
+template <int NK, bool CAUSAL>
+__device__ __forceinline__ void attn_cap_scores(float (&s)[NK / 8][4], float (&mx)[2], const float* cap, int c, int t) {
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+        const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
+        s[n][0] = fminf(s[n][0], cp.x);
+        s[n][1] = fminf(s[n][1], cp.y);
+        s[n][2] = fminf(s[n][2], cp.x);
+        s[n][3] = fminf(s[n][3], cp.y);
+    }
+    if (CAUSAL) {
+        const int lim = (c < -9 ? -9 : c > NK ? NK : c) - 2 * t;
+#pragma unroll
+        for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+            }
+        }
+    }
+    mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
+    }
+}
+
+// One warp's lazy online-softmax step over NK keys, then O += P·V. s: raw
+// masked scores (attn_cap_scores), becoming the probabilities; mx: this
+// lane's raw maxima; scale > 0 (log2 domain). m: the rows' running maxima
+// (-inf until a key is seen), base: what the probabilities are taken
+// against (m, or 0 while m is -inf), l: this lane's share of the row sums.
+// The whole warp rescales when any of its lanes sees a score above its
+// row's m + LAZY_SLACK; m and base are the same on the 4 lanes of a row.
+template <typename T, int NK, int HDP, int KP>
+__device__ __forceinline__ void softmax_pv_lazy(float (&s)[NK / 8][4], const float (&mx)[2], float scale, float (&m)[2], float (&base)[2],
+                                                float (&l)[2], float (&o)[HDP / 8][4], const unsigned short* v, int lane) {
+    const float ms[2] = {mx[0] * scale, mx[1] * scale};
+    if (__any_sync(0xffffffffu, ms[0] > m[0] + LAZY_SLACK || ms[1] > m[1] + LAZY_SLACK)) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float q = fmaxf(ms[half], __shfl_xor_sync(0xffffffffu, ms[half], 1));
+            q = fmaxf(q, __shfl_xor_sync(0xffffffffu, q, 2));
+            const float mn = fmaxf(m[half], q);
+            const float nb = mn == -INFINITY ? 0.0f : mn;  // still all masked: keep zeros, no NaN
+            // Nothing is accumulated while m is -inf (every probability was 0).
+            const float corr = m[half] == -INFINITY ? 0.0f : ex2(base[half] - nb);
+            m[half] = mn;
+            base[half] = nb;
+            l[half] *= corr;
+#pragma unroll
+            for (int n = 0; n < HDP / 8; ++n) {
+                o[n][2 * half] *= corr;
+                o[n][2 * half + 1] *= corr;
+            }
+        }
+    }
+    const float nb[2] = {-base[0], -base[1]};
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float pv = ex2(fmaf(s[n][e], scale, nb[e >> 1]));
+            s[n][e] = pv;
+            l[e >> 1] += pv;
+        }
+    }
+    const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < NK / 16; ++ks) {
+        unsigned pa[4];
+        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; n += 2) {
+            unsigned vf[4];
+            ldsm_x4_trans(vf, vrow + n * 8);
+            Mma<T>::run(o[n], pa, vf[0], vf[1]);
+            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
+        }
+    }
+}
+
+template <typename T, int HDP, int W, bool CAUSAL>
 __device__ void attention_short_body(const AttnP& p) {
     constexpr int NT = 32 * W;
     constexpr int R = 16 * W;
@@ -467,8 +583,7 @@ __device__ void attention_short_body(const AttnP& p) {
     const u16* kb = av.kb;
     const u16* vb = av.vb;
     const bool vec = av.vec;
-    const i64 valid = av.valid;
-    const i64 key_end = attn_key_end(p, av, r0, R);
+    const i64 key_end = CAUSAL ? attn_key_end(p, av, r0, R) : av.kv_end;
     const int nchunks = key_end > 0 ? (int)((key_end + TC - 1) / TC) : 0;
     const int nrows = nchunks * TC;  // K/V rows loaded (zero past kv_len)
 
@@ -524,15 +639,15 @@ __device__ void attention_short_body(const AttnP& p) {
     float o[HDP / 8][4];
 #pragma unroll
     for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float m[2] = {-INFINITY, -INFINITY}, base[2] = {0.0f, 0.0f}, l[2] = {0.0f, 0.0f};
     // 32-bit: valid and q_len are at most kv_len <= SHORT_KEYS here.
-    const int fut = (int)(valid - p.q_len + wr);
+    const int fut = CAUSAL ? (int)(av.valid - p.q_len + wr) : 0;
     const int mi = lane >> 3, mr = lane & 7;
     // Causal: chunks past what the warp's last row sees hold only future
     // keys for all 16 rows (warp-uniform, as mma.sync needs).
     int wchunks = nchunks;
-    if (p.causal) {
-        const i64 seen = valid - p.q_len + r0 + warp * 16 + 16;
+    if (CAUSAL) {
+        const i64 seen = av.valid - p.q_len + r0 + warp * 16 + 16;
         const i64 c = seen <= 0 ? 0 : (seen + TC - 1) / TC;
         if (c < wchunks) wchunks = (int)c;
     }
@@ -552,12 +667,22 @@ __device__ void attention_short_body(const AttnP& p) {
             }
         }
         float mx[2];
-        attn_mask_scores<TC>(s, mx, scap + t0, scale, p.causal, fut - t0, t);
-        softmax_pv<T, TC, HDP, KP, true>(s, mx, m, l, o, sv + t0 * KP, lane);
+        attn_cap_scores<TC, CAUSAL>(s, mx, scap + t0, fut - t0, t);
+        softmax_pv_lazy<T, TC, HDP, KP>(s, mx, scale, m, base, l, o, sv + t0 * KP, lane);
+    }
+    // The row sums across the 4 lanes of each row.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
     }
 
     attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
 }
+template <typename T, int HDP, int W>
+__device__ void attention_short_plain(const AttnP& p) { attention_short_body<T, HDP, W, false>(p); }
+template <typename T, int HDP, int W>
+__device__ void attention_short_causal(const AttnP& p) { attention_short_body<T, HDP, W, true>(p); }
 
 // Keys per warp tile of the key-splitting kernel: 4 warps' K+V fit in 48 KB.
 template <int HDP> struct AttnSplit {
@@ -786,7 +911,10 @@ RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
 // attention_short_<HDP>_<dtype> (4 warps, 64 rows) and attention_short_w8_<HDP>_<dtype>
 // (8 warps, 128 rows), for at most SHORT_KEYS keys: capped at 80 registers
 // so 3 blocks of 8 warps (6 of 4) share an SM.
-#define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS) RLX_ATTN_BLOCKS(attention_short_body, HDP, W, NAME, BOUNDS)
+// attention_short_causal[_w8]_<HDP>_<dtype>: the same with the causal rule.
+#define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS)                                  \
+    RLX_ATTN_BLOCKS(attention_short_plain, HDP, W, NAME, BOUNDS)              \
+    RLX_ATTN_BLOCKS(attention_short_causal, HDP, W, NAME##_causal, BOUNDS)
 RLX_ATTN_SHORT(32, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(64, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(32, 8, attention_short_w8, __launch_bounds__(256, 3))

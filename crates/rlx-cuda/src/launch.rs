@@ -657,7 +657,9 @@ pub(crate) fn lower(
             let (grid, func, block) = match rows {
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
-                    let name = attention_block_kernel(r, hdp, a.kv_len, attention_short_enabled());
+                    // The short-range kernel folds the scale into its exponent (it must be positive).
+                    let short = attention_short_enabled() && a.scale > 0.0;
+                    let name = attention_block_kernel(r, hdp, a.kv_len, short, a.causal);
                     (grid, k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?, (r * 2) as u32)
                 }
                 _ if tensor => {
@@ -773,12 +775,14 @@ pub(crate) const ATTN_SHORT_KEYS: usize = 128;
 /// 128) at padded head dim `hdp`: the short-range kernel (whole K and V in
 /// shared memory, 16- or 32-key chunks, 3 blocks of 8 warps per SM) for at most
 /// `ATTN_SHORT_KEYS` keys and head dims up to 64, else the streaming one.
-pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short: bool) -> &'static str {
-    match (short && hdp <= 64 && kv_len <= ATTN_SHORT_KEYS, rows == 128) {
-        (true, true) => "attention_short_w8",
-        (true, false) => "attention_short",
-        (false, true) => "attention_mma_w8",
-        (false, false) => "attention_mma",
+pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short: bool, causal: bool) -> &'static str {
+    match (short && hdp <= 64 && kv_len <= ATTN_SHORT_KEYS, rows == 128, causal) {
+        (true, true, false) => "attention_short_w8",
+        (true, true, true) => "attention_short_w8_causal",
+        (true, false, false) => "attention_short",
+        (true, false, true) => "attention_short_causal",
+        (false, true, _) => "attention_mma_w8",
+        (false, false, _) => "attention_mma",
     }
 }
 
@@ -932,11 +936,13 @@ mod tests {
     #[test]
     fn attention_short_kernel_choice() {
         use super::attention_block_kernel as k;
-        assert_eq!(k(128, 64, 128, true), "attention_short_w8");
-        assert_eq!(k(64, 32, 77, true), "attention_short");
-        assert_eq!(k(128, 64, 129, true), "attention_mma_w8", "more keys than fit");
-        assert_eq!(k(64, 96, 128, true), "attention_mma", "head dim past 64");
-        assert_eq!(k(128, 64, 128, false), "attention_mma_w8", "RLX_ATTN_SHORT=0");
+        assert_eq!(k(128, 64, 128, true, false), "attention_short_w8");
+        assert_eq!(k(64, 32, 77, true, false), "attention_short");
+        assert_eq!(k(128, 32, 100, true, true), "attention_short_w8_causal");
+        assert_eq!(k(64, 64, 128, true, true), "attention_short_causal");
+        assert_eq!(k(128, 64, 129, true, false), "attention_mma_w8", "more keys than fit");
+        assert_eq!(k(64, 96, 128, true, true), "attention_mma", "head dim past 64");
+        assert_eq!(k(128, 64, 128, false, false), "attention_mma_w8", "RLX_ATTN_SHORT=0 (or a scale that is not positive)");
     }
 
     #[test]

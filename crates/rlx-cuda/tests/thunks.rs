@@ -593,12 +593,29 @@ fn attention_case_full(
     g: &Option<rlx_cuda::CudaBackend>,
     r: &mut rand::rngs::StdRng,
     dt: DType,
+    shape: (usize, usize, usize, usize, usize, usize),
+    causal: bool,
+    mask: bool,
+    valid: Option<i32>,
+    shift: usize,
+    poison: bool,
+) {
+    let scale = 1.0 / (shape.3 as f32).sqrt();
+    attention_case_scaled(g, r, dt, shape, causal, mask, valid, shift, poison, scale);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case_scaled(
+    g: &Option<rlx_cuda::CudaBackend>,
+    r: &mut rand::rngs::StdRng,
+    dt: DType,
     (batch, heads, kv_heads, hd, q_len, kv_len): (usize, usize, usize, usize, usize, usize),
     causal: bool,
     mask: bool,
     valid: Option<i32>,
     shift: usize,
     poison: bool,
+    scale: f32,
 ) {
     let qw = heads * hd;
     let kw = kv_heads * hd;
@@ -674,7 +691,7 @@ fn attention_case_full(
         head_dim: hd,
         q_len,
         kv_len,
-        scale: 1.0 / (hd as f32).sqrt(),
+        scale,
         causal,
         q,
         k,
@@ -686,7 +703,7 @@ fn attention_case_full(
     }));
     let (s, w) = sb.finish();
     let what = format!(
-        "attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift} poison={poison}"
+        "attention {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} mask={mask} valid={valid:?} shift={shift} poison={poison} scale={scale}"
     );
     check(&what, g, &s, &w, &named(inputs), 1.0);
 }
@@ -765,6 +782,23 @@ fn attention_short_key_ranges() {
         attention_case_at(&g, &mut r, dt, 12, 12, 12, 64, 128, 128, false, true, None, 1);
         attention_case_full(&g, &mut r, dt, (11, 12, 4, 32, 64, 128), true, true, Some(100), 0, true);
         attention_case_full(&g, &mut r, dt, (12, 12, 12, 64, 128, 128), false, true, None, 0, true);
+    }
+}
+
+/// Scores spread over hundreds of log2 units (scale 6 instead of 1/8): the
+/// short-range kernel's lazy softmax must move each row's base many times
+/// within a row (new maxima in late chunks, rows whose first keys are
+/// masked, causal rows), and still match the CPU. A scale that is not
+/// positive takes the streaming kernel, which must agree too.
+#[test]
+fn attention_short_large_scores() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(12);
+    for dt in FLOATS {
+        attention_case_scaled(&g, &mut r, dt, (32, 12, 12, 64, 128, 128), false, true, None, 0, false, 6.0);
+        attention_case_scaled(&g, &mut r, dt, (6, 12, 4, 32, 77, 77), true, true, None, 0, false, 6.0);
+        attention_case_scaled(&g, &mut r, dt, (6, 12, 12, 64, 100, 128), true, false, Some(120), 0, true, 3.0);
+        attention_case_scaled(&g, &mut r, dt, (12, 12, 12, 64, 128, 128), false, true, None, 0, true, -0.5);
     }
 }
 
