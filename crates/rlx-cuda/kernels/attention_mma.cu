@@ -76,14 +76,6 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
                  : "memory");
 }
 
-// 2^x in one MUFU instruction (exp2f adds range fix-ups for denormal
-// results; a probability below 2^-126 of the row maximum flushes to zero).
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // One warp's online-softmax step over a tile of NK keys for its 16 rows,
 // then O += P·V; shared by both tensor-core kernels. s: the tile's scaled,
 // masked scores (log2 domain), becoming the probabilities; mx: this lane's

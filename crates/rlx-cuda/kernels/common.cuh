@@ -66,6 +66,14 @@ __device__ __forceinline__ float act_apply(i64 act, float x) {
     }
 }
 
+// 2^x in one MUFU instruction (exp2f adds range fix-ups for denormal
+// results; a result below 2^-126 flushes to zero).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // erf-GELU for the half types: x * Phi(x), with Phi(-a) = 2^q(a) for
 // a = |x|, q a degree-10 polynomial in t = 2a / 13.6 - 1 fitted for RLX (least
 // squares on Chebyshev nodes) to log2 Phi(-a) on [0, 13.6]; Phi(x) = 1 -
@@ -77,6 +85,17 @@ __device__ __forceinline__ float act_apply(i64 act, float x) {
 // replaced (a reciprocal, an exp2 and 12 FMAs) made the 32x128 erf-GELU
 // epilogue arithmetic-bound (bench/gpu-perf.md, session 5). f32 keeps erff
 // (act_apply).
+//
+// The exponential: f16 takes ex2 (one MUFU instruction, flushing results
+// below 2^-126 to zero: such a GELU is below 2^-122, which rounds to 0 in
+// f16); bf16, whose subnormals reach 2^-133, keeps exp2f's subnormal
+// results. No branch: 2^q is computed for every element and selected.
+template <typename T>
+__device__ __forceinline__ float gelu_exp2(float q) { return exp2f(q); }
+template <>
+__device__ __forceinline__ float gelu_exp2<__half>(float q) { return ex2(q); }
+
+template <typename T>
 __device__ __forceinline__ float gelu_fast(float x) {
     const float a = fminf(fabsf(x), 13.6f);
     const float t = fmaf(a, 0.1470588297f, -1.0f);
@@ -91,14 +110,15 @@ __device__ __forceinline__ float gelu_fast(float x) {
     q = fmaf(q, t, -3.271384048e+01f);
     q = fmaf(q, t, -6.809637451e+01f);
     q = fmaf(q, t, -3.747605515e+01f);
-    const float p = a < 13.6f ? exp2f(q) : 0.0f;  // Phi(-|x|)
+    const float e = gelu_exp2<T>(q);
+    const float p = a < 13.6f ? e : 0.0f;  // Phi(-|x|)
     return x * (x >= 0.0f ? 1.0f - p : p);
 }
 
 // act_apply with the cheaper erf-GELU for 2-byte float types.
 template <typename T>
 __device__ __forceinline__ float act_t(i64 act, float x) {
-    if (sizeof(T) == 2 && act == ACT_GELU) return gelu_fast(x);
+    if (sizeof(T) == 2 && act == ACT_GELU) return gelu_fast<T>(x);
     return act_apply(act, x);
 }
 

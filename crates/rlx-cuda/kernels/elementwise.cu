@@ -131,8 +131,8 @@ RLX_FLOAT_KERNELS(epilogue, EpilogueP)
 // pointers 16-byte aligned; the host checks): one load and one store
 // instruction per 8 halves instead of 8, so the pass runs at memory speed.
 // Same per-element arithmetic as `epilogue`, hence the same bits.
-template <typename T>
-__device__ void epilogue_vec_body(const EpilogueP& p) {
+template <typename T, typename F>
+__device__ __forceinline__ void epilogue_vec_loop(const EpilogueP& p, F act) {
     constexpr int E = Vec16<T>::E;
     uint4* out = (uint4*)p.out; const uint4* res = (const uint4*)p.res;
     const i64 nv = p.n / E;
@@ -144,10 +144,22 @@ __device__ void epilogue_vec_body(const EpilogueP& p) {
         Vec16<T>::load(rr, r);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            v[e] = act_t<T>(p.act, v[e]);
+            v[e] = act(v[e]);
             if (res) v[e] += r[e];
         }
         out[i] = Vec16<T>::store(v);
+    }
+}
+
+// The half types' erf-GELU (BERT's FFN) gets a loop of its own, without the
+// per-element activation dispatch; both call the same functions as act_t.
+template <typename T>
+__device__ void epilogue_vec_body(const EpilogueP& p) {
+    if (sizeof(T) == 2 && p.act == ACT_GELU) {
+        epilogue_vec_loop<T>(p, [](float x) { return gelu_fast<T>(x); });
+    } else {
+        const i64 act = p.act;
+        epilogue_vec_loop<T>(p, [act](float x) { return act_t<T>(act, x); });
     }
 }
 RLX_FLOAT_KERNELS(epilogue_vec, EpilogueP)
