@@ -77,15 +77,14 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
 }
 
 // One warp's online-softmax step over a tile of NK keys for its 16 rows,
-// then O += P·V; shared by both tensor-core kernels. s: the tile's scaled,
-// masked scores (log2 domain), becoming the probabilities; mx: this lane's
-// row maxima over the tile; m, l: running maxima and sums; v: the tile's V
-// rows in shared memory (pitch KP). The score accumulators are already the
-// A fragments of P; V's B fragments (k = keys 2t.., n = dim g) are
-// ldmatrix.trans of row-major V: matrices (keys +0..7, dims 8n..), (keys
-// +8..15, 8n..), then the same for dims 8(n+1).. . APPROX: ex2.approx
-// instead of exp2f.
-template <typename T, int NK, int HDP, int KP, bool APPROX>
+// then O += P·V (the key-splitting kernel; the others use softmax_pv_lazy
+// below). s: the tile's scaled, masked scores (log2 domain), becoming the
+// probabilities; mx: this lane's row maxima over the tile; m, l: running
+// maxima and sums; v: the tile's V rows in shared memory (pitch KP). The
+// score accumulators are already the A fragments of P; V's B fragments (k =
+// keys 2t.., n = dim g) are ldmatrix.trans of row-major V: matrices (keys
+// +0..7, dims 8n..), (keys +8..15, 8n..), then the same for dims 8(n+1).. .
+template <typename T, int NK, int HDP, int KP>
 __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2], float (&m)[2], float (&l)[2], float (&o)[HDP / 8][4],
                                            const unsigned short* v, int lane) {
     const int mi = lane >> 3, mr = lane & 7;
@@ -96,7 +95,7 @@ __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2]
         mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
         float mn = fmaxf(m[half], mx[half]);
         mu[half] = mn == -INFINITY ? 0.0f : mn;  // all masked so far: keep zeros, no NaN
-        corr[half] = APPROX ? ex2(m[half] - mu[half]) : exp2f(m[half] - mu[half]);
+        corr[half] = exp2f(m[half] - mu[half]);
         m[half] = mn;
     }
     float rs[2] = {0.0f, 0.0f};
@@ -104,7 +103,7 @@ __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2]
     for (int n = 0; n < NK / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float pv = APPROX ? ex2(s[n][e] - mu[e >> 1]) : exp2f(s[n][e] - mu[e >> 1]);
+            float pv = exp2f(s[n][e] - mu[e >> 1]);
             s[n][e] = pv;
             rs[e >> 1] += pv;
         }
@@ -219,28 +218,33 @@ __device__ __forceinline__ void attn_load_q(unsigned (&qa)[HDP / 16][4], const A
     }
 }
 
-// Scale and mask one warp's NK-key score tile (keys 8n + 2t + c; rows wr,
-// wr + 8) and take its row maxima. cap: the tile's per-key caps. Causal:
-// key j of the tile is in the future of row wr + 8 half when j > c + 8 half
-// (c = fut - t0); clamped to -9..NK the test stays exact for both rows, and
-// without causal masking nothing is cut.
-template <int NK>
-__device__ __forceinline__ void attn_mask_scores(float (&s)[NK / 8][4], float (&mx)[2], const float* cap, float scale, bool causal, i64 c,
-                                                 int t) {
+// A probability is at most 2^LAZY_SLACK before its row is rescaled: far
+// inside f16's and bf16's range, and the same relative precision as 1.
+#define LAZY_SLACK 8.0f
+
+// Mask one warp's NK-key chunk of scores (raw in the short-range kernel,
+// scaled in the streaming one): cap (+inf seen,
+// -inf masked, a NaN of a masked key reads as masked), the causal rule when
+// CAUSAL (key j of the chunk is in the future of row wr + 8 half when j > c
+// + 8 half), and this lane's maxima of its row halves (not across the quad).
+template <int NK, bool CAUSAL>
+__device__ __forceinline__ void attn_cap_scores(float (&s)[NK / 8][4], float (&mx)[2], const float* cap, i64 c, int t) {
 #pragma unroll
     for (int n = 0; n < NK / 8; ++n) {
         const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
-        s[n][0] = fminf(s[n][0] * scale, cp.x);
-        s[n][1] = fminf(s[n][1] * scale, cp.y);
-        s[n][2] = fminf(s[n][2] * scale, cp.x);
-        s[n][3] = fminf(s[n][3] * scale, cp.y);
+        s[n][0] = fminf(s[n][0], cp.x);
+        s[n][1] = fminf(s[n][1], cp.y);
+        s[n][2] = fminf(s[n][2], cp.x);
+        s[n][3] = fminf(s[n][3], cp.y);
     }
-    const int lim = causal ? (int)(c < -9 ? -9 : c > NK ? NK : c) - 2 * t : NK;
+    if (CAUSAL) {
+        const int lim = (int)(c < -9 ? -9 : c > NK ? NK : c) - 2 * t;
 #pragma unroll
-    for (int n = 0; n < NK / 8; ++n) {
+        for (int n = 0; n < NK / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+            for (int e = 0; e < 4; ++e) {
+                if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
+            }
         }
     }
     mx[0] = mx[1] = -INFINITY;
@@ -251,9 +255,78 @@ __device__ __forceinline__ void attn_mask_scores(float (&s)[NK / 8][4], float (&
     }
 }
 
+// One warp's lazy online-softmax step over NK keys, then O += P·V. s: the
+// masked scores (attn_cap_scores), becoming the probabilities; mx: this
+// lane's maxima of s; scale > 0 turns s into log2 units (1 where s is
+// already scaled). m: the rows' running maxima (-inf until a key is seen),
+// base: what the probabilities are taken against (m, or 0 while m is
+// -inf), l: this lane's share of the row sums (attn_quad_sums adds them).
+// The whole warp rescales when any of its lanes sees a score above its
+// row's m + LAZY_SLACK; m and base are the same on the 4 lanes of a row.
+template <typename T, int NK, int HDP, int KP>
+__device__ __forceinline__ void softmax_pv_lazy(float (&s)[NK / 8][4], const float (&mx)[2], float scale, float (&m)[2], float (&base)[2],
+                                                float (&l)[2], float (&o)[HDP / 8][4], const unsigned short* v, int lane) {
+    const float ms[2] = {mx[0] * scale, mx[1] * scale};
+    if (__any_sync(0xffffffffu, ms[0] > m[0] + LAZY_SLACK || ms[1] > m[1] + LAZY_SLACK)) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float q = fmaxf(ms[half], __shfl_xor_sync(0xffffffffu, ms[half], 1));
+            q = fmaxf(q, __shfl_xor_sync(0xffffffffu, q, 2));
+            const float mn = fmaxf(m[half], q);
+            const float nb = mn == -INFINITY ? 0.0f : mn;  // still all masked: keep zeros, no NaN
+            // Nothing is accumulated while m is -inf (every probability was 0).
+            const float corr = m[half] == -INFINITY ? 0.0f : ex2(base[half] - nb);
+            m[half] = mn;
+            base[half] = nb;
+            l[half] *= corr;
+#pragma unroll
+            for (int n = 0; n < HDP / 8; ++n) {
+                o[n][2 * half] *= corr;
+                o[n][2 * half + 1] *= corr;
+            }
+        }
+    }
+    const float nb[2] = {-base[0], -base[1]};
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float pv = ex2(fmaf(s[n][e], scale, nb[e >> 1]));
+            s[n][e] = pv;
+            l[e >> 1] += pv;
+        }
+    }
+    const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < NK / 16; ++ks) {
+        unsigned pa[4];
+        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; n += 2) {
+            unsigned vf[4];
+            ldsm_x4_trans(vf, vrow + n * 8);
+            Mma<T>::run(o[n], pa, vf[0], vf[1]);
+            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
+        }
+    }
+}
+
 // O / l of one warp's rows into out [b, row, h * hd + d]; a row that sees
 // no key at all (fully masked) yields zeros. Pairs go as one 4-byte store
 // when the row allows it (same rounding as st).
+// The row sums of softmax_pv_lazy's lanes: each row's 4 lanes add theirs.
+__device__ __forceinline__ void attn_quad_sums(float (&l)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    }
+}
+
 template <typename T, int HDP>
 __device__ __forceinline__ void attn_store_rows(const float (&o)[HDP / 8][4], const float (&l)[2], const AttnP& p, i64 b, i64 h, i64 wr,
                                                 int t) {
@@ -373,7 +446,7 @@ __device__ void attention_mma_body(const AttnP& p) {
     float o[HDP / 8][4];
 #pragma unroll
     for (int n = 0; n < HDP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float m[2] = {-INFINITY, -INFINITY}, base[2] = {0.0f, 0.0f}, l[2] = {0.0f, 0.0f};
     // Causal: keys past fut are in the future of row wr.
     const i64 fut = valid - p.q_len + wr;
 
@@ -424,15 +497,22 @@ __device__ void attention_mma_body(const AttnP& p) {
             }
         }
 
-        // Scale and mask, then the online-softmax update.
+        // Scale (any sign: the maxima are taken after it), mask, then the
+        // lazy online-softmax update (softmax_pv_lazy, scale already applied).
+#pragma unroll
+        for (int n = 0; n < TK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] *= scale;
+        }
         float mx[2];
-        attn_mask_scores<TK>(s, mx, cap, scale, p.causal, fut - t0, t);
-        softmax_pv<T, TK, HDP, KP, true>(s, mx, m, l, o, cv, lane);
+        if (p.causal) attn_cap_scores<TK, true>(s, mx, cap, fut - t0, t);
+        else attn_cap_scores<TK, false>(s, mx, cap, fut - t0, t);
+        softmax_pv_lazy<T, TK, HDP, KP>(s, mx, 1.0f, m, base, l, o, cv, lane);
         __syncthreads();  // every warp is done with this buffer (and these flags)
         // The freed buffer takes the tile STAGES ahead.
         if (ti + STAGES < ntiles) load_tile(buf, t0 + STAGES * TK);
     }
-
+    attn_quad_sums(l);
     attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
 }
 
@@ -456,101 +536,6 @@ __device__ void attention_mma_body(const AttnP& p) {
 // Same masks, causal rule, valid_len, GQA mapping and masked-V zeroing as
 // attention_mma_body. The host picks it only for a positive scale.
 #define SHORT_KEYS 128
-// A probability is at most 2^LAZY_SLACK before its row is rescaled: far
-// inside f16's and bf16's range, and the same relative precision as 1.
-#define LAZY_SLACK 8.0f
-
-// Mask one warp's NK-key chunk of raw (unscaled) scores: cap (+inf seen,
-// -inf masked, a NaN of a masked key reads as masked), the causal rule when
-// CAUSAL (key j of the chunk is in the future of row wr + 8 half when j > c
-// + 8 half), and this lane's maxima of its row halves (not across the quad).
-template <int NK, bool CAUSAL>
-__device__ __forceinline__ void attn_cap_scores(float (&s)[NK / 8][4], float (&mx)[2], const float* cap, int c, int t) {
-#pragma unroll
-    for (int n = 0; n < NK / 8; ++n) {
-        const float2 cp = *(const float2*)(cap + n * 8 + 2 * t);
-        s[n][0] = fminf(s[n][0], cp.x);
-        s[n][1] = fminf(s[n][1], cp.y);
-        s[n][2] = fminf(s[n][2], cp.x);
-        s[n][3] = fminf(s[n][3], cp.y);
-    }
-    if (CAUSAL) {
-        const int lim = (c < -9 ? -9 : c > NK ? NK : c) - 2 * t;
-#pragma unroll
-        for (int n = 0; n < NK / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (n * 8 + (e & 1) > lim + 8 * (e >> 1)) s[n][e] = -INFINITY;
-            }
-        }
-    }
-    mx[0] = mx[1] = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < NK / 8; ++n) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
-    }
-}
-
-// One warp's lazy online-softmax step over NK keys, then O += P·V. s: raw
-// masked scores (attn_cap_scores), becoming the probabilities; mx: this
-// lane's raw maxima; scale > 0 (log2 domain). m: the rows' running maxima
-// (-inf until a key is seen), base: what the probabilities are taken
-// against (m, or 0 while m is -inf), l: this lane's share of the row sums.
-// The whole warp rescales when any of its lanes sees a score above its
-// row's m + LAZY_SLACK; m and base are the same on the 4 lanes of a row.
-template <typename T, int NK, int HDP, int KP>
-__device__ __forceinline__ void softmax_pv_lazy(float (&s)[NK / 8][4], const float (&mx)[2], float scale, float (&m)[2], float (&base)[2],
-                                                float (&l)[2], float (&o)[HDP / 8][4], const unsigned short* v, int lane) {
-    const float ms[2] = {mx[0] * scale, mx[1] * scale};
-    if (__any_sync(0xffffffffu, ms[0] > m[0] + LAZY_SLACK || ms[1] > m[1] + LAZY_SLACK)) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float q = fmaxf(ms[half], __shfl_xor_sync(0xffffffffu, ms[half], 1));
-            q = fmaxf(q, __shfl_xor_sync(0xffffffffu, q, 2));
-            const float mn = fmaxf(m[half], q);
-            const float nb = mn == -INFINITY ? 0.0f : mn;  // still all masked: keep zeros, no NaN
-            // Nothing is accumulated while m is -inf (every probability was 0).
-            const float corr = m[half] == -INFINITY ? 0.0f : ex2(base[half] - nb);
-            m[half] = mn;
-            base[half] = nb;
-            l[half] *= corr;
-#pragma unroll
-            for (int n = 0; n < HDP / 8; ++n) {
-                o[n][2 * half] *= corr;
-                o[n][2 * half + 1] *= corr;
-            }
-        }
-    }
-    const float nb[2] = {-base[0], -base[1]};
-#pragma unroll
-    for (int n = 0; n < NK / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float pv = ex2(fmaf(s[n][e], scale, nb[e >> 1]));
-            s[n][e] = pv;
-            l[e >> 1] += pv;
-        }
-    }
-    const int mi = lane >> 3, mr = lane & 7;
-#pragma unroll
-    for (int ks = 0; ks < NK / 16; ++ks) {
-        unsigned pa[4];
-        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
-#pragma unroll
-        for (int n = 0; n < HDP / 8; n += 2) {
-            unsigned vf[4];
-            ldsm_x4_trans(vf, vrow + n * 8);
-            Mma<T>::run(o[n], pa, vf[0], vf[1]);
-            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
-        }
-    }
-}
-
 template <typename T, int HDP, int W, bool CAUSAL>
 __device__ void attention_short_body(const AttnP& p) {
     constexpr int NT = 32 * W;
@@ -662,13 +647,7 @@ __device__ void attention_short_body(const AttnP& p) {
         attn_cap_scores<TC, CAUSAL>(s, mx, scap + t0, fut - t0, t);
         softmax_pv_lazy<T, TC, HDP, KP>(s, mx, scale, m, base, l, o, sv + t0 * KP, lane);
     }
-    // The row sums across the 4 lanes of each row.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    }
-
+    attn_quad_sums(l);
     attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
 }
 template <typename T, int HDP, int W>
@@ -805,7 +784,7 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
                 }
             }
         }
-        softmax_pv<T, TKS, HDP, KP, false>(s, mx, m, l, o, sv, lane);
+        softmax_pv<T, TKS, HDP, KP>(s, mx, m, l, o, sv, lane);
         __syncwarp();  // every lane is done with this warp's buffers
         if (ti + 4 < ntiles) load_tile(t0 + 4 * TKS);
     }
