@@ -317,6 +317,52 @@ fn gelu_half_types_round_faithfully() {
     }
 }
 
+/// The f16 erf-GELU (`gelu_fast<__half>` in kernels/common.cuh), evaluated
+/// on the CPU as the GPU does (f32 fused multiply-adds, an exp2 that flushes
+/// below 2^-126, the same select), rounds faithfully for every finite f16
+/// input: within one f16 step of the f64 GELU. The coefficients are read
+/// from the kernel source, so the check follows the code. Runs without a GPU.
+#[test]
+fn gelu_f16_fit_rounds_faithfully_for_every_input() {
+    let src = include_str!("../kernels/common.cuh");
+    let start = src.find("float gelu_fast<__half>(float x)").unwrap_or_else(|| panic!("gelu_fast<__half> not found in common.cuh"));
+    let body = &src[start..start + src[start..].find("\n}\n").unwrap_or_else(|| panic!("end of gelu_fast<__half>"))];
+    // Float literals in order: the clamp, the t scale, -1, then the
+    // coefficients from the highest degree down up to the clamp's second use.
+    let lits: Vec<f32> = body
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '+'))
+        .filter_map(|w| w.strip_suffix('f'))
+        .filter_map(|w| w.parse::<f32>().ok())
+        .collect();
+    let again = lits.iter().skip(1).position(|v| *v == lits[0]).map(|i| i + 1);
+    let Some(end) = again.filter(|e| *e >= 5 && lits[2] == -1.0) else { panic!("float literals of gelu_fast<__half>: {lits:?}") };
+    let (clamp, scale, coeffs) = (lits[0], lits[1], &lits[3..end]);
+    let gelu = |x: f32| -> f32 {
+        let a = x.abs().min(clamp);
+        let t = a.mul_add(scale, -1.0);
+        let q = coeffs[1..].iter().fold(coeffs[0], |q, c| q.mul_add(t, *c));
+        let e = if q < -126.0 { 0.0 } else { 2f64.powf(q as f64) as f32 };
+        let p = if a < clamp { e } else { 0.0 };
+        x * if x >= 0.0 { 1.0 - p } else { p }
+    };
+    let mut worst = 0f64;
+    for bits in 0..=u16::MAX {
+        let xh = half::f16::from_bits(bits);
+        if !xh.is_finite() {
+            continue;
+        }
+        let x = f32::from(xh);
+        let got = f64::from(f32::from(half::f16::from_f32(gelu(x))));
+        let want = gelu64(x as f64);
+        let e = if want == 0.0 { -149 } else { want.abs().log2().floor() as i32 };
+        let step = 2f64.powi(e.max(-14) - 10);
+        let steps = (got - want).abs() / step;
+        assert!(steps < 1.0, "f16 GELU of {x}: {got:e} vs exact {want:e} ({steps:.3} steps)");
+        worst = worst.max(steps);
+    }
+    assert!(worst > 0.0, "the check compared nothing");
+}
+
 #[test]
 fn norms_softmax_reduce_argmax() {
     let Some(g) = gpu_or_dry() else { return };
