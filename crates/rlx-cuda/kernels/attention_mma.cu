@@ -547,6 +547,9 @@ __device__ void attention_short_body(const AttnP& p) {
     __shared__ __align__(16) unsigned short sk[SHORT_KEYS * KP];
     __shared__ __align__(16) unsigned short sv[SHORT_KEYS * KP];
     __shared__ __align__(16) float scap[SHORT_KEYS];
+    // Q rows, then the output rows (dynamic: R * KP elements, `short_q_smem`
+    // in src/launch.rs).
+    extern __shared__ __align__(16) unsigned short sq[];
     typedef unsigned short u16;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * R;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -583,6 +586,16 @@ __device__ void attention_short_body(const AttnP& p) {
             cp_async16(sv + j * KP + c * 8, in ? vb + j * p.vrs + c * 8 : vb, in);
         }
         cp_async_commit();
+        // The block's Q rows (zeros past q_len), for ldmatrix: whole 16-byte
+        // copies, where loading fragments from global memory read each
+        // sector twice.
+#pragma unroll 4
+        for (int e = threadIdx.x; e < R * CH; e += NT) {
+            const int r = e / CH, c = e % CH;
+            const bool in = r0 + r < p.q_len && c * 8 < hd;
+            cp_async16(sq + r * KP + c * 8, in ? av.qb + (r0 + r) * p.qrs + c * 8 : av.qb, in);
+        }
+        cp_async_commit();
     } else {
         for (int e = threadIdx.x; e < nrows * HDP; e += NT) {
             const int j = e / HDP, d = e % HDP;
@@ -593,13 +606,20 @@ __device__ void attention_short_body(const AttnP& p) {
     }
     const i64 wr = r0 + warp * 16 + g;
     unsigned qa[HDP / 16][4];
-    attn_load_q<HDP>(qa, p, av, wr, t);
+    if (!vec) attn_load_q<HDP>(qa, p, av, wr, t);
     for (int j = threadIdx.x; j < SHORT_KEYS; j += NT) {
         const double f = j >= key_end ? 0.0 : p.mask ? ld_any(p.mask, b * p.kv_len + j, p.mask_dt) : 1.0;
         scap[j] = f != 0.0 ? INFINITY : -INFINITY;
     }
     cp_async_wait<0>();
     __syncthreads();
+    // This warp's 16 Q rows as A fragments (matrices: rows +0..7 / +8..15 by
+    // columns +0..7 / +8..15 of each 16-column step).
+    u16* wq = sq + warp * 16 * KP;
+    if (vec) {
+#pragma unroll
+        for (int ks = 0; ks < HDP / 16; ++ks) ldsm_x4(qa[ks], wq + (lane & 15) * KP + ks * 16 + (lane >> 4) * 8);
+    }
     // A masked key's V row becomes zeros (a padded row may hold NaN or inf).
     {
         bool any = false;
@@ -648,7 +668,27 @@ __device__ void attention_short_body(const AttnP& p) {
         softmax_pv_lazy<T, TC, HDP, KP>(s, mx, scale, m, base, l, o, sv + t0 * KP, lane);
     }
     attn_quad_sums(l);
-    attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
+    // Whole rows of 16-byte stores through the warp's Q rows (no longer
+    // read) where the output allows it, else pairs per lane.
+    T* ob = (T*)p.out + b * p.q_len * (p.heads * p.hd) + h * p.hd;
+    if (vec && hd == HDP && (((unsigned long long)ob | (unsigned long long)(p.heads * p.hd * 2)) & 15) == 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+#pragma unroll
+            for (int n = 0; n < HDP / 8; ++n) {
+                *(unsigned*)(wq + (g + 8 * half) * KP + n * 8 + 2 * t) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
+            }
+        }
+        __syncwarp();
+        for (int e = lane; e < 16 * CH; e += 32) {
+            const int r = e / CH, c = e % CH;
+            const i64 row = r0 + warp * 16 + r;
+            if (row < p.q_len) *(uint4*)(ob + row * (p.heads * p.hd) + c * 8) = *(const uint4*)(wq + r * KP + c * 8);
+        }
+    } else {
+        attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
+    }
 }
 template <typename T, int HDP, int W>
 __device__ void attention_short_plain(const AttnP& p) { attention_short_body<T, HDP, W, false>(p); }

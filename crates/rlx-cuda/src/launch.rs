@@ -654,24 +654,30 @@ pub(crate) fn lower(
             // scalar kernel otherwise (f32, odd head dims).
             let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
             let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count, attention_rows_override());
-            let (grid, func, block) = match rows {
+            let (grid, func, block, smem) = match rows {
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
                     let short = attention_short_enabled() && a.scale > 0.0;
                     let name = attention_block_kernel(r, hdp, a.kv_len, short, a.causal);
-                    (grid, k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?, (r * 2) as u32)
+                    let func = k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?;
+                    // The short-range kernel's Q and output rows (dynamic shared memory).
+                    let smem = if name.starts_with("attention_short") { short_q_smem(r, hdp) } else { 0 };
+                    if smem > 0 {
+                        func.set_max_dynamic_smem(smem)?;
+                    }
+                    (grid, func, (r * 2) as u32, smem)
                 }
                 _ if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(16).max(1) as u32, a.heads as u32, a.batch as u32];
-                    (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?, 128)
+                    (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?, 128, 0)
                 }
                 _ => {
                     let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
-                    (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128)
+                    (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128, 0)
                 }
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind));
+            steps.push(Step::new(Op::Kernel { func, grid, block, smem, cluster: [1, 1, 1], args: args.0 }, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -784,6 +790,12 @@ pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short
         (false, true, _) => "attention_mma_w8",
         (false, false, _) => "attention_mma",
     }
+}
+
+/// Dynamic shared memory of the short-range attention kernel: its `rows`
+/// query rows at the padded pitch (head dim `hdp` + 8) of 2-byte elements.
+pub(crate) fn short_q_smem(rows: u64, hdp: usize) -> u32 {
+    (rows as usize * (hdp + 8) * 2) as u32
 }
 
 /// `RLX_ATTN_SHORT=0` (read once): the streaming kernels even for short key
