@@ -43,6 +43,10 @@ pub struct BenchArgs {
     /// Skip the PyTorch peer (RLX rows only).
     #[arg(long)]
     no_peer: bool,
+    /// RLX runs the exact (erf) GELU as its tanh approximation (the peer
+    /// stays exact, so the max-difference column shows what it costs).
+    #[arg(long)]
+    approximate_gelu: bool,
     /// Python interpreter for the peer.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -142,6 +146,9 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     }
 
     let mut notes = Vec::new();
+    if args.approximate_gelu {
+        notes.push("RLX ran the tanh approximation of GELU (--approximate-gelu); the peer runs the exact GELU.".into());
+    }
     let mut peer_results = None;
     let peer_desc = if want_peer {
         let script = args.peer_script.clone().unwrap_or_else(default_peer_script);
@@ -257,7 +264,11 @@ fn measure_mode(
     let tensors = inputs.tensors()?;
     let named: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
     let mut session = Session::with_weights(device, store.clone()).map_err(|e| e.to_string())?;
-    session.set_compile_options(CompileOptions { precision: (dtype != DType::F32).then_some(dtype), ..CompileOptions::default() });
+    session.set_compile_options(CompileOptions {
+        precision: (dtype != DType::F32).then_some(dtype),
+        approximate_gelu: args.approximate_gelu,
+        ..CompileOptions::default()
+    });
     session.set_prepare_options(PrepareOptions { replay, ..PrepareOptions::default() });
     let mut exe = session.compile(&graph).map_err(|e| format!("compiling for {device}: {e}"))?;
     time_rlx(&mut exe, &named, args.warmup, args.runs, replay).map_err(|e| e.to_string())

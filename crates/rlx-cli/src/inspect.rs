@@ -14,6 +14,9 @@ pub struct InspectArgs {
     /// Turn off merging of sibling matmuls.
     #[arg(long)]
     no_merge: bool,
+    /// Run the exact (erf) GELU as its tanh approximation.
+    #[arg(long)]
+    approximate_gelu: bool,
     /// Print the schedule as JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -92,7 +95,7 @@ pub fn run(args: InspectArgs) -> Result<(), String> {
             rlx_models::build_bert_graph(&cfg, args.batch, args.seq, &rlx_models::BertGraphOptions::default()).map_err(|e| e.to_string())?
         }
     };
-    let opts = CompileOptions { precision, fuse: !args.no_fuse, merge_matmuls: !args.no_merge };
+    let opts = CompileOptions { precision, fuse: !args.no_fuse, merge_matmuls: !args.no_merge, approximate_gelu: args.approximate_gelu };
     let compiled = rlx::compile(&graph, &opts).map_err(|e| e.to_string())?;
     if args.json {
         let s = serde_json::to_string_pretty(&compiled.schedule).map_err(|e| e.to_string())?;

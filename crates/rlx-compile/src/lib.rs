@@ -40,11 +40,17 @@ pub struct CompileOptions {
     pub merge_matmuls: bool,
     /// Fusion patterns (matmul epilogues, residual norms, SwiGLU).
     pub fuse: bool,
+    /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
+    /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
+    /// then follow the model exactly. On CUDA the approximation rides in the
+    /// matmul's library epilogue, which saves a kernel per FFN
+    /// (bench/gpu-perf.md, session 8).
+    pub approximate_gelu: bool,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { precision: None, merge_matmuls: true, fuse: true }
+        CompileOptions { precision: None, merge_matmuls: true, fuse: true, approximate_gelu: false }
     }
 }
 
@@ -75,6 +81,9 @@ pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileEr
         Ok(out)
     }
     let mut g = step(graph.clone(), "dce", passes::dce::run)?;
+    if opts.approximate_gelu {
+        g = step(g, "gelu_tanh", passes::gelu_tanh::run)?;
+    }
     if opts.merge_matmuls {
         g = step(g, "merge_matmul", passes::merge_matmul::run)?;
     }

@@ -26,7 +26,8 @@ fn extent_is_the_last_index_plus_one_and_saturates() {
 fn every_thunk_of_compiled_layers_passes() {
     for fuse in [false, true] {
         for precision in [None, Some(DType::F16)] {
-            let c = compile(&bert_layer(true), &CompileOptions { precision, fuse, merge_matmuls: fuse }).unwrap();
+            let c =
+                compile(&bert_layer(true), &CompileOptions { precision, fuse, merge_matmuls: fuse, ..CompileOptions::default() }).unwrap();
             for (i, t) in c.schedule.thunks.iter().enumerate() {
                 assert_eq!(check_operands(t), Ok(()), "thunk {i} ({})\n{}", t.kind(), c.schedule);
                 assert!(!operands(t).is_empty());

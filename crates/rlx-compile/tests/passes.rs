@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use rlx_compile::passes::{dce, fuse, merge_matmul, precision};
+use rlx_compile::passes::{dce, fuse, gelu_tanh, merge_matmul, precision};
 use rlx_compile::{compile, optimise, CompileOptions};
 use rlx_ir::{Activation, DType, Graph, Op};
 
@@ -223,4 +223,44 @@ fn fuse_never_claims_a_node_twice() {
     assert_eq!(count(&after, |o| matches!(o, Op::MatMulFused { residual: true, .. })), 1, "{after}");
     assert_eq!(count(&after, |o| matches!(o, Op::MatMul { .. })), 1, "{after}");
     same_values(&g, &after, 7);
+}
+
+/// `approximate_gelu`: every exact GELU of a BERT layer becomes the tanh
+/// form (fused into its matmul's epilogue like a model that names it); the
+/// default leaves them exact; the rewritten op computes
+/// 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) in the f64 reference.
+#[test]
+fn approximate_gelu_rewrites_every_exact_gelu() {
+    let acts = |g: &Graph| -> Vec<Activation> {
+        g.nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Activation(a) => Some(*a),
+                Op::MatMulFused { act, .. } => *act,
+                _ => None,
+            })
+            .collect()
+    };
+    let g = bert_layer(true);
+    assert!(acts(&g).contains(&Activation::Gelu));
+    let exact = optimise(&g, &CompileOptions::default()).unwrap();
+    assert!(acts(&exact).contains(&Activation::Gelu) && !acts(&exact).contains(&Activation::GeluTanh));
+    let approx = optimise(&g, &CompileOptions { approximate_gelu: true, ..CompileOptions::default() }).unwrap();
+    let a = acts(&approx);
+    assert!(a.contains(&Activation::GeluTanh) && !a.contains(&Activation::Gelu), "{a:?}");
+    assert!(approx.nodes.iter().any(|n| matches!(n.op, Op::MatMulFused { act: Some(Activation::GeluTanh), .. })));
+
+    let mut small = Graph::new();
+    let x = small.input("x", [3, 5], DType::F32).unwrap();
+    let y = small.gelu(x).unwrap();
+    small.output(y).unwrap();
+    let rewritten = gelu_tanh::run(&small).unwrap();
+    rewritten.verify().unwrap();
+    let (ins, ps) = random_feeds(&small, 7);
+    let got = eval(&rewritten, &ins, &ps);
+    let xs = &ins["x"];
+    let tanh_gelu = |v: f64| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh());
+    let want = T { dims: xs.dims.clone(), v: xs.v.iter().map(|&v| tanh_gelu(v)).collect() };
+    let err = max_rel_err(&got, &[want]);
+    assert!(err < 1e-12, "tanh GELU in the reference: max rel err {err:e}");
 }

@@ -127,8 +127,10 @@ fn main() -> Result<(), String> {
     let e2e_rounds = env_usize("RLX_BENCH_E2E_ROUNDS", 5);
     let threads = env_usize("RLX_BENCH_THREADS", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
 
-    let load =
-        |dtype| SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32 }).map_err(|e| e.to_string());
+    let load = |dtype| {
+        SentenceEmbedder::load_with(&model, Device::Cpu, EmbedderOptions { dtype, batch_size: 32, ..EmbedderOptions::default() })
+            .map_err(|e| e.to_string())
+    };
     let mut engines: Vec<(&str, SentenceEmbedder)> = vec![("rlx", load(DType::F32)?)];
     if std::env::var("RLX_BENCH_BF16").map(|v| v != "0").unwrap_or(true) {
         engines.push(("rlx_bf16", load(DType::BF16)?));

@@ -163,7 +163,7 @@ fn embedder_matches_an_f64_bert_for_mean_and_cls_pooling() {
         // Lengths straddle buckets (max 40 -> buckets 16, 24, 32, 40).
         let ids = random_ids(&mut rng, &cfg, &[3, 17, 1, 40, 16, 9, 33]);
         let sentence = SentenceConfig { max_seq_length: 40, pooling, normalize };
-        let opts = EmbedderOptions { dtype: DType::F32, batch_size: 4 };
+        let opts = EmbedderOptions { dtype: DType::F32, batch_size: 4, ..EmbedderOptions::default() };
         let e = SentenceEmbedder::from_weights(cfg.clone(), sentence, None, Arc::clone(&store), Device::Cpu, opts).expect("embedder");
         let got = e.embed_ids(&ids).expect("embed");
         let w = W(&store);

@@ -7,7 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, NodeId, Op, Session, Tensor};
 
-const OFF: CompileOptions = CompileOptions { precision: None, merge_matmuls: false, fuse: false };
+const OFF: CompileOptions = CompileOptions { precision: None, merge_matmuls: false, fuse: false, approximate_gelu: false };
 
 fn random(rng: &mut StdRng, dims: &[usize]) -> Tensor {
     let n = dims.iter().product();
