@@ -76,18 +76,40 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
                  : "memory");
 }
 
+// O += P·V for one warp's 16 rows over NK keys: the probabilities s are
+// already the A fragments of P (rounded to T); V's B fragments (k = keys
+// 2t.., n = dim g) are ldmatrix.trans of row-major V (pitch KP): matrices
+// (keys +0..7, dims 8n..), (keys +8..15, 8n..), then the same for dims
+// 8(n+1).. .
+template <typename T, int NK, int HDP, int KP>
+__device__ __forceinline__ void attn_pv(const float (&s)[NK / 8][4], float (&o)[HDP / 8][4], const unsigned short* v, int lane) {
+    const int mi = lane >> 3, mr = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < NK / 16; ++ks) {
+        unsigned pa[4];
+        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
+#pragma unroll
+        for (int n = 0; n < HDP / 8; n += 2) {
+            unsigned vf[4];
+            ldsm_x4_trans(vf, vrow + n * 8);
+            Mma<T>::run(o[n], pa, vf[0], vf[1]);
+            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
+        }
+    }
+}
+
 // One warp's online-softmax step over a tile of NK keys for its 16 rows,
 // then O += P·V (the key-splitting kernel; the others use softmax_pv_lazy
 // below). s: the tile's scaled, masked scores (log2 domain), becoming the
 // probabilities; mx: this lane's row maxima over the tile; m, l: running
-// maxima and sums; v: the tile's V rows in shared memory (pitch KP). The
-// score accumulators are already the A fragments of P; V's B fragments (k =
-// keys 2t.., n = dim g) are ldmatrix.trans of row-major V: matrices (keys
-// +0..7, dims 8n..), (keys +8..15, 8n..), then the same for dims 8(n+1).. .
+// maxima and sums; v: the tile's V rows in shared memory (pitch KP).
 template <typename T, int NK, int HDP, int KP>
 __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2], float (&m)[2], float (&l)[2], float (&o)[HDP / 8][4],
                                            const unsigned short* v, int lane) {
-    const int mi = lane >> 3, mr = lane & 7;
     float corr[2], mu[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -119,22 +141,7 @@ __device__ __forceinline__ void softmax_pv(float (&s)[NK / 8][4], float (&mx)[2]
         o[n][0] *= corr[0]; o[n][1] *= corr[0];
         o[n][2] *= corr[1]; o[n][3] *= corr[1];
     }
-#pragma unroll
-    for (int ks = 0; ks < NK / 16; ++ks) {
-        unsigned pa[4];
-        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
-#pragma unroll
-        for (int n = 0; n < HDP / 8; n += 2) {
-            unsigned vf[4];
-            ldsm_x4_trans(vf, vrow + n * 8);
-            Mma<T>::run(o[n], pa, vf[0], vf[1]);
-            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
-        }
-    }
+    attn_pv<T, NK, HDP, KP>(s, o, v, lane);
 }
 
 // Key flags of up to FLAGS_ALL keys are read at once into shared memory:
@@ -296,23 +303,7 @@ __device__ __forceinline__ void softmax_pv_lazy(float (&s)[NK / 8][4], const flo
             l[e >> 1] += pv;
         }
     }
-    const int mi = lane >> 3, mr = lane & 7;
-#pragma unroll
-    for (int ks = 0; ks < NK / 16; ++ks) {
-        unsigned pa[4];
-        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-        const unsigned short* vrow = v + (ks * 16 + (mi & 1) * 8 + mr) * KP + (mi >> 1) * 8;
-#pragma unroll
-        for (int n = 0; n < HDP / 8; n += 2) {
-            unsigned vf[4];
-            ldsm_x4_trans(vf, vrow + n * 8);
-            Mma<T>::run(o[n], pa, vf[0], vf[1]);
-            Mma<T>::run(o[n + 1], pa, vf[2], vf[3]);
-        }
-    }
+    attn_pv<T, NK, HDP, KP>(s, o, v, lane);
 }
 
 // O / l of one warp's rows into out [b, row, h * hd + d]; a row that sees

@@ -88,6 +88,9 @@ __device__ __forceinline__ float ex2(float x) {
 //
 // f16 (the specialization below) needs far less: where |x| > 6 its GELU
 // rounds to 0 or x.
+// x * Phi(x) from p = Phi(-|x|): Phi(x) = 1 - p for x >= 0.
+__device__ __forceinline__ float gelu_from_phi(float x, float p) { return x * (x >= 0.0f ? 1.0f - p : p); }
+
 template <typename T>
 __device__ __forceinline__ float gelu_fast(float x) {
     const float a = fminf(fabsf(x), 13.6f);
@@ -105,8 +108,7 @@ __device__ __forceinline__ float gelu_fast(float x) {
     q = fmaf(q, t, -3.747605515e+01f);
     // exp2f keeps subnormal results: bf16's subnormals reach 2^-133.
     const float e = exp2f(q);
-    const float p = a < 13.6f ? e : 0.0f;  // Phi(-|x|)
-    return x * (x >= 0.0f ? 1.0f - p : p);
+    return gelu_from_phi(x, a < 13.6f ? e : 0.0f);
 }
 
 // f16: q of degree 6 in t = a / 3 - 1, fitted the same way to log2 Phi(-a)
@@ -129,9 +131,8 @@ __device__ __forceinline__ float gelu_fast<__half>(float x) {
     q = fmaf(q, t, -6.033998489e+00f);
     q = fmaf(q, t, -1.421000957e+01f);
     q = fmaf(q, t, -9.532935143e+00f);
-    const float e = ex2(q);
-    const float p = a < 6.0f ? e : 0.0f;  // Phi(-|x|)
-    return x * (x >= 0.0f ? 1.0f - p : p);
+    const float e = ex2(q);  // for every element, then selected: no branch
+    return gelu_from_phi(x, a < 6.0f ? e : 0.0f);
 }
 
 // act_apply with the cheaper erf-GELU for 2-byte float types.
