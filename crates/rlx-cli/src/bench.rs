@@ -189,6 +189,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         peer: peer_desc,
         notes,
         gpu,
+        approximate_gelu: args.approximate_gelu,
     };
     let md = report::markdown(&ctx, &rows);
     println!("{md}");

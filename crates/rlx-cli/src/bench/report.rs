@@ -66,6 +66,9 @@ pub struct Context {
     pub notes: Vec<String>,
     /// A GPU run (PyTorch timed with CUDA events) rather than a CPU one.
     pub gpu: bool,
+    /// RLX ran the tanh GELU (`--approximate-gelu`): not the configuration
+    /// the issue targets are about.
+    pub approximate_gelu: bool,
 }
 
 /// The GPU name and driver from nvidia-smi, or the CPU model when there is
@@ -179,7 +182,11 @@ pub fn markdown(ctx: &Context, rows: &[Row]) -> String {
     );
     let checks = targets(rows);
     if ctx.gpu && !checks.is_empty() {
-        s.push_str("\nTargets (issues 4 and 5):\n");
+        if ctx.approximate_gelu {
+            s.push_str("\nTargets (issues 4 and 5; this run used --approximate-gelu, not the default exact GELU the targets are about):\n");
+        } else {
+            s.push_str("\nTargets (issues 4 and 5):\n");
+        }
         for c in checks {
             let _ = writeln!(s, "- {c}");
         }
@@ -327,6 +334,7 @@ mod tests {
             peer: "none".into(),
             notes: vec!["peer missing".into()],
             gpu: true,
+            approximate_gelu: false,
         };
         let a = Row {
             model: "minilm".into(),
@@ -369,6 +377,9 @@ mod tests {
         assert!(md.contains("- PASS minilm f16 1x128: RLX replay 70 µs vs PyTorch graph 325 µs (ratio 0.22)"), "{md}");
         assert!(md.contains("- PASS minilm f16 1x128: host time per replayed call 4.2 µs (≤ 10); pipelined 3.9 µs"), "{md}");
         assert!(md.contains("- minilm f16 1x128: replay and eager outputs bit-identical"));
+        assert!(md.contains("\nTargets (issues 4 and 5):\n"), "{md}");
+        let approx = markdown(&Context { approximate_gelu: true, ..ctx }, &rows);
+        assert!(approx.contains("Targets (issues 4 and 5; this run used --approximate-gelu"), "{approx}");
     }
 
     #[test]
