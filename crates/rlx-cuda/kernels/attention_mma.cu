@@ -191,6 +191,59 @@ __device__ __forceinline__ i64 attn_key_end(const AttnP& p, const AttnView& a, i
     return end;
 }
 
+// Row copies into shared memory (row pitch KP) as 16-byte cp.async: thread
+// tid of NT copies chunk tid % CH of rows tid / CH, tid / CH + NT / CH, ...,
+// so each copy costs one pointer step (ncu, session 9: the general index
+// loop with a division and 64-bit products per copy was a quarter of the
+// short-range kernel's instructions, issued before its first load landed).
+// Rows at or past `valid` and chunks past `hd` are zero-filled; their source
+// reads as `base`, which is never dereferenced (copy size 0). Head dim 96
+// (NT not a multiple of CH) keeps the index loop.
+template <int HDP, int KP, int NT>
+__device__ __forceinline__ void attn_copy_rows(unsigned short* dst, const unsigned short* src, i64 stride, int nrows, i64 valid, int hd,
+                                               const unsigned short* base, int tid) {
+    constexpr int CH = HDP / 8;
+    if constexpr (NT % CH == 0) {
+        constexpr int RS = NT / CH;
+        const int c = tid % CH;
+        const bool cin = c * 8 < hd;
+        int j = tid / CH;
+        const unsigned short* s = src + j * stride + c * 8;
+        unsigned short* d = dst + j * KP + c * 8;
+        const i64 step = RS * stride;
+#pragma unroll 4
+        for (; j < nrows; j += RS, s += step, d += RS * KP) {
+            const bool in = cin && j < valid;
+            cp_async16(d, in ? s : base, in);
+        }
+    } else {
+#pragma unroll 4
+        for (int e = tid; e < nrows * CH; e += NT) {
+            const int j = e / CH, c = e % CH;
+            const bool in = j < valid && c * 8 < hd;
+            cp_async16(dst + j * KP + c * 8, in ? src + j * stride + c * 8 : base, in);
+        }
+    }
+}
+
+// Zeros the rows j < nrows of V (pitch KP) for which masked(j) holds, the
+// chunks split over NT threads as in attn_copy_rows.
+template <int HDP, int KP, int NT, typename F>
+__device__ __forceinline__ void attn_zero_rows(unsigned short* v, int nrows, int tid, F masked) {
+    constexpr int CH = HDP / 8;
+    if constexpr (NT % CH == 0) {
+        const int c = tid % CH;
+        for (int j = tid / CH; j < nrows; j += NT / CH) {
+            if (masked(j)) *(uint4*)(v + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    } else {
+        for (int e = tid; e < nrows * CH; e += NT) {
+            const int j = e / CH, c = e % CH;
+            if (masked(j)) *(uint4*)(v + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
 // The A fragments of one warp's 16 query rows (wr and wr + 8 for the two
 // halves of each fragment); zeros past q_len and the head dim.
 template <int HDP>
@@ -384,7 +437,9 @@ __device__ void attention_mma_body(const AttnP& p) {
         if (vec) {
             // Consecutive threads take consecutive chunks of one row:
             // coalesced global reads, conflict-free shared stores. (Unrolled
-            // 4 deep: 8 copies of head dim 128 at once cost registers.)
+            // 4 deep: 8 copies of head dim 128 at once cost registers. The
+            // loop has a fixed trip count here; attn_copy_rows measured
+            // slower in this kernel at 8x512, session 9.)
 #pragma unroll 4
             for (int it = 0; it < TK * CH / NT; ++it) {
                 int e = threadIdx.x + it * NT;
@@ -563,29 +618,14 @@ __device__ void attention_short_body(const AttnP& p) {
     // every load is issued before the wait. Keys at or past key_end read as
     // masked without a load.
     if (vec) {
-#pragma unroll 4
-        for (int e = threadIdx.x; e < nrows * CH; e += NT) {
-            const int j = e / CH, c = e % CH;
-            const bool in = j < p.kv_len && c * 8 < hd;
-            cp_async16(sk + j * KP + c * 8, in ? kb + j * p.krs + c * 8 : kb, in);
-        }
+        attn_copy_rows<HDP, KP, NT>(sk, kb, p.krs, nrows, p.kv_len, hd, kb, threadIdx.x);
         cp_async_commit();
-#pragma unroll 4
-        for (int e = threadIdx.x; e < nrows * CH; e += NT) {
-            const int j = e / CH, c = e % CH;
-            const bool in = j < p.kv_len && c * 8 < hd;
-            cp_async16(sv + j * KP + c * 8, in ? vb + j * p.vrs + c * 8 : vb, in);
-        }
+        attn_copy_rows<HDP, KP, NT>(sv, vb, p.vrs, nrows, p.kv_len, hd, vb, threadIdx.x);
         cp_async_commit();
         // The block's Q rows (zeros past q_len), for ldmatrix: whole 16-byte
         // copies, where loading fragments from global memory read each
         // sector twice.
-#pragma unroll 4
-        for (int e = threadIdx.x; e < R * CH; e += NT) {
-            const int r = e / CH, c = e % CH;
-            const bool in = r0 + r < p.q_len && c * 8 < hd;
-            cp_async16(sq + r * KP + c * 8, in ? av.qb + (r0 + r) * p.qrs + c * 8 : av.qb, in);
-        }
+        attn_copy_rows<HDP, KP, NT>(sq, av.qb + r0 * p.qrs, p.qrs, R, p.q_len - r0, hd, av.qb, threadIdx.x);
         cp_async_commit();
     } else {
         for (int e = threadIdx.x; e < nrows * HDP; e += NT) {
@@ -616,10 +656,7 @@ __device__ void attention_short_body(const AttnP& p) {
         bool any = false;
         for (int j = threadIdx.x; j < nrows; j += NT) any |= scap[j] == -INFINITY;
         if (__syncthreads_or(any)) {
-            for (int e = threadIdx.x; e < nrows * CH; e += NT) {
-                const int j = e / CH, c = e % CH;
-                if (scap[j] == -INFINITY) *(uint4*)(sv + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-            }
+            attn_zero_rows<HDP, KP, NT>(sv, nrows, threadIdx.x, [&](int j) { return scap[j] == -INFINITY; });
             __syncthreads();
         }
     }
@@ -672,10 +709,20 @@ __device__ void attention_short_body(const AttnP& p) {
             }
         }
         __syncwarp();
-        for (int e = lane; e < 16 * CH; e += 32) {
-            const int r = e / CH, c = e % CH;
-            const i64 row = r0 + warp * 16 + r;
-            if (row < p.q_len) *(uint4*)(ob + row * (p.heads * p.hd) + c * 8) = *(const uint4*)(wq + r * KP + c * 8);
+        const i64 ors = p.heads * p.hd;
+        if constexpr (32 % CH == 0) {
+            // Lane: chunk lane % CH of rows lane / CH, + 32 / CH, ...
+            const int c = lane % CH;
+            const i64 rw = r0 + warp * 16;
+            for (int r = lane / CH; r < 16; r += 32 / CH) {
+                if (rw + r < p.q_len) *(uint4*)(ob + (rw + r) * ors + c * 8) = *(const uint4*)(wq + r * KP + c * 8);
+            }
+        } else {
+            for (int e = lane; e < 16 * CH; e += 32) {
+                const int r = e / CH, c = e % CH;
+                const i64 row = r0 + warp * 16 + r;
+                if (row < p.q_len) *(uint4*)(ob + row * ors + c * 8) = *(const uint4*)(wq + r * KP + c * 8);
+            }
         }
     } else {
         attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
@@ -714,7 +761,6 @@ template <typename T, int HDP>
 __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, unsigned char* smem, bool first) {
     constexpr int TKS = AttnSplit<HDP>::TKS;
     constexpr int KP = AttnSplit<HDP>::KP;
-    constexpr int CH = HDP / 8;
     constexpr int OP = AttnSplit<HDP>::OP;
     __shared__ float sm_m[4][16], sm_l[4][16];
     __shared__ unsigned char sok[4][TKS];
@@ -737,15 +783,8 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     // This warp's first tile is in flight before the Q fragments load.
     auto load_tile = [&](i64 t0) {
         if (vec) {
-#pragma unroll
-            for (int it = 0; it < TKS * CH / 32; ++it) {
-                int e = lane + it * 32;
-                int j = e / CH, c = e % CH;
-                i64 key = t0 + j;
-                bool in = key < p.kv_len && c * 8 < hd;
-                cp_async16(sk + j * KP + c * 8, in ? kb + key * p.krs + c * 8 : kb, in);
-                cp_async16(sv + j * KP + c * 8, in ? vb + key * p.vrs + c * 8 : vb, in);
-            }
+            attn_copy_rows<HDP, KP, 32>(sk, kb + t0 * p.krs, p.krs, TKS, p.kv_len - t0, hd, kb, lane);
+            attn_copy_rows<HDP, KP, 32>(sv, vb + t0 * p.vrs, p.vrs, TKS, p.kv_len - t0, hd, vb, lane);
         } else {
 #pragma unroll 4
             for (int it = 0; it < TKS * HDP / 32; ++it) {
@@ -782,10 +821,7 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
         __syncwarp();
         // Masked keys' V rows become zeros (see attention_mma_body).
         if (__any_sync(0xffffffffu, lane < TKS && !sok[warp][lane])) {
-            for (int e = lane; e < TKS * CH; e += 32) {
-                const int j = e / CH, c = e % CH;
-                if (!sok[warp][j]) *(uint4*)(sv + j * KP + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-            }
+            attn_zero_rows<HDP, KP, 32>(sv, TKS, lane, [&](int j) { return !sok[warp][j]; });
             __syncwarp();
         }
         float s[TKS / 8][4];

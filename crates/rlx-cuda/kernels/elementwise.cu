@@ -233,6 +233,24 @@ extern "C" __global__ void fill_pitched(const FillP p) {
     }
 }
 
+// Prefetches [ptr, ptr + bytes) into L2, one `prefetch.global.L2` per
+// 128-byte line, grid-strided: a hint that completes nothing, so the kernel
+// ends as soon as its prefetches are issued. Recorded graphs run it beside
+// the forward, on a second branch, for the weights of the next matmul
+// (src/exec.rs `record`): it reads only weights, which no kernel writes, so
+// it neither waits for nor holds up the forward's kernels. Bulk prefetches
+// through the copy engine measured slower (bench/gpu-perf.md, session 9):
+// they queue ahead of the matmul's own tensor copies on that SM.
+struct PrefetchP { const unsigned char* ptr; i64 bytes; };
+extern "C" __global__ void prefetch_l2(const PrefetchP p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the host records it on sm_90+ only
+    const i64 nt = (i64)gridDim.x * blockDim.x;
+    for (i64 off = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 128; off < p.bytes; off += nt * 128) {
+        asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p.ptr + off) : "memory");
+    }
+#endif
+}
+
 // Up to COPY_MANY byte copies between device-accessible addresses in one
 // launch (blockIdx.y picks the copy), and optionally one u32 set first (the
 // error flag). The staging copies of a call read and write mapped pinned host

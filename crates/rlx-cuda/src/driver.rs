@@ -247,6 +247,12 @@ impl Stream {
         // SAFETY: live stream.
         check(unsafe { sys::cuStreamSynchronize(self.0) }, "cuStreamSynchronize")
     }
+    /// Work enqueued after this waits for `e`'s last record (in a capture:
+    /// this stream joins the capture, depending on what `e` recorded).
+    pub fn wait(&self, e: &Event) -> Result<()> {
+        // SAFETY: live stream and event.
+        check(unsafe { sys::cuStreamWaitEvent(self.0, e.0, 0) }, "cuStreamWaitEvent")
+    }
 }
 
 impl Drop for Stream {

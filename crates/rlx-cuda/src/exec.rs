@@ -22,8 +22,15 @@ use crate::weights::DeviceWeights;
 
 /// A maximal run of steps: recorded once (replay) or a host-side run.
 enum Segment {
-    Replay { steps: std::ops::Range<usize>, graph: GraphExec },
-    Host { steps: std::ops::Range<usize> },
+    /// `prefetches`: L2 weight prefetches recorded beside the steps.
+    Replay {
+        steps: std::ops::Range<usize>,
+        graph: GraphExec,
+        prefetches: usize,
+    },
+    Host {
+        steps: std::ops::Range<usize>,
+    },
 }
 
 struct Pending {
@@ -144,6 +151,10 @@ impl CudaExecutable {
         // Programmatic dependent launch between consecutive kernels (Hopper
         // and later); RLX_PDL=0 turns it off (diagnostic, A/B timing).
         let pdl = dev.cc.0 >= 9 && env_flag("RLX_PDL") != Some(false);
+        // Recorded graphs prefetch the weight of each matmul of at most
+        // PREFETCH_MAX_ROWS rows into L2 beside the forward (`record`);
+        // RLX_L2_PREFETCH=0 turns it off (A/B timing).
+        let l2_prefetch = dev.cc.0 >= 9 && env_flag("RLX_L2_PREFETCH") != Some(false);
         // RLX_SKIP=kind,kind (diagnostic): leave out every step of these kinds
         // ("attention", "layer_norm", "matmul", "matmul_epilogue", ...). The
         // results are wrong; the forward's time without them tells what those
@@ -268,15 +279,25 @@ impl CudaExecutable {
                     if slots.is_empty() {
                         matmul_choices.push((choice.label(), n_lt));
                     }
+                    let weight = if matches!(m.b.space, Space::Weight(_)) && m.batch * m.m <= PREFETCH_MAX_ROWS {
+                        Some((bases.ptr(&m.b)?, m.b.bytes))
+                    } else {
+                        None
+                    };
                     match choice {
                         gemm::Choice::Own(cfg) => {
-                            steps.push(gemm::step(kernels, m, &bases, cfg)?);
+                            let mut st = gemm::step(kernels, m, &bases, cfg)?;
+                            st.weight = weight;
+                            steps.push(st);
                             if slots.is_empty() {
                                 own_matmuls += 1;
                             }
                             continue;
                         }
                         gemm::Choice::Lt(a) => gemm::set_algo(&mut lowered, &a),
+                    }
+                    if let Some(first) = lowered.first_mut() {
+                        first.weight = weight;
                     }
                 }
                 steps.extend(lowered);
@@ -302,7 +323,12 @@ impl CudaExecutable {
             if pdl {
                 launch::mark_pdl(&mut steps);
             }
-            let segments = if replay { record(&stream, &steps, graph_io, fill)? } else { Vec::new() };
+            let prefetch = if l2_prefetch && replay {
+                Some(Prefetcher { side: Stream::new(&dev)?, fork: Event::new(false)?, join: Event::new(false)?, kernels })
+            } else {
+                None
+            };
+            let segments = if replay { record(&stream, &steps, graph_io, fill, prefetch.as_ref())? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
                 _arena: arena,
@@ -370,11 +396,11 @@ impl CudaExecutable {
             return s;
         }
         for (i, seg) in slot.segments.iter().enumerate() {
-            let (kind, r, nodes, pdl, copies, conv) = match seg {
-                Segment::Replay { steps, graph } => {
-                    ("replay", steps.clone(), graph.nodes, graph.pdl_edges, graph.copy_nodes, graph.converted)
+            let (kind, r, nodes, pdl, copies, conv, pre) = match seg {
+                Segment::Replay { steps, graph, prefetches } => {
+                    ("replay", steps.clone(), graph.nodes, graph.pdl_edges, graph.copy_nodes, graph.converted, *prefetches)
                 }
-                Segment::Host { steps } => ("host", steps.clone(), 0, 0, 0, 0),
+                Segment::Host { steps } => ("host", steps.clone(), 0, 0, 0, 0, 0),
             };
             let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
             for st in &slot.steps[r.clone()] {
@@ -382,7 +408,7 @@ impl CudaExecutable {
             }
             let list: Vec<String> = kinds.iter().map(|(k, n)| format!("{k}x{n}")).collect();
             s.push_str(&format!(
-                "  segment {i}: {kind} steps {}..{} ({nodes} graph nodes, {pdl} programmatic edges, {copies} memset/memcpy nodes, {conv} memsets made kernels): {}\n",
+                "  segment {i}: {kind} steps {}..{} ({nodes} graph nodes, {pdl} programmatic edges, {copies} memset/memcpy nodes, {conv} memsets made kernels, {pre} L2 weight prefetches): {}\n",
                 r.start,
                 r.end,
                 list.join(" ")
@@ -409,6 +435,19 @@ impl CudaExecutable {
             .iter()
             .map(|s| match s {
                 Segment::Replay { graph, .. } => graph.pdl_edges,
+                Segment::Host { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// L2 weight prefetches recorded beside slot 0's forward: one per
+    /// matmul of at most 128 rows that reads a weight (sm_90+, replay).
+    pub fn weight_prefetches(&self) -> usize {
+        let Some(slot) = self.slots.first() else { return 0 };
+        slot.segments
+            .iter()
+            .map(|s| match s {
+                Segment::Replay { prefetches, .. } => *prefetches,
                 Segment::Host { .. } => 0,
             })
             .sum()
@@ -507,10 +546,27 @@ impl CudaExecutable {
     }
 }
 
+/// Matmuls of at most this many rows get their weight prefetched into L2
+/// while the matmul before them runs. At batch 1 they stream their weights
+/// from memory and leave SMs idle (bert-base 1×128: 401 → 370 µs on the
+/// H200); from 512 rows on, the matmuls fill the SMs and the prefetch
+/// blocks slow them (bench/gpu-perf.md, session 9).
+const PREFETCH_MAX_ROWS: usize = 128;
+
+/// A second stream that recorded graphs fork to for L2 weight prefetches.
+struct Prefetcher<'a> {
+    side: Stream,
+    fork: Event,
+    join: Event,
+    kernels: &'a Kernels,
+}
+
 /// Splits steps into segments and records each replayable one as a graph.
 /// With `graph_io` false, staging copies are enqueued directly, like host steps.
-/// `fill` (the fill kernel) turns memset nodes into kernel nodes.
-fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>) -> Result<Vec<Segment>> {
+/// `fill` (the fill kernel) turns memset nodes into kernel nodes; with
+/// `prefetch`, marked matmuls' weights are prefetched into L2 on a second
+/// branch of the graph, joined at the segment's end.
+fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>, prefetch: Option<&Prefetcher>) -> Result<Vec<Segment>> {
     let direct = |s: &Step| s.host || (!graph_io && s.kind == "io");
     let mut segs = Vec::new();
     let mut i = 0;
@@ -523,13 +579,35 @@ fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>) -
         if host {
             segs.push(Segment::Host { steps: i..j });
         } else {
+            // Each marked matmul's weight is prefetched into L2 from when the
+            // marked matmul before it starts (the first one's from the
+            // segment's start): (fork before this step, weight).
+            let mms: Vec<(usize, (u64, u64))> =
+                steps.iter().enumerate().take(j).skip(i).filter_map(|(s, st)| st.weight.map(|w| (s, w))).collect();
+            let forks: Vec<(usize, (u64, u64))> =
+                mms.iter().enumerate().map(|(k, &(_, w))| (if k > 0 { mms[k - 1].0 } else { i }, w)).collect();
             let graph = GraphExec::capture(stream, fill, || {
-                for st in &steps[i..j] {
+                for (s, st) in steps.iter().enumerate().take(j).skip(i) {
+                    if let Some(p) = prefetch {
+                        let mut forked = false;
+                        for (_, (ptr, bytes)) in forks.iter().filter(|f| f.0 == s) {
+                            if !forked {
+                                p.fork.record(stream)?;
+                                p.side.wait(&p.fork)?;
+                                forked = true;
+                            }
+                            p.kernels.prefetch_l2(*ptr, *bytes)?.enqueue(&p.side)?;
+                        }
+                    }
                     st.enqueue(stream)?;
+                }
+                if let (Some(p), false) = (prefetch, forks.is_empty()) {
+                    p.join.record(&p.side)?;
+                    stream.wait(&p.join)?;
                 }
                 Ok(())
             })?;
-            segs.push(Segment::Replay { steps: i..j, graph });
+            segs.push(Segment::Replay { steps: i..j, graph, prefetches: if prefetch.is_some() { forks.len() } else { 0 } });
         }
         i = j;
     }

@@ -117,6 +117,9 @@ pub(crate) struct Step {
     /// Cooperative launch: the driver guarantees that every block is
     /// resident at once (the layer program's grid barrier needs it).
     pub cooperative: bool,
+    /// The weight bytes (address, length) a matmul step reads: a recorded
+    /// graph prefetches them into L2 beside the forward (exec.rs `record`).
+    pub weight: Option<(u64, u64)>,
 }
 
 // SAFETY: the raw pointers are pinned buffers owned by the same slot as the step.
@@ -124,7 +127,7 @@ unsafe impl Send for Step {}
 
 impl Step {
     pub fn new(op: Op, kind: &'static str) -> Step {
-        Step { op, host: false, kind, pdl: false, cooperative: false }
+        Step { op, host: false, kind, pdl: false, cooperative: false, weight: None }
     }
     pub fn is_kernel(&self) -> bool {
         matches!(self.op, Op::Kernel { .. } | Op::MatMul(_))
@@ -251,6 +254,18 @@ impl Kernels {
     pub(crate) fn fill32(&self, dst: u64, value: u32, n: u64, kind: &'static str) -> Result<Step> {
         let args = Args::default().p(dst).p(4 * n).p(n).p(1).p(value as u64).p(4);
         Ok(self.flat(self.get("fill_pitched")?, n, args, kind))
+    }
+    /// An L2 prefetch of `bytes` at `ptr` (kernels/elementwise.cu
+    /// `prefetch_l2`): a block of 256 threads per 512 KB. Fewer, busier
+    /// blocks measured faster than 32 or 128 KB per block (they take fewer
+    /// SMs from the matmul they run beside; session 9).
+    pub(crate) fn prefetch_l2(&self, ptr: u64, bytes: u64) -> Result<Step> {
+        let grid = bytes.div_ceil(512 * 1024).clamp(1, 1024) as u32;
+        let args = Args::default().p(ptr).i(bytes);
+        Ok(Step::new(
+            Op::Kernel { func: self.get("prefetch_l2")?, grid: [grid, 1, 1], block: 256, smem: 0, cluster: [1, 1, 1], args: args.0 },
+            "prefetch",
+        ))
     }
     /// Byte copies (dst, src, bytes) between device-accessible addresses,
     /// `COPY_MANY` per kernel step (kernels/elementwise.cu `copy_many`); the

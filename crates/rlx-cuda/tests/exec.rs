@@ -153,18 +153,45 @@ fn default_policy_does_not_load_the_own_matmul() {
 fn programmatic_launch_is_captured() {
     let Some(g) = gpu() else { return };
     let name = g.device_name();
-    let major: u32 = name
-        .rsplit("sm_")
-        .next()
-        .map(|v| v.trim_end_matches(')'))
-        .and_then(|v| v.get(..v.len().saturating_sub(1)))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let major = sm_major(&name);
     let (s, w) = layer(DType::F16, 1, 32, 128, 2, 13).finish();
     let e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{name}: {}", e.segment_map());
     if major >= 9 && !std::env::var("RLX_PDL").map(|v| v == "0").unwrap_or(false) {
         assert!(e.programmatic_edges() >= 2, "{name}: no programmatic edges recorded\n{}", e.segment_map());
+    }
+}
+
+/// The compute capability's major number from the device name ("... (sm_90)").
+fn sm_major(name: &str) -> u32 {
+    name.rsplit("sm_")
+        .next()
+        .map(|v| v.trim_end_matches(')'))
+        .and_then(|v| v.get(..v.len().saturating_sub(1)))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// On sm_90+ a recorded forward prefetches the weight of every matmul of at
+/// most 128 rows into L2 on a second branch of the graph (one per matmul
+/// reading a weight), and none for larger matmuls; the prefetched forward
+/// matches the CPU backend and replay equals eager (`check`).
+#[test]
+fn weight_prefetch_is_recorded_for_small_matmuls() {
+    let g = gpu();
+    let Some(gb) = g.as_ref() else { return };
+    let name = gb.device_name();
+    let on = sm_major(&name) >= 9 && !std::env::var("RLX_L2_PREFETCH").map(|v| v == "0").unwrap_or(false);
+    for (batch, seq, want) in [(1, 32, 4), (2, 64, 4), (3, 48, 0), (8, 128, 0)] {
+        let (s, w) = layer(DType::F16, batch, seq, 128, 2, 31).finish();
+        let matmuls = s.thunks.iter().filter(|t| matches!(t, Thunk::MatMul(_))).count();
+        assert_eq!(matmuls, 4, "the test layer has four matmuls");
+        let e = gb.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        let got = e.weight_prefetches();
+        eprintln!("{name}: {batch}x{seq}: {got} prefetches\n{}", e.segment_map());
+        assert_eq!(got, if on { want } else { 0 }, "{batch}x{seq} ({} rows)", batch * seq);
+        // As encoder_layer_matches_cpu_and_replay_equals_eager (f16).
+        check_floor(&format!("prefetched layer {batch}x{seq}"), &g, &s, &w, &layer_inputs(DType::F16, batch, seq, 128, 32), 5.0, 3.0);
     }
 }
 
