@@ -239,8 +239,8 @@ extern "C" __global__ void fill_pitched(const FillP p) {
 // the forward, on a second branch, for the weights of the next matmul
 // (src/exec.rs `record`): it reads only weights, which no kernel writes, so
 // it neither waits for nor holds up the forward's kernels. Bulk prefetches
-// through the copy engine measured slower (bench/gpu-perf.md, session 9):
-// they queue ahead of the matmul's own tensor copies on that SM.
+// through the copy engine measured slower (bench/gpu-perf.md, session 9;
+// not profiled: possibly queued ahead of that SM's tensor copies).
 struct PrefetchP { const unsigned char* ptr; i64 bytes; };
 extern "C" __global__ void prefetch_l2(const PrefetchP p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the host records it on sm_90+ only

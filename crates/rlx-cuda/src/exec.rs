@@ -547,10 +547,11 @@ impl CudaExecutable {
 }
 
 /// Matmuls of at most this many rows get their weight prefetched into L2
-/// while the matmul before them runs. At batch 1 they stream their weights
-/// from memory and leave SMs idle (bert-base 1×128: 401 → 370 µs on the
-/// H200); from 512 rows on, the matmuls fill the SMs and the prefetch
-/// blocks slow them (bench/gpu-perf.md, session 9).
+/// while the matmul before them runs. At batch 1 bert-base reads 170 MB of
+/// weights per forward, more than the L2 holds: 401 → 370 µs at 1×128 on
+/// the H200. At 256 rows it measured +3 µs, at 512 rows +17 µs (bench/
+/// gpu-perf.md, session 9; not profiled: the prefetch blocks likely take
+/// SMs the larger matmuls would use).
 const PREFETCH_MAX_ROWS: usize = 128;
 
 /// A second stream that recorded graphs fork to for L2 weight prefetches.

@@ -256,9 +256,9 @@ impl Kernels {
         Ok(self.flat(self.get("fill_pitched")?, n, args, kind))
     }
     /// An L2 prefetch of `bytes` at `ptr` (kernels/elementwise.cu
-    /// `prefetch_l2`): a block of 256 threads per 512 KB. Fewer, busier
-    /// blocks measured faster than 32 or 128 KB per block (they take fewer
-    /// SMs from the matmul they run beside; session 9).
+    /// `prefetch_l2`): a block of 256 threads per 512 KB, which measured
+    /// faster at bert-base 1×128 than 32 KB, 128 KB or 2 MB per block
+    /// (bench/gpu-perf.md, session 9).
     pub(crate) fn prefetch_l2(&self, ptr: u64, bytes: u64) -> Result<Step> {
         let grid = bytes.div_ceil(512 * 1024).clamp(1, 1024) as u32;
         let args = Args::default().p(ptr).i(bytes);
