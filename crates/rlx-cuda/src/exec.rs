@@ -1,5 +1,6 @@
-//! The CUDA executable: slots (arena, pinned staging, steps, recorded
-//! segments, completion event), pipelined submit/wait, replay or eager.
+//! The CUDA executable: one activation arena, slots (pinned staging, error
+//! flag, steps, recorded segments, completion event), pipelined submit/wait,
+//! replay or eager.
 //!
 //! One stream per executable: calls run on the device in submission order,
 //! which is what state (KV caches) needs; the host never waits in `submit`.
@@ -39,9 +40,8 @@ struct Pending {
 }
 
 struct Slot {
-    // Arena and flag are only referenced through the steps' pointers; they
-    // are held here so they live exactly as long as those steps.
-    _arena: DeviceBuffer,
+    // The flag is only referenced through the steps' pointers; it is held
+    // here so it lives exactly as long as those steps.
     _err: DeviceBuffer,
     /// Instructions and scratch of the layer programs (src/layer.rs).
     _layer: Vec<DeviceBuffer>,
@@ -74,6 +74,8 @@ pub struct CudaExecutable {
     matmul_choices: Vec<(String, usize)>,
     // Drop synchronises the stream before any of these buffers are freed.
     slots: Vec<Slot>,
+    /// The activation arena, shared by the slots (see `prepare`).
+    _arena: DeviceBuffer,
     stream: Stream,
     /// (offset, bytes) of each input in pin_in and each output in pin_out.
     in_layout: Vec<(usize, usize)>,
@@ -218,8 +220,15 @@ impl CudaExecutable {
         // Runs of thunks that one persistent kernel executes (src/layer.rs).
         let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
         let (mut layer_thunks, mut layer_instructions) = (0, 0);
+        // One activation arena for every slot: all calls run on the
+        // executable's one stream, so a call's kernels start only after the
+        // previous call's last kernel, its copy-out included, has finished;
+        // only the staging buffers and the error flag, which the host reads
+        // and writes, need a copy per slot. An arena per slot took `slots`
+        // times the memory and was no faster, replayed or pipelined
+        // (bench/gpu-perf.md, session 10).
+        let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
         for _ in 0..nslots {
-            let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
             let pin_in = PinnedBuffer::alloc(&dev, in_bytes)?;
             let pin_out = PinnedBuffer::alloc(&dev, out_bytes + 4)?;
@@ -331,7 +340,6 @@ impl CudaExecutable {
             let segments = if replay { record(&stream, &steps, graph_io, fill, prefetch.as_ref())? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
-                _arena: arena,
                 _err: errbuf,
                 _layer: layer_bufs,
                 pin_in,
@@ -367,6 +375,7 @@ impl CudaExecutable {
             layer_instructions,
             matmul_choices,
             slots,
+            _arena: arena,
             stream,
             in_layout,
             out_layout,

@@ -195,6 +195,45 @@ fn weight_prefetch_is_recorded_for_small_matmuls() {
     }
 }
 
+/// The slots share one activation arena (the calls run in stream order):
+/// three encoder-layer calls in flight at a time, each on its own input,
+/// each returns exactly what an eager single-slot executable computes for
+/// that input.
+#[test]
+fn pipelined_calls_in_one_arena_return_their_own_results() {
+    let Some(g) = gpu() else { return };
+    let (batch, seq, h) = (2, 64, 128);
+    let (s, w) = layer(DType::F16, batch, seq, h, 2, 51).finish();
+    let mut e = g.prepare(s.clone(), w.clone(), &PrepareOptions { slots: 3, ..Default::default() }).unwrap_or_else(|e| panic!("{e}"));
+    let mut eager = g
+        .prepare(s.clone(), w.clone(), &PrepareOptions { slots: 1, replay: false, ..Default::default() })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let inputs: Vec<Vec<(String, Tensor)>> = (0..8).map(|i| layer_inputs(DType::F16, batch, seq, h, 60 + i)).collect();
+    let want: Vec<Vec<u8>> = inputs
+        .iter()
+        .map(|inp| {
+            let r: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            eager.run(&r).unwrap_or_else(|e| panic!("{e}"))[0].bytes().to_vec()
+        })
+        .collect();
+    let mut inflight = std::collections::VecDeque::new();
+    for round in 0..4 {
+        for (i, inp) in inputs.iter().enumerate() {
+            let r: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            inflight.push_back((i, e.submit(&r).unwrap_or_else(|e| panic!("submit: {e}"))));
+            if inflight.len() == 3 {
+                let (j, t) = inflight.pop_front().unwrap_or_else(|| panic!("queue"));
+                let got = e.wait(t).unwrap_or_else(|e| panic!("wait: {e}"));
+                assert_eq!(got[0].bytes(), &want[j][..], "round {round}: input {j} got another call's result");
+            }
+        }
+    }
+    while let Some((j, t)) = inflight.pop_front() {
+        let got = e.wait(t).unwrap_or_else(|e| panic!("wait: {e}"));
+        assert_eq!(got[0].bytes(), &want[j][..], "input {j}");
+    }
+}
+
 #[test]
 fn weights_update_after_recording() {
     let Some(g) = gpu() else { return };

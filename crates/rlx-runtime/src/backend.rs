@@ -10,7 +10,9 @@ use crate::{Result, RuntimeError, Tensor, WeightStore};
 /// Options for turning a schedule into an executable.
 #[derive(Debug, Clone)]
 pub struct PrepareOptions {
-    /// Pipeline slots (independent arenas) for submit/wait; at least 1.
+    /// Pipeline slots for submit/wait (calls in flight at once); at least 1.
+    /// On the CPU each slot has its own arena; on a GPU the slots share one,
+    /// since the device runs the calls in submission order.
     pub slots: usize,
     /// GPU: record once and replay (default) or launch every thunk (eager).
     /// `RLX_REPLAY=0` turns replay off.
