@@ -44,6 +44,10 @@ pub(crate) struct Device {
     pub name: String,
     pub cc: (i32, i32),
     pub sm_count: i32,
+    /// Largest L2 set-aside for persisting accesses, and largest access
+    /// policy window, in bytes.
+    pub l2_persist_max: usize,
+    pub l2_window_max: usize,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread once made current there.
@@ -76,7 +80,12 @@ impl Device {
             let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
             let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             let sm_count = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-            Ok(Arc::new(Device { ordinal, ctx, name, cc: (major, minor), sm_count }))
+            // Zero where the driver does not report them: no L2 window then.
+            let l2_persist_max =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE).unwrap_or(0).max(0) as usize;
+            let l2_window_max =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE).unwrap_or(0).max(0) as usize;
+            Ok(Arc::new(Device { ordinal, ctx, name, cc: (major, minor), sm_count, l2_persist_max, l2_window_max }))
         }
     }
 
@@ -84,6 +93,20 @@ impl Device {
     pub fn bind(&self) -> Result<()> {
         // SAFETY: ctx is a retained primary context.
         check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    /// Sets aside `bytes` of L2 for persisting accesses (context-wide).
+    pub fn set_l2_persist(&self, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a plain limit.
+        check(unsafe { sys::cuCtxSetLimit(sys::CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE, bytes) }, "cuCtxSetLimit(persisting L2)")
+    }
+
+    /// Turns every persisting line in L2 back to normal.
+    pub fn reset_l2_persisting(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: no arguments.
+        check(unsafe { sys::cuCtxResetPersistingL2Cache() }, "cuCtxResetPersistingL2Cache")
     }
 
     pub fn mem_info(&self) -> Result<(u64, u64)> {
@@ -335,7 +358,15 @@ impl GraphExec {
     /// With `fill` (the `fill_pitched` kernel), memset nodes (cuBLASLt
     /// records some) become kernel nodes: each memset node cost ~1 µs of
     /// host time at every launch (bench/gpu-perf.md, session 3).
-    pub fn capture(s: &Stream, fill: Option<Func>, body: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
+    ///
+    /// With `window` (ptr, bytes, hit ratio), every kernel node gets that L2
+    /// access policy window: accesses to it persist in L2's set-aside.
+    pub fn capture(
+        s: &Stream,
+        fill: Option<Func>,
+        window: Option<(u64, usize, f32)>,
+        body: impl FnOnce() -> Result<()>,
+    ) -> Result<GraphExec> {
         // SAFETY: live stream; capture is always ended below, even if body fails.
         unsafe {
             check(
@@ -354,6 +385,10 @@ impl GraphExec {
                     return Err(e);
                 }
             };
+            if let Some(Err(e)) = window.map(|w| set_window(graph, w)) {
+                sys::cuGraphDestroy(graph);
+                return Err(e);
+            }
             let kinds = match node_types(graph) {
                 Ok(k) => k,
                 Err(e) => {
@@ -467,6 +502,29 @@ unsafe fn memsets_to_kernels(graph: sys::CUgraph, fill: Func) -> Result<usize> {
         converted += 1;
     }
     Ok(converted)
+}
+
+/// Gives every kernel node of `graph` the L2 access policy window
+/// (ptr, bytes, hit ratio): persisting hits, streaming misses.
+unsafe fn set_window(graph: sys::CUgraph, (ptr, bytes, hit): (u64, usize, f32)) -> Result<()> {
+    for (node, ty) in graph_nodes(graph)?.into_iter().zip(node_types(graph)?) {
+        if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            continue;
+        }
+        let mut v: sys::CUkernelNodeAttrValue = std::mem::zeroed();
+        v.accessPolicyWindow = sys::CUaccessPolicyWindow {
+            base_ptr: ptr as *mut c_void,
+            num_bytes: bytes,
+            hitRatio: hit,
+            hitProp: sys::CUaccessProperty::CU_ACCESS_PROPERTY_PERSISTING,
+            missProp: sys::CUaccessProperty::CU_ACCESS_PROPERTY_STREAMING,
+        };
+        check(
+            sys::cuGraphKernelNodeSetAttribute(node, sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, &v),
+            "cuGraphKernelNodeSetAttribute(access policy window)",
+        )?;
+    }
+    Ok(())
 }
 
 /// Diagnostic (`RLX_GRAPH_DUMP=1`): one line per node of a recorded graph on

@@ -76,6 +76,8 @@ pub struct CudaExecutable {
     slots: Vec<Slot>,
     /// The activation arena, shared by the slots (see `prepare`).
     _arena: DeviceBuffer,
+    /// The L2 access policy window over the arena: (bytes, hit ratio).
+    l2_window: Option<(usize, f32)>,
     stream: Stream,
     /// (offset, bytes) of each input in pin_in and each output in pin_out.
     in_layout: Vec<(usize, usize)>,
@@ -167,6 +169,16 @@ impl CudaExecutable {
         if !skip.is_empty() {
             eprintln!("rlx-cuda: RLX_SKIP={} leaves those kernels out: results are wrong (timing diagnostic)", skip.join(","));
         }
+        // RLX_EMPTY=kind,kind (diagnostic): as RLX_SKIP, but those kernels
+        // stay in the graph with their grid, block and shared memory and do
+        // nothing (`empty_kernel`): the time of their work apart from their
+        // launch and the dependency they add.
+        let empty: Vec<String> = std::env::var("RLX_EMPTY")
+            .map(|v| v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect())
+            .unwrap_or_default();
+        if !empty.is_empty() {
+            eprintln!("rlx-cuda: RLX_EMPTY={} runs those kernels empty: results are wrong (timing diagnostic)", empty.join(","));
+        }
         for t in &schedule.thunks {
             if let Some(why) = launch::unsupported(t) {
                 return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
@@ -228,6 +240,23 @@ impl CudaExecutable {
         // times the memory and was no faster, replayed or pipelined
         // (bench/gpu-perf.md, session 10).
         let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
+        // The arena's accesses persist in L2 (replay, sm_80+): the device's
+        // largest set-aside (a context-wide limit; normal accesses use what
+        // persisting lines do not occupy) and an access policy window over
+        // the arena on every recorded kernel, so activations a kernel writes
+        // are still in L2 when the next one reads them rather than evicted
+        // by streamed weights and other tensors. A larger arena than the
+        // set-aside persists that fraction of its lines. bert-base 32×128
+        // 1627 → 1611 µs replayed, 1685 → 1646 pipelined; no change at
+        // 1×128 (H200, bench/gpu-perf.md session 10). RLX_L2_PERSIST=0 off.
+        let l2_persist = replay && dev.cc.0 >= 8 && env_flag("RLX_L2_PERSIST") != Some(false);
+        let window = match (l2_persist, dev.l2_persist_max, dev.l2_window_max) {
+            (true, set, most) if set > 0 && most > 0 && dev.set_l2_persist(set).is_ok() => {
+                let bytes = (arena_bytes as usize).clamp(1, most);
+                Some((arena.ptr, bytes, (set as f32 / bytes as f32).min(1.0)))
+            }
+            _ => None,
+        };
         for _ in 0..nslots {
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
             let pin_in = PinnedBuffer::alloc(&dev, in_bytes)?;
@@ -329,6 +358,17 @@ impl CudaExecutable {
             if !skip.is_empty() {
                 steps.retain(|s| s.kind == "io" || !skip.iter().any(|k| k == s.kind));
             }
+            if !empty.is_empty() {
+                let nothing = kernels.get("empty_kernel")?;
+                for st in steps.iter_mut().filter(|s| s.kind != "io" && empty.iter().any(|k| k == s.kind)) {
+                    if let Op::Kernel { func, smem, .. } = &mut st.op {
+                        *func = nothing;
+                        if *smem > 48 * 1024 {
+                            nothing.set_max_dynamic_smem(*smem)?;
+                        }
+                    }
+                }
+            }
             if pdl {
                 launch::mark_pdl(&mut steps);
             }
@@ -337,7 +377,7 @@ impl CudaExecutable {
             } else {
                 None
             };
-            let segments = if replay { record(&stream, &steps, graph_io, fill, prefetch.as_ref())? } else { Vec::new() };
+            let segments = if replay { record(&stream, &steps, graph_io, fill, window, prefetch.as_ref())? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
                 _err: errbuf,
@@ -376,6 +416,7 @@ impl CudaExecutable {
             matmul_choices,
             slots,
             _arena: arena,
+            l2_window: window.map(|(_, bytes, hit)| (bytes, hit)),
             stream,
             in_layout,
             out_layout,
@@ -398,7 +439,11 @@ impl CudaExecutable {
     /// Which thunks replay inside which recorded segment and which run on
     /// the host (printed once under RLX_TRACE=1).
     pub fn segment_map(&self) -> String {
-        let mut s = format!("rlx-cuda: {} thunks, mode {}, {} slot(s)\n", self.schedule.thunks.len(), self.stats.mode, self.slots.len());
+        let mut s = format!("rlx-cuda: {} thunks, mode {}, {} slot(s)", self.schedule.thunks.len(), self.stats.mode, self.slots.len());
+        match self.l2_window {
+            Some((bytes, hit)) => s.push_str(&format!(", {bytes} arena bytes persist in L2 (hit ratio {hit:.2})\n")),
+            None => s.push('\n'),
+        }
         let Some(slot) = self.slots.first() else { return s };
         if !self.replay {
             s.push_str("  eager: every step launched per call\n");
@@ -447,6 +492,12 @@ impl CudaExecutable {
                 Segment::Host { .. } => 0,
             })
             .sum()
+    }
+
+    /// The L2 access policy window over the arena, if the recorded graphs
+    /// carry one: (bytes, hit ratio) (sm_80+, replay, `RLX_L2_PERSIST=0` off).
+    pub fn l2_window(&self) -> Option<(usize, f32)> {
+        self.l2_window
     }
 
     /// L2 weight prefetches recorded beside slot 0's forward: one per
@@ -576,7 +627,14 @@ struct Prefetcher<'a> {
 /// `fill` (the fill kernel) turns memset nodes into kernel nodes; with
 /// `prefetch`, marked matmuls' weights are prefetched into L2 on a second
 /// branch of the graph, joined at the segment's end.
-fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>, prefetch: Option<&Prefetcher>) -> Result<Vec<Segment>> {
+fn record(
+    stream: &Stream,
+    steps: &[Step],
+    graph_io: bool,
+    fill: Option<Func>,
+    window: Option<(u64, usize, f32)>,
+    prefetch: Option<&Prefetcher>,
+) -> Result<Vec<Segment>> {
     let direct = |s: &Step| s.host || (!graph_io && s.kind == "io");
     let mut segs = Vec::new();
     let mut i = 0;
@@ -596,7 +654,7 @@ fn record(stream: &Stream, steps: &[Step], graph_io: bool, fill: Option<Func>, p
                 steps.iter().enumerate().take(j).skip(i).filter_map(|(s, st)| st.weight.map(|w| (s, w))).collect();
             let forks: Vec<(usize, (u64, u64))> =
                 mms.iter().enumerate().map(|(k, &(_, w))| (if k > 0 { mms[k - 1].0 } else { i }, w)).collect();
-            let graph = GraphExec::capture(stream, fill, || {
+            let graph = GraphExec::capture(stream, fill, window, || {
                 for (s, st) in steps.iter().enumerate().take(j).skip(i) {
                     if let Some(p) = prefetch {
                         let mut forked = false;
@@ -783,5 +841,9 @@ impl Drop for CudaExecutable {
         // Nothing may be freed while the device still uses it.
         let _ = self.dev.bind();
         let _ = self.stream.synchronize();
+        // The arena's lines leave L2's set-aside to other work.
+        if self.l2_window.is_some() {
+            let _ = self.dev.reset_l2_persisting();
+        }
     }
 }

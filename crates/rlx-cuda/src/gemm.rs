@@ -398,7 +398,7 @@ fn time_alternatives(stream: &Stream, fill: Option<Func>, alts: &[&Enqueue]) -> 
         .iter()
         .enumerate()
         .map(|(n, alt)| {
-            let Ok(g) = GraphExec::capture(stream, fill, || {
+            let Ok(g) = GraphExec::capture(stream, fill, None, || {
                 for i in 0..REPS {
                     alt(stream, i > 0)?;
                 }
