@@ -6,7 +6,7 @@
 //! which is what state (KV caches) needs; the host never waits in `submit`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,26 @@ pub struct CudaExecutable {
     stats: ExecStats,
     /// Host time of the last submit's phases: check, stage, launch, record.
     phases: [Duration; 4],
+}
+
+/// 0: `RLX_L2_PERSIST` decides; 1: off; 2: on.
+static L2_PERSIST: AtomicU8 = AtomicU8::new(0);
+
+/// Turns on (or off) for executables prepared from now on, process-wide and
+/// over `RLX_L2_PERSIST`, the L2 access policy window over the activation
+/// arena: the device's largest L2 set-aside (a context-wide limit) is
+/// given to the arena's accesses in recorded graphs (sm_80+). Off by
+/// default: while an executable's lines hold the set-aside, every other
+/// kernel of the process has a quarter of L2 (bench/gpu-perf.md, session 10).
+pub fn set_l2_persist(on: bool) {
+    L2_PERSIST.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+fn l2_persist_enabled() -> bool {
+    match L2_PERSIST.load(Ordering::Relaxed) {
+        0 => env_flag("RLX_L2_PERSIST") == Some(true),
+        v => v == 2,
+    }
 }
 
 fn env_flag(name: &str) -> Option<bool> {
@@ -240,16 +260,19 @@ impl CudaExecutable {
         // times the memory and was no faster, replayed or pipelined
         // (bench/gpu-perf.md, session 10).
         let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
-        // The arena's accesses persist in L2 (replay, sm_80+): the device's
-        // largest set-aside (a context-wide limit; normal accesses use what
-        // persisting lines do not occupy) and an access policy window over
-        // the arena on every recorded kernel, so activations a kernel writes
-        // are still in L2 when the next one reads them rather than evicted
-        // by streamed weights and other tensors. A larger arena than the
-        // set-aside persists that fraction of its lines. bert-base 32×128
-        // 1627 → 1611 µs replayed, 1685 → 1646 pipelined; no change at
-        // 1×128 (H200, bench/gpu-perf.md session 10). RLX_L2_PERSIST=0 off.
-        let l2_persist = replay && dev.cc.0 >= 8 && env_flag("RLX_L2_PERSIST") != Some(false);
+        // Opt-in (`set_l2_persist`, RLX_L2_PERSIST=1; replay, sm_80+): the
+        // arena's accesses persist in L2: the device's largest set-aside and
+        // an access policy window over the arena on every recorded kernel,
+        // so activations a kernel writes are still in L2 when the next one
+        // reads them. A larger arena than the set-aside persists that
+        // fraction of its lines. H200 (bench/gpu-perf.md, session 10):
+        // bert-base 32×128 1654 → 1624 µs replayed, 1711 → 1669 pipelined,
+        // no change at 1×128. Not the default: the set-aside is
+        // context-wide, and while this executable's lines hold it every
+        // other kernel of the process gets a quarter of L2 (bert-base
+        // 32×128 in eager mode beside a persisting executable: 2333 µs
+        // against ~1800).
+        let l2_persist = replay && dev.cc.0 >= 8 && l2_persist_enabled();
         let window = match (l2_persist, dev.l2_persist_max, dev.l2_window_max) {
             (true, set, most) if set > 0 && most > 0 && dev.set_l2_persist(set).is_ok() => {
                 let bytes = (arena_bytes as usize).clamp(1, most);
@@ -495,7 +518,7 @@ impl CudaExecutable {
     }
 
     /// The L2 access policy window over the arena, if the recorded graphs
-    /// carry one: (bytes, hit ratio) (sm_80+, replay, `RLX_L2_PERSIST=0` off).
+    /// carry one: (bytes, hit ratio) (opt-in: `set_l2_persist`; sm_80+, replay).
     pub fn l2_window(&self) -> Option<(usize, f32)> {
         self.l2_window
     }

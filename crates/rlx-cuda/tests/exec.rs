@@ -234,27 +234,32 @@ fn pipelined_calls_in_one_arena_return_their_own_results() {
     }
 }
 
-/// On sm_80+ a replayed executable's kernels carry an L2 access policy
-/// window over the whole arena (persisting), and the results do not change:
-/// the CPU backend's, replay equal to eager (`check_floor`).
+/// With `set_l2_persist(true)` (opt-in), on sm_80+ a replayed executable's
+/// kernels carry an L2 access policy window over the whole arena
+/// (persisting), and the results do not change: the CPU backend's, replay
+/// equal to eager (`check_floor`). Without it, no window.
 #[test]
-fn arena_accesses_persist_in_l2() {
+fn arena_accesses_persist_in_l2_when_asked() {
     let g = gpu();
     let Some(gb) = g.as_ref() else { return };
     let name = gb.device_name();
     let (s, w) = layer(DType::F16, 4, 64, 128, 2, 71).finish();
-    let e = gb.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("{}", e.segment_map());
-    let off = std::env::var("RLX_L2_PERSIST").map(|v| v == "0").unwrap_or(false);
-    match e.l2_window() {
+    let window = |on: bool| {
+        rlx_cuda::set_l2_persist(on);
+        let e = gb.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("{}", e.segment_map());
+        e.l2_window()
+    };
+    assert_eq!(window(false), None, "{name}: a window without set_l2_persist");
+    match window(true) {
         Some((bytes, hit)) => {
-            assert!(!off, "RLX_L2_PERSIST=0 but a window was set");
             assert_eq!(bytes, s.arena_bytes as usize, "{name}: the window covers the arena");
             assert!(hit > 0.0 && hit <= 1.0, "hit ratio {hit}");
         }
-        None => assert!(off || sm_major(&name) < 8, "{name}: no L2 window"),
+        None => assert!(sm_major(&name) < 8, "{name}: no L2 window"),
     }
     check_floor("layer with a persisting arena", &g, &s, &w, &layer_inputs(DType::F16, 4, 64, 128, 72), 5.0, 3.0);
+    rlx_cuda::set_l2_persist(false);
 }
 
 #[test]
