@@ -116,6 +116,16 @@ fn l2_persist_enabled() -> bool {
     }
 }
 
+/// A comma-separated list in an environment variable (RLX_SKIP, RLX_EMPTY):
+/// its items trimmed, empty ones dropped.
+fn env_list(name: &str) -> Vec<String> {
+    std::env::var(name).map(|v| split_list(&v)).unwrap_or_default()
+}
+
+fn split_list(v: &str) -> Vec<String> {
+    v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect()
+}
+
 fn env_flag(name: &str) -> Option<bool> {
     std::env::var(name).ok().map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no"))
 }
@@ -183,9 +193,7 @@ impl CudaExecutable {
         // ("attention", "layer_norm", "matmul", "matmul_epilogue", ...). The
         // results are wrong; the forward's time without them tells what those
         // kernels cost inside the replayed graph.
-        let skip: Vec<String> = std::env::var("RLX_SKIP")
-            .map(|v| v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect())
-            .unwrap_or_default();
+        let skip = env_list("RLX_SKIP");
         if !skip.is_empty() {
             eprintln!("rlx-cuda: RLX_SKIP={} leaves those kernels out: results are wrong (timing diagnostic)", skip.join(","));
         }
@@ -193,9 +201,7 @@ impl CudaExecutable {
         // stay in the graph with their grid, block and shared memory and do
         // nothing (`empty_kernel`): the time of their work apart from their
         // launch and the dependency they add.
-        let empty: Vec<String> = std::env::var("RLX_EMPTY")
-            .map(|v| v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect())
-            .unwrap_or_default();
+        let empty = env_list("RLX_EMPTY");
         if !empty.is_empty() {
             eprintln!("rlx-cuda: RLX_EMPTY={} runs those kernels empty: results are wrong (timing diagnostic)", empty.join(","));
         }
@@ -868,5 +874,17 @@ impl Drop for CudaExecutable {
         if self.l2_window.is_some() {
             let _ = self.dev.reset_l2_persisting();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_list;
+
+    #[test]
+    fn env_lists_are_trimmed_and_skip_empty_items() {
+        assert_eq!(split_list(" layer_norm, attention ,,matmul_epilogue,"), ["layer_norm", "attention", "matmul_epilogue"]);
+        assert!(split_list(" , ").is_empty());
+        assert_eq!(split_list("matmul"), ["matmul"]);
     }
 }
