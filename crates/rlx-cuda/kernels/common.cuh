@@ -263,6 +263,53 @@ __device__ __noinline__ float act_call(i64 act, float v) {
     return act_t<T>(act, v);
 }
 
+// Tensor-core helpers (sm_80+ instructions; shared by attention_mma.cu,
+// gemm.cu and ffn.cu): mma.sync m16n8k16 with f32 accumulation, and
+// ldmatrix of four 8x8 b16 matrices.
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ unsigned pack(float a, float b) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// Four 8x8 b16 matrices from shared memory, transposed: lanes 8i..8i+7 give
+// the row addresses of matrix i; register i receives matrix i's fragment.
+__device__ __forceinline__ void ldsm_x4_trans(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
+// The same without transposition: register i holds matrix i's (row g,
+// columns 2t..2t+1), i.e. K rows as the B fragments of Q·Kᵀ.
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a)
+                 : "memory");
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // This block's rank in its thread-block cluster.
 __device__ __forceinline__ unsigned cluster_rank() {

@@ -51,39 +51,6 @@ struct GemmP {
     i64 m; i64 n; i64 k; i64 lda; i64 ldb; i64 act; i64 kchunk; i64 stages; i64 early;
 };
 
-template <typename T> struct GemmMma;
-template <> struct GemmMma<__half> {
-    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct GemmMma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-__device__ __forceinline__ void gemm_ldsm_x4(unsigned* r, const void* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
-__device__ __forceinline__ void gemm_ldsm_x4_trans(unsigned* r, const void* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-}
-
-
-
 // cp.async.wait_group with a run-time count (0..6).
 __device__ __forceinline__ void gemm_wait_dyn(int n) {
     switch (n) {
@@ -211,18 +178,18 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
             unsigned af[MF][4];
             // Matrices: rows +0..7 / +8..15 of the fragment, k +0..7 / +8..15.
 #pragma unroll
-            for (int mf = 0; mf < MF; ++mf) gemm_ldsm_x4(af[mf], ca + mf * 16 * AP + ks * 16);
+            for (int mf = 0; mf < MF; ++mf) ldsm_x4(af[mf], ca + mf * 16 * AP + ks * 16);
 #pragma unroll
             for (int nf = 0; nf < NF; nf += 2) {
                 // BT: matrices (n +0..7, k +0..7), (n +0..7, k +8..15), then
                 // n +8..15: b0, b1 of fragment nf, then of nf + 1.
                 unsigned bf[4];
-                if (BT) gemm_ldsm_x4(bf, cb + nf * 8 * BP + ks * 16);
-                else gemm_ldsm_x4_trans(bf, cb + ks * 16 * BP + nf * 8);
+                if (BT) ldsm_x4(bf, cb + nf * 8 * BP + ks * 16);
+                else ldsm_x4_trans(bf, cb + ks * 16 * BP + nf * 8);
 #pragma unroll
                 for (int mf = 0; mf < MF; ++mf) {
-                    GemmMma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
-                    GemmMma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
+                    Mma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
+                    Mma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
                 }
             }
         }

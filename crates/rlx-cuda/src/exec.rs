@@ -10,11 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rlx_compile::{Schedule, Space, Thunk};
+use rlx_compile::{BufRef, Schedule, Space, Thunk};
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, Tensor, Ticket, WeightStore};
 
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
+use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
@@ -70,6 +71,10 @@ pub struct CudaExecutable {
     /// Thunks run inside layer programs, and those programs' instructions.
     layer_thunks: usize,
     layer_instructions: usize,
+    /// Feed-forward blocks (FFN1, FFN2, norm) run by the fused kernels (src/ffn.rs).
+    fused_ffns: usize,
+    /// Their f32 workspace, shared by every fused block and slot.
+    _ffn_ws: Option<DeviceBuffer>,
     /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
     matmul_choices: Vec<(String, usize)>,
     // Drop synchronises the stream before any of these buffers are freed.
@@ -258,6 +263,18 @@ impl CudaExecutable {
         // Runs of thunks that one persistent kernel executes (src/layer.rs).
         let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
         let (mut layer_thunks, mut layer_instructions) = (0, 0);
+        // Feed-forward blocks of at most 128 rows as two kernels (src/ffn.rs),
+        // outside the layer programs' runs.
+        let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
+        let fusions: Vec<ffn::Fusion> = ffn::find(&schedule.thunks, &outputs, dev.cc.0)
+            .into_iter()
+            .filter(|f| !layer_runs.iter().any(|r| r.start < f.start + 3 && f.start < r.end))
+            .collect();
+        let ffn_ws = match ffn::workspace_bytes(&schedule.thunks, &fusions) {
+            0 => None,
+            bytes => Some(DeviceBuffer::alloc(&dev, bytes)?),
+        };
+        let mut fused_ffns = 0;
         // One activation arena for every slot: all calls run on the
         // executable's one stream, so a call's kernels start only after the
         // previous call's last kernel, its copy-out included, has finished;
@@ -334,6 +351,16 @@ impl CudaExecutable {
                         steps.push(p.step);
                         layer_bufs.extend(p.buffers);
                         i = run.end;
+                        continue;
+                    }
+                }
+                if let (Some(f), Some(ws)) = (fusions.iter().find(|f| f.start == i), &ffn_ws) {
+                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, ws.ptr)? {
+                        if slots.is_empty() {
+                            fused_ffns += 1;
+                        }
+                        steps.extend(fused);
+                        i += 3;
                         continue;
                     }
                 }
@@ -442,6 +469,8 @@ impl CudaExecutable {
             own_matmuls,
             layer_thunks,
             layer_instructions,
+            fused_ffns,
+            _ffn_ws: ffn_ws,
             matmul_choices,
             slots,
             _arena: arena,
@@ -553,6 +582,12 @@ impl CudaExecutable {
     /// count. (0, 0) when none does.
     pub fn layer_program_thunks(&self) -> (usize, usize) {
         (self.layer_thunks, self.layer_instructions)
+    }
+
+    /// Feed-forward blocks (FFN1 with erf-GELU, FFN2, the norm after them)
+    /// that run as the fused kernels of kernels/ffn.cu (see `set_ffn_fusion`).
+    pub fn fused_ffn_count(&self) -> usize {
+        self.fused_ffns
     }
 
     /// Per MatMul thunk, in schedule order: the kernel that runs it

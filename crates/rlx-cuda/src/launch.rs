@@ -39,7 +39,7 @@ pub(crate) fn act_code(a: Option<Activation>) -> i64 {
     }
 }
 
-fn suffix(d: DType) -> &'static str {
+pub(crate) fn suffix(d: DType) -> &'static str {
     match d {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
@@ -52,15 +52,15 @@ fn suffix(d: DType) -> &'static str {
 pub(crate) struct Args(pub(crate) Vec<u64>);
 
 impl Args {
-    fn p(mut self, v: u64) -> Self {
+    pub(crate) fn p(mut self, v: u64) -> Self {
         self.0.push(v);
         self
     }
-    fn i(mut self, v: impl TryInto<i64>) -> Self {
+    pub(crate) fn i(mut self, v: impl TryInto<i64>) -> Self {
         self.0.push(v.try_into().unwrap_or(i64::MAX) as u64);
         self
     }
-    fn f(mut self, v: f64) -> Self {
+    pub(crate) fn f(mut self, v: f64) -> Self {
         self.0.push(v.to_bits());
         self
     }

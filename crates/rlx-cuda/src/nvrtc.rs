@@ -20,6 +20,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("ffn.cu", include_str!("../kernels/ffn.cu")),
     // The layer program (kernels/layer.cu) calls the attention body: one module.
     ("attention_mma.cu", concat!(include_str!("../kernels/attention_mma.cu"), include_str!("../kernels/layer.cu"))),
 ];
