@@ -37,7 +37,7 @@
 
 struct FfnP {
     const void* x; const void* w1; const void* b1; const void* w2; float* ws;
-    i64 m; i64 h; i64 i; i64 lda;
+    i64 m; i64 h; i64 i; i64 lda; i64 skip;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -89,11 +89,11 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
 
     // The weights: W1 rows i0.. (KB columns from k0), W2 rows k0.. (IC
     // columns from i0), the bias slice (zeros when there is none).
-    for (int e = tid; e < IC * (KB / 8); e += NT) {
+    if (!(p.skip & 8)) for (int e = tid; e < IC * (KB / 8); e += NT) {
         const int j = e / (KB / 8), c = e % (KB / 8) * 8;
         cp_async16(w1s + j * XP + c, W1 + (i0 + j) * p.h + k0 + c, true);
     }
-    for (int e = tid; e < KB * (IC / 8); e += NT) {
+    if (!(p.skip & 8)) for (int e = tid; e < KB * (IC / 8); e += NT) {
         const int j = e / (IC / 8), c = e % (IC / 8) * 8;
         cp_async16(w2s + j * HP + c, W2 + (k0 + j) * p.i + i0 + c, true);
     }
@@ -117,7 +117,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
         for (int mf = 0; mf < MF1; ++mf)
 #pragma unroll
             for (int nf = 0; nf < NF1; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
-        if (wm * WM1 < m) {
+        if (wm * WM1 < m && !(p.skip & 2)) {
             const u16* ca = xs + (wm * WM1 + (mi & 1) * 8 + mr) * XP + (mi >> 1) * 8;
             const u16* cb = w1s + (wn * WC1 + (mi >> 1) * 8 + mr) * XP + (mi & 1) * 8;
 #pragma unroll
@@ -147,7 +147,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
                     *(float2*)(part + row * HP + col) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
                 }
     }
-    cluster_sync();  // every block's partial is complete; every block is done with xs and w1s
+    if (!(p.skip & 16)) cluster_sync();  // every block's partial is complete; every block is done with xs and w1s
 
     // 2. This block's RW columns of the cluster's intermediate, four per step.
     {
@@ -161,13 +161,13 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
         }
         const T* bs = (const T*)b1s;
         constexpr int U4 = RW / 4;
-        const int count = m * U4;
+        const int count = (p.skip & 1) ? 0 : m * U4;
         for (int i = tid; i < count; i += NT) {
             const int row = i / U4, col = rank * RW + 4 * (i % U4);
             const unsigned off = (unsigned)((row * HP + col) * 4);
             float4 pz[8];
 #pragma unroll
-            for (int z = 0; z < 8; ++z) pz[z] = ld_cluster_f4(part_at[z] + off);
+            for (int z = 0; z < 8; ++z) pz[z] = (p.skip & 64) ? *(const float4*)((const char*)part + off) : ld_cluster_f4(part_at[z] + off);
             float v[4] = {pz[0].x, pz[0].y, pz[0].z, pz[0].w};
 #pragma unroll
             for (int z = 1; z < 8; ++z) {
@@ -180,16 +180,18 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
             for (int j = 0; j < 4; ++j) v[j] = act_t<T>(ACT_GELU, v[j] + ld(bs, col + j));
             const unsigned lo = pack2<T>(v[0], v[1]), hi = pack2<T>(v[2], v[3]);
             const unsigned hoff = (unsigned)((row * HP + col) * 2);
+            if (p.skip & 32) *(uint2*)((char*)hs + hoff) = make_uint2(lo, hi);
+            else
 #pragma unroll
             for (int z = 0; z < 8; ++z) st_cluster_u2(hs_at[z] + hoff, lo, hi);
         }
     }
-    cluster_sync();  // every block holds the whole intermediate; no DSMEM access after this
+    if (!(p.skip & 16)) cluster_sync();  // every block holds the whole intermediate; no DSMEM access after this
 
     // 3. This block's KB output columns of the cluster's share of Y.
     {
         const int wm = warp % WARPS_M2, wn = warp / WARPS_M2;
-        if (wm * WM2 >= m) return;
+        if (wm * WM2 >= m || (p.skip & 4)) return;
         float acc[MF2][NF2][4];
 #pragma unroll
         for (int mf = 0; mf < MF2; ++mf)
@@ -219,7 +221,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = wm * WM2 + mf * 16 + g + h * 8;
-                if (row >= m) continue;
+                if (row >= m || (p.skip & 128)) continue;
 #pragma unroll
                 for (int nf = 0; nf < NF2; ++nf) {
                     const int col = wn * WC2 + nf * 8 + 2 * t;

@@ -675,6 +675,31 @@ impl Func {
         Ok(n.max(0) as u32)
     }
 
+    /// How many clusters of `cluster` blocks (x) of `block` threads and
+    /// `smem` dynamic shared bytes can be resident on the device at once.
+    pub fn max_active_clusters(&self, grid: u32, block: u32, smem: u32, cluster: u32) -> Result<u32> {
+        // SAFETY: an all-zero attribute is a valid value of the C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: live function handle; cfg and attr are live locals; n is written by the call.
+        check(unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, self.0, &cfg) }, "cuOccupancyMaxActiveClusters")?;
+        Ok(n.max(0) as u32)
+    }
+
     /// Launches with a single by-value parameter struct made of 8-byte words.
     /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits

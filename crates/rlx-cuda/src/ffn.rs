@@ -10,8 +10,17 @@
 //! workspace that every fused block of an executable shares (they run one
 //! after another on its stream).
 //!
-//! On by default on sm_90+; RLX_FFN=0 or `set_ffn_fusion(false)` turns it
-//! off (the three thunks then lower as usual).
+//! Off by default: on the H200 it measured slower than cuBLASLt's kernels
+//! (bench/gpu-perf.md, session 11: MiniLM 1×128 198 against 151 µs,
+//! bert-base 1×128 625–637 against 373). Its data movement is the cost: the
+//! 8-way split-K sum of FFN1 and the exchange of the intermediate through
+//! DSMEM (~150 KB per block at bert-base), and the f32 shares of FFN2
+//! through L2 (6.3 MB); bert-base's 16 clusters of 8 one-block SMs also
+//! need two waves (15 fit at once). RLX_FFN=1 or `set_ffn_fusion(true)`
+//! turns it on (sm_90+; the kernels load with the own matmul's modules).
+//! Diagnostics: RLX_FFN_INFO=1 prints the resident clusters at prepare;
+//! RLX_FFN_SKIP=bits leaves parts of the kernel out (wrong results, timing
+//! only; see `skip_bits`).
 
 use rlx_compile::operands::operands;
 use rlx_compile::{BufRef, MatMulThunk, Thunk};
@@ -34,10 +43,7 @@ struct Variant {
     warps: u32,
 }
 
-const VARIANTS: [Variant; 2] = [
-    Variant { h: 768, i: 3072, ic: 192, warps: 16 },
-    Variant { h: 384, i: 1536, ic: 96, warps: 8 },
-];
+const VARIANTS: [Variant; 2] = [Variant { h: 768, i: 3072, ic: 192, warps: 16 }, Variant { h: 384, i: 1536, ic: 96, warps: 8 }];
 
 impl Variant {
     fn kb(&self) -> usize {
@@ -69,7 +75,14 @@ fn enabled() -> bool {
     if let Some(on) = ENABLED.lock().ok().and_then(|g| *g) {
         return on;
     }
-    !matches!(std::env::var("RLX_FFN").ok().as_deref().map(str::trim), Some("0" | "off" | "false" | "no"))
+    matches!(std::env::var("RLX_FFN").ok().as_deref().map(str::trim), Some("1" | "on" | "true" | "yes"))
+}
+
+/// RLX_FFN_SKIP=bits (timing diagnostic, wrong results): parts of the
+/// fused kernel left out: 1 the cluster reduction, 2 FFN1's multiply, 4
+/// FFN2, 8 the weight loads, 16 the cluster barriers.
+fn skip_bits() -> i64 {
+    std::env::var("RLX_FFN_SKIP").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
 /// A triple `find` accepted: thunks start, start + 1, start + 2.
@@ -119,9 +132,8 @@ fn second(a: &MatMulThunk, b: &MatMulThunk) -> bool {
 fn dead_after(thunks: &[Thunk], after: usize, buf: &BufRef, outputs: &[BufRef]) -> bool {
     // The byte ranges of `buf` still holding its value: [start, end).
     let mut live = vec![(buf.offset, buf.offset + buf.bytes)];
-    let read = |live: &[(u64, u64)], o: &BufRef, need: u64| {
-        o.space == buf.space && live.iter().any(|&(a, b)| a < o.offset + need && o.offset < b)
-    };
+    let read =
+        |live: &[(u64, u64)], o: &BufRef, need: u64| o.space == buf.space && live.iter().any(|&(a, b)| a < o.offset + need && o.offset < b);
     for t in &thunks[after + 1..] {
         let ops = operands(t);
         if ops.iter().any(|o| !o.write && read(&live, &o.buf, o.need)) {
@@ -147,7 +159,9 @@ pub(crate) fn find(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32) -> Vec<F
     let mut found = Vec::new();
     let mut i = 0;
     while i + 2 < thunks.len() {
-        if let (Thunk::MatMul(a), Thunk::MatMul(b), Thunk::Norm { dtype, rows, cols, x, residual, .. }) = (&thunks[i], &thunks[i + 1], &thunks[i + 2]) {
+        if let (Thunk::MatMul(a), Thunk::MatMul(b), Thunk::Norm { dtype, rows, cols, x, residual, .. }) =
+            (&thunks[i], &thunks[i + 1], &thunks[i + 2])
+        {
             let ok = first(a)
                 && second(a, b)
                 && *dtype == a.dtype
@@ -202,28 +216,30 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     }
     let rows = (m1.batch * m1.m) as u64;
     let sfx = suffix(m1.dtype);
-    let func = k.get(&format!("ffn_{}_{}_{sfx}", v.kb(), v.ic))?;
+    let own = k.own_gemm()?;
+    let func = own.get(&format!("ffn_{}_{}_{sfx}", v.kb(), v.ic))?;
     let smem = v.smem();
     func.set_max_dynamic_smem(smem)?;
-    let args = Args::default().p(x).p(w1).p(b1).p(w2).p(ws).i(rows).i(v.h).i(v.i).p(m1.lda);
+    let args = Args::default().p(x).p(w1).p(b1).p(w2).p(ws).i(rows).i(v.h).i(v.i).p(m1.lda).i(skip_bits());
     let grid = [(v.clusters() * CLUSTER) as u32, 1, 1];
+    if std::env::var("RLX_FFN_INFO").is_ok() {
+        let active = func.max_active_clusters(grid[0], 32 * v.warps, smem, CLUSTER as u32)?;
+        eprintln!(
+            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM",
+            v.h,
+            v.i,
+            v.clusters(),
+            active,
+            func.max_blocks_per_sm(32 * v.warps, smem)?
+        );
+    }
     let fused = Step::new(Op::Kernel { func, grid, block: 32 * v.warps, smem, cluster: [CLUSTER as u32, 1, 1], args: args.0 }, "ffn");
-    let args = Args::default()
-        .p(ws)
-        .p(b2)
-        .p(res1)
-        .p(res2)
-        .p(g)
-        .p(bt)
-        .p(o)
-        .i(rows)
-        .i(v.h)
-        .i(v.clusters())
-        .i(*rms as i64)
-        .f(*eps as f64);
-    let func = k.get(&format!("ffn_norm_{sfx}"))?;
-    let norm =
-        Step::new(Op::Kernel { func, grid: [rows as u32, 1, 1], block: (v.h / 4) as u32, smem: 0, cluster: [1, 1, 1], args: args.0 }, thunks[f.start + 2].kind());
+    let args = Args::default().p(ws).p(b2).p(res1).p(res2).p(g).p(bt).p(o).i(rows).i(v.h).i(v.clusters()).i(*rms as i64).f(*eps as f64);
+    let func = own.get(&format!("ffn_norm_{sfx}"))?;
+    let norm = Step::new(
+        Op::Kernel { func, grid: [rows as u32, 1, 1], block: (v.h / 4) as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
+        thunks[f.start + 2].kind(),
+    );
     Ok(Some(vec![fused, norm]))
 }
 
@@ -289,7 +305,9 @@ mod tests {
             assert!(find(&t, &[out], 8).is_empty());
         }
         // 129 rows, the tanh GELU, a width without a compiled kernel.
-        for (rows, h, i, act) in [(129, 384, 1536, Activation::Gelu), (64, 384, 1536, Activation::GeluTanh), (64, 256, 1024, Activation::Gelu)] {
+        for (rows, h, i, act) in
+            [(129, 384, 1536, Activation::Gelu), (64, 384, 1536, Activation::GeluTanh), (64, 256, 1024, Activation::Gelu)]
+        {
             let (t, [.., out]) = block(rows, h, i, Some(act));
             assert!(find(&t, &[out], 9).is_empty(), "{rows} {h} {i} {act:?}");
         }
@@ -325,7 +343,8 @@ mod tests {
     fn every_block_of_the_real_minilm_schedule_is_found() {
         // `rlx inspect --model models/all-MiniLM-L6-v2 --precision f16 --json`
         // (1×128): the arena planner reuses FFN1's output for later tensors.
-        let s: rlx_compile::Schedule = serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
+        let s: rlx_compile::Schedule =
+            serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
         set_ffn_fusion(true);
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
         let found = find(&s.thunks, &outputs, 9);

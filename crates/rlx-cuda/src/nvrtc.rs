@@ -20,14 +20,14 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
-    ("ffn.cu", include_str!("../kernels/ffn.cu")),
     // The layer program (kernels/layer.cu) calls the attention body: one module.
     ("attention_mma.cu", concat!(include_str!("../kernels/attention_mma.cu"), include_str!("../kernels/layer.cu"))),
 ];
 
-/// The own matmul (src/gemm.rs): compiled and loaded only when a matmul
-/// policy times or runs it, so the default (cuBLASLt) does not pay for it.
-pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu"))];
+/// The own matmul (src/gemm.rs) and the fused feed-forward block
+/// (src/ffn.rs): compiled and loaded only when a matmul policy or the fusion
+/// needs them, so the default (cuBLASLt) does not pay for them.
+pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu")), ("ffn.cu", include_str!("../kernels/ffn.cu"))];
 
 /// Own-matmul files that use sm_90a-only instructions (wgmma): compiled for
 /// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere

@@ -29,7 +29,18 @@ struct Case {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn mm(dt: DType, rows: usize, n: usize, k: usize, a: BufRef, b: BufRef, bias: BufRef, act: Option<Activation>, residual: Option<BufRef>, out: BufRef) -> Thunk {
+fn mm(
+    dt: DType,
+    rows: usize,
+    n: usize,
+    k: usize,
+    a: BufRef,
+    b: BufRef,
+    bias: BufRef,
+    act: Option<Activation>,
+    residual: Option<BufRef>,
+    out: BufRef,
+) -> Thunk {
     Thunk::MatMul(MatMulThunk {
         dtype: dt,
         batch: 1,
