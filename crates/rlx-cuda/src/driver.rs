@@ -649,6 +649,14 @@ impl Func {
         check(unsafe { sys::cuFuncSetAttribute(self.0, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
     }
 
+    /// Lets launches of this function use clusters of more than 8 blocks
+    /// (up to 16 on the H100 / H200).
+    pub fn allow_non_portable_clusters(&self) -> Result<()> {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
+        // SAFETY: live function handle; a plain integer attribute.
+        check(unsafe { sys::cuFuncSetAttribute(self.0, attr, 1) }, "cuFuncSetAttribute(non-portable cluster size)")
+    }
+
     /// Registers per thread and local (spill) bytes per thread.
     pub fn regs_and_local_bytes(&self) -> Result<(i32, i32)> {
         let get = |a: sys::CUfunction_attribute| -> Result<i32> {

@@ -224,13 +224,16 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     let grid = [(v.clusters() * CLUSTER) as u32, 1, 1];
     if std::env::var("RLX_FFN_INFO").is_ok() {
         let active = func.max_active_clusters(grid[0], 32 * v.warps, smem, CLUSTER as u32)?;
+        // For designs with larger clusters: how many of 16 blocks would fit.
+        let sixteen = func.allow_non_portable_clusters().and_then(|_| func.max_active_clusters(256, 32 * v.warps, smem, 16));
         eprintln!(
-            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM",
+            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM; clusters of 16 resident: {}",
             v.h,
             v.i,
             v.clusters(),
             active,
-            func.max_blocks_per_sm(32 * v.warps, smem)?
+            func.max_blocks_per_sm(32 * v.warps, smem)?,
+            sixteen.map(|n| n.to_string()).unwrap_or_else(|e| e.to_string())
         );
     }
     let fused = Step::new(Op::Kernel { func, grid, block: 32 * v.warps, smem, cluster: [CLUSTER as u32, 1, 1], args: args.0 }, "ffn");
