@@ -137,7 +137,7 @@ fn fusion_off_and_ineligible_shapes_run_the_usual_kernels() {
     let _lock = FUSION_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let c = Case { rows: 64, h: 384, i: 1536, residual_in_matmul: false, rms: false, layers: 1 };
     let (s, w) = graph(DType::F16, c, 3).finish();
-    let inp = vec![("x".to_string(), rand_tensor(&mut rng(4), &[c.rows, c.h], DType::F16))];
+    let inp = [("x".to_string(), rand_tensor(&mut rng(4), &[c.rows, c.h], DType::F16))];
     let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
     set_ffn_fusion(false);
     let mut off = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
