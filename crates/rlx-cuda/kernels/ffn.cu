@@ -305,3 +305,247 @@ __device__ __forceinline__ void ffn_norm_body(const FfnNormP& p) {
 
 extern "C" __global__ void ffn_norm_f16(const FfnNormP p) { pdl_enter(); ffn_norm_body<__half>(p); }
 extern "C" __global__ void ffn_norm_bf16(const FfnNormP p) { pdl_enter(); ffn_norm_body<__nv_bfloat16>(p); }
+
+// ---------------------------------------------------------------------------
+// Row split (ffn_rows_<H>_<I>_<dtype>): for feed-forward blocks whose
+// weights are small enough to be read once per group of rows. The grid is
+// G clusters of 16 blocks (non-portable cluster size); cluster g owns rows
+// [g·R, g·R + R) (R <= 32) and runs the whole block and the norm after it
+// for them; block r of it owns intermediate columns [r·IS, (r+1)·IS), IS =
+// I/16, and output columns [r·H/16, (r+1)·H/16) of the norm:
+//   1. H_r = erf-GELU(X·W1[r]ᵀ + b1[r]) over the full K = H (no split),
+//      rounded to the storage type;
+//   2. the f32 partial Y_r = H_r·W2[:, r]ᵀ of all H output columns;
+//   3. after a cluster barrier, block r sums its H/16 columns of the 16
+//      partials in rank order (DSMEM), adds b2 and the residual(s), and the
+//      row statistics of the norm (mean, then squared deviations) are summed
+//      across the 16 blocks in rank order the same way; the block stores its
+//      columns of the normalised rows.
+// W1 and W2 slices are copied before griddepcontrol.wait, X after. No
+// workspace and no separate norm kernel; deterministic (fixed orders).
+// Shared memory: X [32][H+8] and W1 slice [IS][H+8] (the f32 partial
+// [32][H+8] reuses them after step 1), W2 slice [H][IS+8], H_r [32][IS+8],
+// b1 slice [IS], the row statistics [2][32] f32 and per-thread sums [32][8].
+struct FfnRowsP {
+    const void* x; const void* w1; const void* b1; const void* w2; const void* b2;
+    const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
+    i64 m; i64 lda; i64 rows; i64 rms; double eps;
+};
+
+template <int H, int IS>
+struct FfnRowsSmem {
+    static constexpr int XP = H + 8, HP = IS + 8, RT = 32;
+    static constexpr int U = (RT + IS) * XP * 2;
+    static constexpr int W2 = H * HP * 2;
+    static constexpr int HS = RT * HP * 2;
+    static constexpr int TOTAL = U + W2 + HS + IS * 2 + 2 * RT * 4 + RT * 8 * 4;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+#endif
+
+template <typename T, int H, int I>
+__device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    typedef unsigned short u16;
+    constexpr int IS = I / 16, OC = H / 16;  // intermediate and output columns per block
+    typedef FfnRowsSmem<H, IS> L;
+    constexpr int RT = L::RT, XP = L::XP, HP = L::HP, NT = 256;
+    constexpr int NF1 = IS / 2 / 8;  // phase 1: 2 x 2 warps of 16 rows x IS/2 columns
+    constexpr int NF2 = H / 4 / 8;   // phase 2: 2 x 4 warps of 16 rows x H/4 columns
+    constexpr int U4 = OC / 4;       // float4 units per row of a block's output columns
+    static_assert(H % 128 == 0 && IS % 32 == 0 && NF1 % 2 == 0 && NF2 % 2 == 0 && OC % 4 == 0 && RT * U4 <= NT && U4 <= 7,
+                  "row-split shapes");
+    extern __shared__ __align__(16) unsigned char ffn_smem[];
+    u16* const xs = (u16*)ffn_smem;
+    u16* const w1s = xs + RT * XP;
+    float* const yp = (float*)ffn_smem;  // after phase 1, over xs and w1s
+    u16* const w2s = (u16*)(ffn_smem + L::U);
+    u16* const hs = (u16*)(ffn_smem + L::U + L::W2);
+    u16* const b1s = (u16*)(ffn_smem + L::U + L::W2 + L::HS);
+    float* const stat = (float*)(ffn_smem + L::U + L::W2 + L::HS + IS * 2);  // [2][RT]
+    float* const part = stat + 2 * RT;                                        // [RT][8]
+
+    const int r = (int)cluster_rank();
+    const int row0 = (int)(blockIdx.x / 16) * (int)p.rows;
+    const int nrows = min((int)p.rows, (int)p.m - row0);
+    if (nrows <= 0) return;  // the whole cluster: no barrier is waited for
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int mi = lane >> 3, mr = lane & 7;
+    const i64 i0 = (i64)r * IS;
+    const u16* const W1 = (const u16*)p.w1;
+    const u16* const W2 = (const u16*)p.w2;
+    const u16* const X = (const u16*)p.x;
+
+    for (int e = tid; e < IS * (H / 8); e += NT) {
+        const int j = e / (H / 8), c = e % (H / 8) * 8;
+        cp_async16(w1s + j * XP + c, W1 + (i0 + j) * H + c, true);
+    }
+    for (int e = tid; e < H * (IS / 8); e += NT) {
+        const int j = e / (IS / 8), c = e % (IS / 8) * 8;
+        cp_async16(w2s + j * HP + c, W2 + (i64)j * I + i0 + c, true);
+    }
+    if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
+    cp_async_commit();
+    pdl_enter();
+    for (int e = tid; e < RT * (H / 8); e += NT) {
+        const int rr = e / (H / 8), c = e % (H / 8) * 8;
+        const bool in = rr < nrows;
+        cp_async16(xs + rr * XP + c, in ? X + (i64)(row0 + rr) * p.lda + c : X, in);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // 1. H_r: warps 0..3, 16 rows by IS/2 columns each.
+    if (warp < 4 && (warp & 1) * 16 < nrows) {
+        const int wm = warp & 1, wn = warp >> 1;
+        float acc[NF1][4];
+#pragma unroll
+        for (int nf = 0; nf < NF1; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.0f;
+        const u16* ca = xs + (wm * 16 + (mi & 1) * 8 + mr) * XP + (mi >> 1) * 8;
+        const u16* cb = w1s + (wn * (IS / 2) + (mi >> 1) * 8 + mr) * XP + (mi & 1) * 8;
+#pragma unroll 4
+        for (int ks = 0; ks < H / 16; ++ks) {
+            unsigned af[4];
+            ldsm_x4(af, ca + ks * 16);
+#pragma unroll
+            for (int nf = 0; nf < NF1; nf += 2) {
+                unsigned bf[4];
+                ldsm_x4(bf, cb + nf * 8 * XP + ks * 16);
+                Mma<T>::run(acc[nf], af, bf[0], bf[1]);
+                Mma<T>::run(acc[nf + 1], af, bf[2], bf[3]);
+            }
+        }
+        const T* bs = (const T*)b1s;
+#pragma unroll
+        for (int nf = 0; nf < NF1; ++nf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wm * 16 + g + h * 8, col = wn * (IS / 2) + nf * 8 + 2 * t;
+                const float a = act_t<T>(ACT_GELU, acc[nf][2 * h] + ld(bs, col));
+                const float b = act_t<T>(ACT_GELU, acc[nf][2 * h + 1] + ld(bs, col + 1));
+                *(unsigned*)(hs + row * HP + col) = pack2<T>(a, b);
+            }
+    }
+    __syncthreads();  // H_r complete; xs and w1s free
+
+    // 2. The f32 partial of all H output columns: 8 warps, 16 rows by H/4.
+    {
+        const int wm = warp & 1, wn = warp >> 1;
+        float acc[NF2][4];
+#pragma unroll
+        for (int nf = 0; nf < NF2; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.0f;
+        if (wm * 16 < nrows) {
+            const u16* ca = hs + (wm * 16 + (mi & 1) * 8 + mr) * HP + (mi >> 1) * 8;
+            const u16* cb = w2s + (wn * (H / 4) + (mi >> 1) * 8 + mr) * HP + (mi & 1) * 8;
+#pragma unroll
+            for (int ks = 0; ks < IS / 16; ++ks) {
+                unsigned af[4];
+                ldsm_x4(af, ca + ks * 16);
+#pragma unroll
+                for (int nf = 0; nf < NF2; nf += 2) {
+                    unsigned bf[4];
+                    ldsm_x4(bf, cb + nf * 8 * HP + ks * 16);
+                    Mma<T>::run(acc[nf], af, bf[0], bf[1]);
+                    Mma<T>::run(acc[nf + 1], af, bf[2], bf[3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int nf = 0; nf < NF2; ++nf)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wm * 16 + g + h * 8, col = wn * (H / 4) + nf * 8 + 2 * t;
+                *(float2*)(yp + row * XP + col) = make_float2(acc[nf][2 * h], acc[nf][2 * h + 1]);
+            }
+    }
+    cluster_sync();  // every block's partial is complete
+
+    // 3. This block's OC columns of the rows: the 16 partials in rank order,
+    // b2, residuals; then the norm's statistics across the cluster.
+    const bool mine = tid < nrows * U4;
+    const int row = tid / U4, c4 = tid % U4, col = r * OC + 4 * c4;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (mine) {
+        const unsigned off = (unsigned)__cvta_generic_to_shared(yp + row * XP + col);
+        float4 q[16];
+#pragma unroll
+        for (int z = 0; z < 16; ++z) q[z] = ld_cluster_f4(cluster_map(off, (unsigned)z));
+#pragma unroll
+        for (int z = 0; z < 16; ++z) {
+            v[0] += q[z].x;
+            v[1] += q[z].y;
+            v[2] += q[z].z;
+            v[3] += q[z].w;
+        }
+        const i64 at = (i64)(row0 + row) * H + col;
+        const void* adds[3] = {p.b2, p.res1, p.res2};
+#pragma unroll
+        for (int a = 0; a < 3; ++a) {
+            if (!adds[a]) continue;
+            const float4 w = ffn_ld4<T>(adds[a], a == 0 ? col : at);
+            v[0] += w.x;
+            v[1] += w.y;
+            v[2] += w.z;
+            v[3] += w.w;
+        }
+        part[row * 8 + c4] = v[0] + v[1] + v[2] + v[3];
+    }
+    const unsigned stat_addr = (unsigned)__cvta_generic_to_shared(stat);
+    // Sums of the block's columns per row, then over the cluster in rank order.
+    auto cluster_row_sum = [&](int which) -> void {
+        __syncthreads();
+        if (tid < nrows) {
+            float s = 0.0f;
+#pragma unroll
+            for (int k = 0; k < U4; ++k) s += part[tid * 8 + k];
+            stat[which * RT + tid] = s;
+        }
+        cluster_sync();
+        if (tid < nrows) {
+            float s = 0.0f;
+            const unsigned a = stat_addr + (unsigned)((which * RT + tid) * 4);
+            for (int z = 0; z < 16; ++z) s += ld_cluster_f32(cluster_map(a, (unsigned)z));
+            part[tid * 8 + 7] = s;  // slot 7: the row's units use slots 0..U4-1 (U4 <= 7)
+        }
+        __syncthreads();
+    };
+    const float inv_n = 1.0f / (float)H;
+    float mean = 0.0f;
+    if (!p.rms) {
+        cluster_row_sum(0);
+        mean = mine ? part[row * 8 + 7] * inv_n : 0.0f;
+        __syncthreads();
+    }
+    if (mine) part[row * 8 + c4] = (v[0] - mean) * (v[0] - mean) + (v[1] - mean) * (v[1] - mean) + (v[2] - mean) * (v[2] - mean) +
+                                   (v[3] - mean) * (v[3] - mean);
+    cluster_row_sum(1);
+    if (mine) {
+        const float rstd = rsqrtf(part[row * 8 + 7] * inv_n + (float)p.eps);
+        const float4 gm = ffn_ld4<T>(p.gamma, col);
+        const float4 bt = p.beta ? ffn_ld4<T>(p.beta, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float o0 = (v[0] - mean) * rstd * gm.x + bt.x, o1 = (v[1] - mean) * rstd * gm.y + bt.y;
+        const float o2 = (v[2] - mean) * rstd * gm.z + bt.z, o3 = (v[3] - mean) * rstd * gm.w + bt.w;
+        *(uint2*)((T*)p.out + (i64)(row0 + row) * H + col) = make_uint2(pack2<T>(o0, o1), pack2<T>(o2, o3));
+    }
+    // No block leaves while others may still read its statistics (each
+    // remote read fed a value before its thread arrived here).
+    cluster_sync_relaxed();
+#endif
+}
+
+#define RLX_FFN_ROWS(H, I)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) ffn_rows_##H##_##I##_f16(const FfnRowsP p) {          \
+        ffn_rows_body<__half, H, I>(p);                                                                    \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) ffn_rows_##H##_##I##_bf16(const FfnRowsP p) {         \
+        ffn_rows_body<__nv_bfloat16, H, I>(p);                                                             \
+    }
+// MiniLM (H 384, I 1536).
+RLX_FFN_ROWS(384, 1536)

@@ -61,21 +61,53 @@ impl Variant {
     }
 }
 
-static ENABLED: std::sync::Mutex<Option<bool>> = std::sync::Mutex::new(None);
+/// A compiled width of the row-split kernel (kernels/ffn.cu `ffn_rows_*`):
+/// (H, I).
+const ROW_VARIANTS: [(usize, usize); 1] = [(384, 1536)];
+/// Blocks per cluster of the row split (a non-portable size).
+const ROW_CLUSTER: usize = 16;
+/// Rows one row-split cluster can take (kernels/ffn.cu FfnRowsSmem::RT).
+const ROW_TILE: usize = 32;
 
-/// Turns the fused feed-forward block on or off for later prepares
-/// (overrides `RLX_FFN`).
-pub fn set_ffn_fusion(on: bool) {
-    if let Ok(mut g) = ENABLED.lock() {
-        *g = Some(on);
+/// kernels/ffn.cu's FfnRowsSmem::TOTAL.
+fn row_smem(h: usize, i: usize) -> u32 {
+    let is = i / ROW_CLUSTER;
+    let (xp, hp) = (h + 8, is + 8);
+    ((ROW_TILE + is) * xp * 2 + h * hp * 2 + ROW_TILE * hp * 2 + is * 2 + 2 * ROW_TILE * 4 + ROW_TILE * 8 * 4) as u32
+}
+
+/// Which feed-forward blocks run as fused kernels (`set_ffn_fusion`, RLX_FFN).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FfnFusion {
+    /// None (the default, RLX_FFN unset or 0).
+    Off,
+    /// The row split where it is compiled (H 384, I 1536), nothing else (RLX_FFN=rows).
+    Rows,
+    /// The row split where it is compiled, the cluster kernel elsewhere (RLX_FFN=1).
+    All,
+    /// The cluster kernel only (RLX_FFN=clusters; A/B measurements).
+    Clusters,
+}
+
+static MODE: std::sync::Mutex<Option<FfnFusion>> = std::sync::Mutex::new(None);
+
+/// Sets which feed-forward blocks later prepares fuse (overrides `RLX_FFN`).
+pub fn set_ffn_fusion(mode: FfnFusion) {
+    if let Ok(mut g) = MODE.lock() {
+        *g = Some(mode);
     }
 }
 
-fn enabled() -> bool {
-    if let Some(on) = ENABLED.lock().ok().and_then(|g| *g) {
-        return on;
+fn mode() -> FfnFusion {
+    if let Some(m) = MODE.lock().ok().and_then(|g| *g) {
+        return m;
     }
-    matches!(std::env::var("RLX_FFN").ok().as_deref().map(str::trim), Some("1" | "on" | "true" | "yes"))
+    match std::env::var("RLX_FFN").ok().as_deref().map(str::trim) {
+        Some("1" | "on" | "true" | "yes" | "all") => FfnFusion::All,
+        Some("rows") => FfnFusion::Rows,
+        Some("clusters") => FfnFusion::Clusters,
+        _ => FfnFusion::Off,
+    }
 }
 
 /// RLX_FFN_SKIP=bits (timing diagnostic, wrong results): parts of the
@@ -85,15 +117,30 @@ fn skip_bits() -> i64 {
     std::env::var("RLX_FFN_SKIP").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
 
+/// The kernel a fused block runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `ffn_<KB>_<IC>` + `ffn_norm`: VARIANTS[i].
+    Clusters(usize),
+    /// `ffn_rows_<H>_<I>`: the feed-forward block and the norm in one kernel.
+    Rows,
+}
+
 /// A triple `find` accepted: thunks start, start + 1, start + 2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fusion {
     pub start: usize,
-    variant: usize,
+    kernel: Kernel,
 }
 
-fn variant_for(m: &MatMulThunk) -> Option<usize> {
-    VARIANTS.iter().position(|v| v.h == m.k && v.i == m.n)
+fn kernel_for(m: &MatMulThunk, mode: FfnFusion) -> Option<Kernel> {
+    let rows = ROW_VARIANTS.contains(&(m.k, m.n)) && matches!(mode, FfnFusion::Rows | FfnFusion::All);
+    let clusters = VARIANTS.iter().position(|v| v.h == m.k && v.i == m.n).filter(|_| matches!(mode, FfnFusion::All | FfnFusion::Clusters));
+    if rows {
+        Some(Kernel::Rows)
+    } else {
+        clusters.map(Kernel::Clusters)
+    }
 }
 
 /// The first matmul: [rows, H] · W1ᵀ + b1, erf-GELU, rows contiguous.
@@ -153,7 +200,11 @@ fn dead_after(thunks: &[Thunk], after: usize, buf: &BufRef, outputs: &[BufRef]) 
 /// The triples the fused kernels can run (none when turned off or before
 /// sm_90, which the clusters need).
 pub(crate) fn find(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32) -> Vec<Fusion> {
-    if cc_major < 9 || !enabled() {
+    find_with(thunks, outputs, cc_major, mode())
+}
+
+fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusion) -> Vec<Fusion> {
+    if cc_major < 9 || mode == FfnFusion::Off {
         return Vec::new();
     }
     let mut found = Vec::new();
@@ -171,8 +222,8 @@ pub(crate) fn find(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32) -> Vec<F
                 && residual.is_none_or(|r| r != *x)
                 && dead_after(thunks, i + 1, &a.out, outputs)
                 && dead_after(thunks, i + 2, &b.out, outputs);
-            if let (true, Some(variant)) = (ok, variant_for(a)) {
-                found.push(Fusion { start: i, variant });
+            if let (true, Some(kernel)) = (ok, kernel_for(a, mode)) {
+                found.push(Fusion { start: i, kernel });
                 i += 3;
                 continue;
             }
@@ -186,8 +237,8 @@ pub(crate) fn find(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32) -> Vec<F
 pub(crate) fn workspace_bytes(thunks: &[Thunk], fusions: &[Fusion]) -> u64 {
     fusions
         .iter()
-        .map(|f| match &thunks[f.start] {
-            Thunk::MatMul(m) => (VARIANTS[f.variant].clusters() * m.batch * m.m * m.k * 4) as u64,
+        .map(|f| match (&thunks[f.start], f.kernel) {
+            (Thunk::MatMul(m), Kernel::Clusters(v)) => (VARIANTS[v].clusters() * m.batch * m.m * m.k * 4) as u64,
             _ => 0,
         })
         .max()
@@ -202,7 +253,6 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     else {
         return Ok(None);
     };
-    let v = &VARIANTS[f.variant];
     let opt = |r: Option<&BufRef>| r.map(|r| b.ptr(r)).transpose().map(|p| p.unwrap_or(0));
     let (x, w1, w2) = (b.ptr(&m1.a)?, b.ptr(&m1.b)?, b.ptr(&m2.b)?);
     let (b1, b2) = (opt(m1.bias.as_ref())?, opt(m2.bias.as_ref())?);
@@ -217,23 +267,48 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     let rows = (m1.batch * m1.m) as u64;
     let sfx = suffix(m1.dtype);
     let own = k.own_gemm()?;
+    let info = std::env::var("RLX_FFN_INFO").is_ok();
+    let v = match f.kernel {
+        Kernel::Clusters(v) => &VARIANTS[v],
+        Kernel::Rows => {
+            let (h, i) = (m1.k, m1.n);
+            let func = own.get(&format!("ffn_rows_{h}_{i}_{sfx}"))?;
+            let smem = row_smem(h, i);
+            func.set_max_dynamic_smem(smem)?;
+            func.allow_non_portable_clusters()?;
+            // As many row groups as fit at once (one wave), each at most
+            // ROW_TILE rows; else the thunks lower as usual.
+            let want = (rows as usize).div_ceil(16);
+            let fit = func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32)? as usize;
+            let groups = want.min(fit);
+            let per = if groups == 0 { usize::MAX } else { (rows as usize).div_ceil(groups) };
+            if info {
+                eprintln!("rlx-cuda ffn rows {h}x{i}: {rows} rows, {fit} clusters of {ROW_CLUSTER} fit, {groups} groups of {per} rows");
+            }
+            if per > ROW_TILE {
+                return Ok(None);
+            }
+            let args =
+                Args::default().p(x).p(w1).p(b1).p(w2).p(b2).p(res1).p(res2).p(g).p(bt).p(o).i(rows).p(m1.lda).i(per).i(*rms as i64).f(*eps as f64);
+            let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
+            let op = Op::Kernel { func, grid, block: 256, smem, cluster: [ROW_CLUSTER as u32, 1, 1], args: args.0 };
+            return Ok(Some(vec![Step::new(op, "ffn")]));
+        }
+    };
     let func = own.get(&format!("ffn_{}_{}_{sfx}", v.kb(), v.ic))?;
     let smem = v.smem();
     func.set_max_dynamic_smem(smem)?;
     let args = Args::default().p(x).p(w1).p(b1).p(w2).p(ws).i(rows).i(v.h).i(v.i).p(m1.lda).i(skip_bits());
     let grid = [(v.clusters() * CLUSTER) as u32, 1, 1];
-    if std::env::var("RLX_FFN_INFO").is_ok() {
+    if info {
         let active = func.max_active_clusters(grid[0], 32 * v.warps, smem, CLUSTER as u32)?;
-        // For designs with larger clusters: how many of 16 blocks would fit.
-        let sixteen = func.allow_non_portable_clusters().and_then(|_| func.max_active_clusters(256, 32 * v.warps, smem, 16));
         eprintln!(
-            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM; clusters of 16 resident: {}",
+            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM",
             v.h,
             v.i,
             v.clusters(),
             active,
             func.max_blocks_per_sm(32 * v.warps, smem)?,
-            sixteen.map(|n| n.to_string()).unwrap_or_else(|e| e.to_string())
         );
     }
     let fused = Step::new(Op::Kernel { func, grid, block: 32 * v.warps, smem, cluster: [CLUSTER as u32, 1, 1], args: args.0 }, "ffn");
@@ -300,36 +375,47 @@ mod tests {
 
     #[test]
     fn finds_bert_and_minilm_blocks_and_nothing_else() {
-        set_ffn_fusion(true);
         for (h, i, variant) in [(768, 3072, 0), (384, 1536, 1)] {
             let (t, [.., out]) = block(128, h, i, Some(Activation::Gelu));
-            assert_eq!(find(&t, &[out], 9), vec![Fusion { start: 0, variant }]);
+            assert_eq!(find_with(&t, &[out], 9, FfnFusion::Clusters), vec![Fusion { start: 0, kernel: Kernel::Clusters(variant) }]);
             // Before sm_90 (no clusters): nothing.
-            assert!(find(&t, &[out], 8).is_empty());
+            assert!(find_with(&t, &[out], 8, FfnFusion::All).is_empty());
         }
         // 129 rows, the tanh GELU, a width without a compiled kernel.
         for (rows, h, i, act) in
             [(129, 384, 1536, Activation::Gelu), (64, 384, 1536, Activation::GeluTanh), (64, 256, 1024, Activation::Gelu)]
         {
             let (t, [.., out]) = block(rows, h, i, Some(act));
-            assert!(find(&t, &[out], 9).is_empty(), "{rows} {h} {i} {act:?}");
+            assert!(find_with(&t, &[out], 9, FfnFusion::Clusters).is_empty(), "{rows} {h} {i} {act:?}");
         }
     }
 
     #[test]
+    fn modes_pick_the_kernels() {
+        let (mini, [.., out]) = block(128, 384, 1536, Some(Activation::Gelu));
+        let (bert, [.., bout]) = block(128, 768, 3072, Some(Activation::Gelu));
+        let kernels = |t: &[Thunk], o: BufRef, m| find_with(t, &[o], 9, m).iter().map(|f| f.kernel).collect::<Vec<_>>();
+        assert_eq!(kernels(&mini, out, FfnFusion::Off), []);
+        assert_eq!(kernels(&mini, out, FfnFusion::Rows), [Kernel::Rows]);
+        assert_eq!(kernels(&bert, bout, FfnFusion::Rows), []);
+        assert_eq!(kernels(&mini, out, FfnFusion::All), [Kernel::Rows]);
+        assert_eq!(kernels(&bert, bout, FfnFusion::All), [Kernel::Clusters(0)]);
+        assert_eq!(kernels(&mini, out, FfnFusion::Clusters), [Kernel::Clusters(1)]);
+    }
+
+    #[test]
     fn intermediates_read_later_or_returned_are_not_fused() {
-        set_ffn_fusion(true);
         let (mut t, [x, hb, y, out]) = block(32, 384, 1536, Some(Activation::Gelu));
         // FFN1's output is a graph output, or FFN2's is read after the norm.
-        assert!(find(&t, &[out, hb], 9).is_empty());
+        assert!(find_with(&t, &[out, hb], 9, FfnFusion::All).is_empty());
         let later = Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: y, out: x };
         t.push(later.clone());
-        assert!(find(&t, &[out], 9).is_empty());
+        assert!(find_with(&t, &[out], 9, FfnFusion::Clusters).is_empty());
         // Overwritten first, then read: dead, so fused.
         let (mut t, [x, _, y, out]) = block(32, 384, 1536, Some(Activation::Gelu));
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: out, out: y });
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: y, out: x });
-        assert_eq!(find(&t, &[x], 9).len(), 1);
+        assert_eq!(find_with(&t, &[x], 9, FfnFusion::All).len(), 1);
         // A later tensor over part of FFN1's output, written then read (as
         // the arena planner reuses memory): still dead. Reading the part not
         // overwritten is not.
@@ -337,9 +423,9 @@ mod tests {
         let part = buf(hb.offset + 4096, 32 * 384 * 2);
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: out, out: part });
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: part, out: x });
-        assert_eq!(find(&t, &[x], 9).len(), 1);
+        assert_eq!(find_with(&t, &[x], 9, FfnFusion::All).len(), 1);
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 1024, x: buf(hb.offset, 2048), out: x });
-        assert!(find(&t, &[x], 9).is_empty());
+        assert!(find_with(&t, &[x], 9, FfnFusion::All).is_empty());
     }
 
     #[test]
@@ -348,10 +434,11 @@ mod tests {
         // (1×128): the arena planner reuses FFN1's output for later tensors.
         let s: rlx_compile::Schedule =
             serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
-        set_ffn_fusion(true);
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
-        let found = find(&s.thunks, &outputs, 9);
+        let found = find_with(&s.thunks, &outputs, 9, FfnFusion::All);
         assert_eq!(found.iter().map(|f| f.start).collect::<Vec<_>>(), [5, 12, 19, 26, 33, 40]);
+        assert!(found.iter().all(|f| f.kernel == Kernel::Rows));
+        assert!(find_with(&s.thunks, &outputs, 9, FfnFusion::Clusters).iter().all(|f| f.kernel == Kernel::Clusters(1)));
     }
 
     #[test]
@@ -360,5 +447,8 @@ mod tests {
         assert_eq!(VARIANTS[0].smem(), (128 + 192) * 104 * 2 + 96 * 200 * 2 + 128 * 200 * 4 + 192 * 2);
         assert_eq!(VARIANTS[1].smem(), 128 * 104 * 2 + 48 * 104 * 2 + 128 * 104 * 4 + 96 * 2);
         assert!(VARIANTS.iter().all(|v| v.smem() <= 227 * 1024 && v.i % v.ic == 0 && v.h % (8 * 16) == 0));
+        // The row split: X and W1 (the f32 partial reuses them), W2, H, b1, statistics, per-thread sums.
+        assert_eq!(row_smem(384, 1536), (32 + 96) * 392 * 2 + 384 * 104 * 2 + 32 * 104 * 2 + 96 * 2 + 2 * 32 * 4 + 32 * 8 * 4);
+        assert!(row_smem(384, 1536) <= 227 * 1024);
     }
 }

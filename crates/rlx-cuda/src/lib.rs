@@ -30,7 +30,7 @@ use rlx_compile::{Schedule, Thunk};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, WeightStore};
 
 pub use exec::{set_l2_persist, CudaExecutable};
-pub use ffn::set_ffn_fusion;
+pub use ffn::{set_ffn_fusion, FfnFusion};
 pub use gemm::{set_gemm_policy, GemmPolicy};
 pub use layer::{set_layer_policy, Policy as LayerPolicy};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;

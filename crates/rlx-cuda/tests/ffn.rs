@@ -1,16 +1,17 @@
 //! The fused feed-forward block (kernels/ffn.cu, src/ffn.rs): FFN1 with
 //! erf-GELU, FFN2 and the norm after them, against the CPU backend on
-//! random row counts up to 128, both compiled widths (MiniLM's 384/1536 and
-//! bert-base's 768/3072), f16 and bf16, the residual in the norm or in
-//! FFN2, LayerNorm and RmsNorm; replay equals eager bit for bit, repeated
-//! calls give the same bits, and the fused kernels must actually have run.
+//! random row counts up to 128, f16 and bf16, the residual in the norm or in
+//! FFN2, LayerNorm and RmsNorm: the cluster kernel at both compiled widths
+//! (MiniLM's 384/1536 and bert-base's 768/3072), the row split at MiniLM's;
+//! replay equals eager bit for bit, repeated calls give the same bits, and
+//! the fused kernels must actually have run.
 
 mod common;
 
 use common::*;
 use rand::Rng;
 use rlx_compile::{BufRef, MatMulThunk, Thunk};
-use rlx_cuda::set_ffn_fusion;
+use rlx_cuda::{set_ffn_fusion, FfnFusion};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions, Tensor};
 
@@ -92,15 +93,15 @@ fn graph(dt: DType, c: Case, seed: u64) -> Sb {
 fn fused_ffn_matches_cpu() {
     let Some(g) = gpu_or_dry() else { return };
     let _lock = FUSION_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    set_ffn_fusion(true);
     let mut r = rng(7);
     let mut cases = vec![
         Case { rows: 128, h: 768, i: 3072, residual_in_matmul: false, rms: false, layers: 2 },
         Case { rows: 128, h: 384, i: 1536, residual_in_matmul: false, rms: false, layers: 2 },
         Case { rows: 1, h: 384, i: 1536, residual_in_matmul: true, rms: true, layers: 1 },
+        Case { rows: 17, h: 384, i: 1536, residual_in_matmul: false, rms: false, layers: 1 },
     ];
-    for _ in 0..3 {
-        let big = r.random_bool(0.5);
+    for _ in 0..4 {
+        let big = r.random_bool(0.4);
         cases.push(Case {
             rows: r.random_range(2..128),
             h: if big { 768 } else { 384 },
@@ -110,25 +111,33 @@ fn fused_ffn_matches_cpu() {
             layers: 1,
         });
     }
-    for (n, c) in cases.into_iter().enumerate() {
-        for dt in [DType::F16, DType::BF16] {
-            let what = format!("fused ffn {dt} {c:?}");
-            let (s, w) = graph(dt, c, 100 + n as u64).finish();
-            let inp = vec![("x".to_string(), rand_tensor(&mut rng(200 + n as u64), &[c.rows, c.h], dt))];
-            check_floor(&what, &g, &s, &w, &inp, 5.0, 3.0);
-            let Some(g) = &g else { continue };
-            let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(e.fused_ffn_count(), c.layers, "{what}: the fused kernels did not run\n{}", e.segment_map());
-            // Every matmul of the graph is fused away.
-            assert_eq!(e.matmul_choices().len(), 0, "{what}");
-            let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let first = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
-            for _ in 0..10 {
-                let again = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
-                assert_eq!(first.bytes(), again.bytes(), "{what}: repeated calls differ");
+    for mode in [FfnFusion::Clusters, FfnFusion::Rows] {
+        set_ffn_fusion(mode);
+        for (n, c) in cases.iter().copied().enumerate() {
+            // The row split is compiled for MiniLM's widths only.
+            if mode == FfnFusion::Rows && c.h != 384 {
+                continue;
+            }
+            for dt in [DType::F16, DType::BF16] {
+                let what = format!("fused ffn {mode:?} {dt} {c:?}");
+                let (s, w) = graph(dt, c, 100 + n as u64).finish();
+                let inp = vec![("x".to_string(), rand_tensor(&mut rng(200 + n as u64), &[c.rows, c.h], dt))];
+                check_floor(&what, &g, &s, &w, &inp, 5.0, 3.0);
+                let Some(g) = &g else { continue };
+                let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(e.fused_ffn_count(), c.layers, "{what}: the fused kernels did not run\n{}", e.segment_map());
+                // Every matmul of the graph is fused away.
+                assert_eq!(e.matmul_choices().len(), 0, "{what}");
+                let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                let first = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
+                for _ in 0..10 {
+                    let again = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
+                    assert_eq!(first.bytes(), again.bytes(), "{what}: repeated calls differ");
+                }
             }
         }
     }
+    set_ffn_fusion(FfnFusion::Off);
 }
 
 #[test]
@@ -139,16 +148,19 @@ fn fusion_off_and_ineligible_shapes_run_the_usual_kernels() {
     let (s, w) = graph(DType::F16, c, 3).finish();
     let inp = [("x".to_string(), rand_tensor(&mut rng(4), &[c.rows, c.h], DType::F16))];
     let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    set_ffn_fusion(false);
+    set_ffn_fusion(FfnFusion::Off);
     let mut off = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(off.fused_ffn_count(), 0);
     let unfused = Executable::run(&mut off, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
-    set_ffn_fusion(true);
-    let mut on = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(on.fused_ffn_count(), 1);
-    let fused = Executable::run(&mut on, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
-    assert_close_floor("fused against unfused", &fused, &unfused, 5.0, 3.0);
+    for mode in [FfnFusion::Clusters, FfnFusion::Rows, FfnFusion::All] {
+        set_ffn_fusion(mode);
+        let mut on = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(on.fused_ffn_count(), 1, "{mode:?}");
+        let fused = Executable::run(&mut on, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
+        assert_close_floor(&format!("{mode:?} against unfused"), &fused, &unfused, 5.0, 3.0);
+    }
     // 129 rows and an uncompiled width stay unfused (and still run).
+    set_ffn_fusion(FfnFusion::All);
     for c in [
         Case { rows: 129, h: 384, i: 1536, residual_in_matmul: false, rms: false, layers: 1 },
         Case { rows: 16, h: 256, i: 1024, residual_in_matmul: false, rms: false, layers: 1 },
@@ -159,4 +171,5 @@ fn fusion_off_and_ineligible_shapes_run_the_usual_kernels() {
         let inp = [("x", &rand_tensor(&mut rng(6), &[c.rows, c.h], DType::F16))];
         Executable::run(&mut e, &inp).unwrap_or_else(|e| panic!("{c:?}: {e}"));
     }
+    set_ffn_fusion(FfnFusion::Off);
 }
