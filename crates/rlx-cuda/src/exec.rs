@@ -354,8 +354,10 @@ impl CudaExecutable {
                         continue;
                     }
                 }
-                if let (Some(f), Some(ws)) = (fusions.iter().find(|f| f.start == i), &ffn_ws) {
-                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, ws.ptr)? {
+                if let Some(f) = fusions.iter().find(|f| f.start == i) {
+                    // The workspace exists when a cluster-kernel fusion needs it (0: none).
+                    let ws = ffn_ws.as_ref().map_or(0, |w| w.ptr);
+                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, ws)? {
                         if slots.is_empty() {
                             fused_ffns += 1;
                         }
@@ -417,10 +419,13 @@ impl CudaExecutable {
             if !empty.is_empty() {
                 let nothing = kernels.get("empty_kernel")?;
                 for st in steps.iter_mut().filter(|s| s.kind != "io" && empty.iter().any(|k| k == s.kind)) {
-                    if let Op::Kernel { func, smem, .. } = &mut st.op {
+                    if let Op::Kernel { func, smem, cluster, .. } = &mut st.op {
                         *func = nothing;
                         if *smem > 48 * 1024 {
                             nothing.set_max_dynamic_smem(*smem)?;
+                        }
+                        if cluster.iter().product::<u32>() > 8 {
+                            nothing.allow_non_portable_clusters()?;
                         }
                     }
                 }

@@ -1,26 +1,33 @@
 //! The fused feed-forward block (kernels/ffn.cu) for at most 128 rows:
-//! FFN1 (+bias, erf-GELU), FFN2 (+bias) and the norm after them as two
+//! FFN1 (+bias, erf-GELU), FFN2 (+bias) and the norm after them as fused
 //! kernels instead of cuBLASLt, the GELU epilogue, cuBLASLt and the norm.
 //!
 //! `find` picks the triples it can run: MatMul → MatMul → Norm where the
 //! first matmul's output feeds only the second, the second's only the norm
 //! (neither is read again before it is overwritten, nor is an output), the
-//! weights are stored `[out, in]` and (H, I) has a compiled variant.
-//! `build` lowers one triple for a slot. The f32 shares of FFN2 go to a
-//! workspace that every fused block of an executable shares (they run one
-//! after another on its stream).
+//! weights are stored `[out, in]` and (H, I) has a compiled kernel. `build`
+//! lowers one triple for a slot. Two kernels exist:
+//! - the cluster kernel (`ffn_<KB>_<IC>` + `ffn_norm`; bert-base's and
+//!   MiniLM's widths): 8-block clusters split I, sum FFN1's split-K and
+//!   exchange the intermediate through DSMEM, and write f32 shares of FFN2
+//!   to a workspace (shared by every fused block of an executable: they run
+//!   one after another on its stream) that the norm kernel sums;
+//! - the row split (`ffn_rows_<H>_<I>`, MiniLM's widths): 16-block clusters
+//!   over groups of at most 32 rows run the whole block and the norm, each
+//!   block 1/16 of I, FFN2's partials and the norm's statistics summed over
+//!   DSMEM.
 //!
-//! Off by default: on the H200 it measured slower than cuBLASLt's kernels
-//! (bench/gpu-perf.md, session 11: MiniLM 1×128 198 against 151 µs,
-//! bert-base 1×128 625–637 against 373). Its data movement is the cost: the
-//! 8-way split-K sum of FFN1 and the exchange of the intermediate through
-//! DSMEM (~150 KB per block at bert-base), and the f32 shares of FFN2
-//! through L2 (6.3 MB); bert-base's 16 clusters of 8 one-block SMs also
-//! need two waves (15 fit at once). RLX_FFN=1 or `set_ffn_fusion(true)`
-//! turns it on (sm_90+; the kernels load with the own matmul's modules).
-//! Diagnostics: RLX_FFN_INFO=1 prints the resident clusters at prepare;
-//! RLX_FFN_SKIP=bits leaves parts of the kernel out (wrong results, timing
-//! only; see `skip_bits`).
+//! Off by default: on the H200 neither beats cuBLASLt's kernels
+//! (bench/gpu-perf.md, session 11, 1×128: MiniLM 151–154 µs by default,
+//! 155–157 with the row split, 198 with the cluster kernel; bert-base 373
+//! against 625–637). Their data movement is the cost: DSMEM exchanges (~10 KB
+//! per µs per block measured), the cluster barriers, and for the cluster
+//! kernel the f32 shares through L2 (6.3 MB at bert-base) and two waves of
+//! clusters at bert-base (15 of its 16 fit at once). `set_ffn_fusion` or
+//! RLX_FFN (`rows`, `1` = all, `clusters`) turns them on (sm_90+; the kernels
+//! load with the own matmul's modules). Diagnostics: RLX_FFN_INFO=1 prints
+//! the resident clusters at prepare; RLX_FFN_SKIP=bits leaves parts of the
+//! cluster kernel out (wrong results, timing only; see `skip_bits`).
 
 use rlx_compile::operands::operands;
 use rlx_compile::{BufRef, MatMulThunk, Thunk};
@@ -269,6 +276,7 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     let own = k.own_gemm()?;
     let info = std::env::var("RLX_FFN_INFO").is_ok();
     let v = match f.kernel {
+        Kernel::Clusters(_) if ws == 0 => return Ok(None),
         Kernel::Clusters(v) => &VARIANTS[v],
         Kernel::Rows => {
             let (h, i) = (m1.k, m1.n);
@@ -288,8 +296,22 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
             if per > ROW_TILE {
                 return Ok(None);
             }
-            let args =
-                Args::default().p(x).p(w1).p(b1).p(w2).p(b2).p(res1).p(res2).p(g).p(bt).p(o).i(rows).p(m1.lda).i(per).i(*rms as i64).f(*eps as f64);
+            let args = Args::default()
+                .p(x)
+                .p(w1)
+                .p(b1)
+                .p(w2)
+                .p(b2)
+                .p(res1)
+                .p(res2)
+                .p(g)
+                .p(bt)
+                .p(o)
+                .i(rows)
+                .p(m1.lda)
+                .i(per)
+                .i(*rms as i64)
+                .f(*eps as f64);
             let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
             let op = Op::Kernel { func, grid, block: 256, smem, cluster: [ROW_CLUSTER as u32, 1, 1], args: args.0 };
             return Ok(Some(vec![Step::new(op, "ffn")]));
