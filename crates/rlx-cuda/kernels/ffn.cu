@@ -329,7 +329,7 @@ extern "C" __global__ void ffn_norm_bf16(const FfnNormP p) { pdl_enter(); ffn_no
 struct FfnRowsP {
     const void* x; const void* w1; const void* b1; const void* w2; const void* b2;
     const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
-    i64 m; i64 lda; i64 rows; i64 rms; double eps;
+    i64 m; i64 lda; i64 rows; i64 rms; double eps; i64 skip;
 };
 
 template <int H, int IS>
@@ -382,11 +382,11 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
 
-    for (int e = tid; e < IS * (H / 8); e += NT) {
+    if (!(p.skip & 4)) for (int e = tid; e < IS * (H / 8); e += NT) {
         const int j = e / (H / 8), c = e % (H / 8) * 8;
         cp_async16(w1s + j * XP + c, W1 + (i0 + j) * H + c, true);
     }
-    for (int e = tid; e < H * (IS / 8); e += NT) {
+    if (!(p.skip & 4)) for (int e = tid; e < H * (IS / 8); e += NT) {
         const int j = e / (IS / 8), c = e % (IS / 8) * 8;
         cp_async16(w2s + j * HP + c, W2 + (i64)j * I + i0 + c, true);
     }
@@ -403,7 +403,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     __syncthreads();
 
     // 1. H_r: warps 0..3, 16 rows by IS/2 columns each.
-    if (warp < 4 && (warp & 1) * 16 < nrows) {
+    if (warp < 4 && (warp & 1) * 16 < nrows && !(p.skip & 8)) {
         const int wm = warp & 1, wn = warp >> 1;
         float acc[NF1][4];
 #pragma unroll
@@ -441,7 +441,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         float acc[NF2][4];
 #pragma unroll
         for (int nf = 0; nf < NF2; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.0f;
-        if (wm * 16 < nrows) {
+        if (wm * 16 < nrows && !(p.skip & 16)) {
             const u16* ca = hs + (wm * 16 + (mi & 1) * 8 + mr) * HP + (mi >> 1) * 8;
             const u16* cb = w2s + (wn * (H / 4) + (mi >> 1) * 8 + mr) * HP + (mi & 1) * 8;
 #pragma unroll
@@ -476,7 +476,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         const unsigned off = (unsigned)__cvta_generic_to_shared(yp + row * XP + col);
         float4 q[16];
 #pragma unroll
-        for (int z = 0; z < 16; ++z) q[z] = ld_cluster_f4(cluster_map(off, (unsigned)z));
+        for (int z = 0; z < 16; ++z) q[z] = (p.skip & 1) ? *(const float4*)(yp + row * XP + col) : ld_cluster_f4(cluster_map(off, (unsigned)z));
 #pragma unroll
         for (int z = 0; z < 16; ++z) {
             v[0] += q[z].x;
@@ -511,7 +511,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         if (tid < nrows) {
             float s = 0.0f;
             const unsigned a = stat_addr + (unsigned)((which * RT + tid) * 4);
-            for (int z = 0; z < 16; ++z) s += ld_cluster_f32(cluster_map(a, (unsigned)z));
+            for (int z = 0; z < 16; ++z) s += (p.skip & 2) ? stat[which * RT + tid] : ld_cluster_f32(cluster_map(a, (unsigned)z));
             part[tid * 8 + 7] = s;  // slot 7: the row's units use slots 0..U4-1 (U4 <= 7)
         }
         __syncthreads();

@@ -118,8 +118,11 @@ fn mode() -> FfnFusion {
 }
 
 /// RLX_FFN_SKIP=bits (timing diagnostic, wrong results): parts of the
-/// fused kernel left out: 1 the cluster reduction, 2 FFN1's multiply, 4
-/// FFN2, 8 the weight loads, 16 the cluster barriers.
+/// fused kernels left out. Cluster kernel: 1 the cluster reduction, 2
+/// FFN1's multiply, 4 FFN2, 8 the weight loads, 16 the cluster barriers, 32
+/// the reduction's remote stores, 64 its remote loads, 128 the workspace
+/// stores. Row split: 1 the remote loads of FFN2's partials, 2 those of the
+/// norm's statistics, 4 the weight loads, 8 FFN1's multiply, 16 FFN2's.
 fn skip_bits() -> i64 {
     std::env::var("RLX_FFN_SKIP").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
@@ -311,7 +314,8 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
                 .p(m1.lda)
                 .i(per)
                 .i(*rms as i64)
-                .f(*eps as f64);
+                .f(*eps as f64)
+                .i(skip_bits());
             let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
             let op = Op::Kernel { func, grid, block: 256, smem, cluster: [ROW_CLUSTER as u32, 1, 1], args: args.0 };
             return Ok(Some(vec![Step::new(op, "ffn")]));
