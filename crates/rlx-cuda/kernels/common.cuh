@@ -310,6 +310,37 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
                  : "memory");
 }
 
+// One warp's share of A·Bᵀ over KS steps of 16 along K, from shared
+// memory: acc[MF][NF] (m16n8 fragments) += A (MF fragments of 16 rows,
+// pitch AP) times B (NF fragments of 8 columns, pitch BP). `ca` and `cb`
+// are this lane's ldmatrix addresses for fragment 0 at k = 0: A row
+// (mi & 1)·8 + mr, column (mi >> 1)·8 (mi = lane / 8, mr = lane % 8); for B
+// stored [n][k] (`BT`) row (mi >> 1)·8 + mr, column (mi & 1)·8, for B stored
+// [k][n] row (mi & 1)·8 + mr, column (mi >> 1)·8 (read transposed).
+template <typename T, int MF, int NF, int KS, int AP, int BP, bool BT>
+__device__ __forceinline__ void mma_warp_steps(float (&acc)[MF][NF][4], const unsigned short* ca, const unsigned short* cb) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        unsigned af[MF][4];
+        // Matrices: rows +0..7 / +8..15 of the fragment, k +0..7 / +8..15.
+#pragma unroll
+        for (int mf = 0; mf < MF; ++mf) ldsm_x4(af[mf], ca + mf * 16 * AP + ks * 16);
+#pragma unroll
+        for (int nf = 0; nf < NF; nf += 2) {
+            // BT: matrices (n +0..7, k +0..7), (n +0..7, k +8..15), then
+            // n +8..15: b0, b1 of fragment nf, then of nf + 1.
+            unsigned bf[4];
+            if (BT) ldsm_x4(bf, cb + nf * 8 * BP + ks * 16);
+            else ldsm_x4_trans(bf, cb + ks * 16 * BP + nf * 8);
+#pragma unroll
+            for (int mf = 0; mf < MF; ++mf) {
+                Mma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
+                Mma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // This block's rank in its thread-block cluster.
 __device__ __forceinline__ unsigned cluster_rank() {

@@ -58,6 +58,24 @@ struct FfnSmem {
     static constexpr int TOTAL = U + W2 + PART + IC * 2;
 };
 
+// One warp's tile of A·Bᵀ from shared memory (mma.sync m16n8k16): the
+// [MF][NF] accumulator fragments, zeroed here, over KS steps of 16 along K;
+// A's rows from r0 (pitch AP elements), B's rows (the output columns) from
+// c0 (pitch BP), K contiguous in both. `run` false leaves the zeros.
+template <typename T, int MF, int NF, int KS, int AP, int BP>
+__device__ __forceinline__ void ffn_warp_tile(float (&acc)[MF][NF][4], const unsigned short* a, int r0, const unsigned short* b, int c0,
+                                              bool run) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
+    if (!run) return;
+    const int lane = threadIdx.x & 31, mi = lane >> 3, mr = lane & 7;
+    const unsigned short* ca = a + (r0 + (mi & 1) * 8 + mr) * AP + (mi >> 1) * 8;
+    const unsigned short* cb = b + (c0 + (mi >> 1) * 8 + mr) * BP + (mi & 1) * 8;
+    mma_warp_steps<T, MF, NF, KS, AP, BP, true>(acc, ca, cb);
+}
+
 // W warps; phase 1 warps own WM1 rows (of 128) by IC / (W·WM1/128) columns,
 // phase 2 warps WM2 rows by KB / (W·WM2/128) columns.
 template <typename T, int KB, int IC, int W, int WM1, int WM2>
@@ -82,7 +100,6 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
     const i64 i0 = (i64)(blockIdx.x / 8) * IC, k0 = (i64)rank * KB;
     const int m = (int)p.m;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int mi = lane >> 3, mr = lane & 7;
     const u16* const W1 = (const u16*)p.w1;
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
@@ -113,30 +130,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
     {
         const int wm = warp % WARPS_M1, wn = warp / WARPS_M1;
         float acc[MF1][NF1][4];
-#pragma unroll
-        for (int mf = 0; mf < MF1; ++mf)
-#pragma unroll
-            for (int nf = 0; nf < NF1; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
-        if (wm * WM1 < m && !(p.skip & 2)) {
-            const u16* ca = xs + (wm * WM1 + (mi & 1) * 8 + mr) * XP + (mi >> 1) * 8;
-            const u16* cb = w1s + (wn * WC1 + (mi >> 1) * 8 + mr) * XP + (mi & 1) * 8;
-#pragma unroll
-            for (int ks = 0; ks < KB / 16; ++ks) {
-                unsigned af[MF1][4];
-#pragma unroll
-                for (int mf = 0; mf < MF1; ++mf) ldsm_x4(af[mf], ca + mf * 16 * XP + ks * 16);
-#pragma unroll
-                for (int nf = 0; nf < NF1; nf += 2) {
-                    unsigned bf[4];
-                    ldsm_x4(bf, cb + nf * 8 * XP + ks * 16);
-#pragma unroll
-                    for (int mf = 0; mf < MF1; ++mf) {
-                        Mma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
-                        Mma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
-                    }
-                }
-            }
-        }
+        ffn_warp_tile<T, MF1, NF1, KB / 16, XP, XP>(acc, xs, wm * WM1, w1s, wn * WC1, wm * WM1 < m && !(p.skip & 2));
 #pragma unroll
         for (int mf = 0; mf < MF1; ++mf)
 #pragma unroll
@@ -193,28 +187,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
         const int wm = warp % WARPS_M2, wn = warp / WARPS_M2;
         if (wm * WM2 >= m || (p.skip & 4)) return;
         float acc[MF2][NF2][4];
-#pragma unroll
-        for (int mf = 0; mf < MF2; ++mf)
-#pragma unroll
-            for (int nf = 0; nf < NF2; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
-        const u16* ca = hs + (wm * WM2 + (mi & 1) * 8 + mr) * HP + (mi >> 1) * 8;
-        const u16* cb = w2s + (wn * WC2 + (mi >> 1) * 8 + mr) * HP + (mi & 1) * 8;
-#pragma unroll
-        for (int ks = 0; ks < IC / 16; ++ks) {
-            unsigned af[MF2][4];
-#pragma unroll
-            for (int mf = 0; mf < MF2; ++mf) ldsm_x4(af[mf], ca + mf * 16 * HP + ks * 16);
-#pragma unroll
-            for (int nf = 0; nf < NF2; nf += 2) {
-                unsigned bf[4];
-                ldsm_x4(bf, cb + nf * 8 * HP + ks * 16);
-#pragma unroll
-                for (int mf = 0; mf < MF2; ++mf) {
-                    Mma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
-                    Mma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
-                }
-            }
-        }
+        ffn_warp_tile<T, MF2, NF2, IC / 16, HP, HP>(acc, hs, wm * WM2, w2s, wn * WC2, true);
         float* const ws = p.ws + (i64)(blockIdx.x / 8) * p.m * p.h + k0;
 #pragma unroll
         for (int mf = 0; mf < MF2; ++mf)
@@ -376,7 +349,6 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const int nrows = min((int)p.rows, (int)p.m - row0);
     if (nrows <= 0) return;  // the whole cluster: no barrier is waited for
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int mi = lane >> 3, mr = lane & 7;
     const i64 i0 = (i64)r * IS;
     const u16* const W1 = (const u16*)p.w1;
     const u16* const W2 = (const u16*)p.w2;
@@ -403,33 +375,18 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     __syncthreads();
 
     // 1. H_r: warps 0..3, 16 rows by IS/2 columns each.
-    if (warp < 4 && (warp & 1) * 16 < nrows && !(p.skip & 8)) {
+    if (warp < 4 && (warp & 1) * 16 < nrows) {
         const int wm = warp & 1, wn = warp >> 1;
-        float acc[NF1][4];
-#pragma unroll
-        for (int nf = 0; nf < NF1; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.0f;
-        const u16* ca = xs + (wm * 16 + (mi & 1) * 8 + mr) * XP + (mi >> 1) * 8;
-        const u16* cb = w1s + (wn * (IS / 2) + (mi >> 1) * 8 + mr) * XP + (mi & 1) * 8;
-#pragma unroll 4
-        for (int ks = 0; ks < H / 16; ++ks) {
-            unsigned af[4];
-            ldsm_x4(af, ca + ks * 16);
-#pragma unroll
-            for (int nf = 0; nf < NF1; nf += 2) {
-                unsigned bf[4];
-                ldsm_x4(bf, cb + nf * 8 * XP + ks * 16);
-                Mma<T>::run(acc[nf], af, bf[0], bf[1]);
-                Mma<T>::run(acc[nf + 1], af, bf[2], bf[3]);
-            }
-        }
+        float acc[1][NF1][4];
+        ffn_warp_tile<T, 1, NF1, H / 16, XP, XP>(acc, xs, wm * 16, w1s, wn * (IS / 2), !(p.skip & 8));
         const T* bs = (const T*)b1s;
 #pragma unroll
         for (int nf = 0; nf < NF1; ++nf)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = wm * 16 + g + h * 8, col = wn * (IS / 2) + nf * 8 + 2 * t;
-                const float a = act_t<T>(ACT_GELU, acc[nf][2 * h] + ld(bs, col));
-                const float b = act_t<T>(ACT_GELU, acc[nf][2 * h + 1] + ld(bs, col + 1));
+                const float a = act_t<T>(ACT_GELU, acc[0][nf][2 * h] + ld(bs, col));
+                const float b = act_t<T>(ACT_GELU, acc[0][nf][2 * h + 1] + ld(bs, col + 1));
                 *(unsigned*)(hs + row * HP + col) = pack2<T>(a, b);
             }
     }
@@ -438,31 +395,14 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     // 2. The f32 partial of all H output columns: 8 warps, 16 rows by H/4.
     {
         const int wm = warp & 1, wn = warp >> 1;
-        float acc[NF2][4];
-#pragma unroll
-        for (int nf = 0; nf < NF2; ++nf) acc[nf][0] = acc[nf][1] = acc[nf][2] = acc[nf][3] = 0.0f;
-        if (wm * 16 < nrows && !(p.skip & 16)) {
-            const u16* ca = hs + (wm * 16 + (mi & 1) * 8 + mr) * HP + (mi >> 1) * 8;
-            const u16* cb = w2s + (wn * (H / 4) + (mi >> 1) * 8 + mr) * HP + (mi & 1) * 8;
-#pragma unroll
-            for (int ks = 0; ks < IS / 16; ++ks) {
-                unsigned af[4];
-                ldsm_x4(af, ca + ks * 16);
-#pragma unroll
-                for (int nf = 0; nf < NF2; nf += 2) {
-                    unsigned bf[4];
-                    ldsm_x4(bf, cb + nf * 8 * HP + ks * 16);
-                    Mma<T>::run(acc[nf], af, bf[0], bf[1]);
-                    Mma<T>::run(acc[nf + 1], af, bf[2], bf[3]);
-                }
-            }
-        }
+        float acc[1][NF2][4];
+        ffn_warp_tile<T, 1, NF2, IS / 16, HP, HP>(acc, hs, wm * 16, w2s, wn * (H / 4), wm * 16 < nrows && !(p.skip & 16));
 #pragma unroll
         for (int nf = 0; nf < NF2; ++nf)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = wm * 16 + g + h * 8, col = wn * (H / 4) + nf * 8 + 2 * t;
-                *(float2*)(yp + row * XP + col) = make_float2(acc[nf][2 * h], acc[nf][2 * h + 1]);
+                *(float2*)(yp + row * XP + col) = make_float2(acc[0][nf][2 * h], acc[0][nf][2 * h + 1]);
             }
     }
     cluster_sync();  // every block's partial is complete

@@ -173,26 +173,7 @@ __device__ __forceinline__ void gemm_body(const GemmP& p) {
         cp_async_commit();
         const u16* ca = sa0 + cur * A_ELEMS + a_frag;
         const u16* cb = sb0 + cur * B_ELEMS + b_frag;
-#pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) {
-            unsigned af[MF][4];
-            // Matrices: rows +0..7 / +8..15 of the fragment, k +0..7 / +8..15.
-#pragma unroll
-            for (int mf = 0; mf < MF; ++mf) ldsm_x4(af[mf], ca + mf * 16 * AP + ks * 16);
-#pragma unroll
-            for (int nf = 0; nf < NF; nf += 2) {
-                // BT: matrices (n +0..7, k +0..7), (n +0..7, k +8..15), then
-                // n +8..15: b0, b1 of fragment nf, then of nf + 1.
-                unsigned bf[4];
-                if (BT) ldsm_x4(bf, cb + nf * 8 * BP + ks * 16);
-                else ldsm_x4_trans(bf, cb + ks * 16 * BP + nf * 8);
-#pragma unroll
-                for (int mf = 0; mf < MF; ++mf) {
-                    Mma<T>::run(acc[mf][nf], af[mf], bf[0], bf[1]);
-                    Mma<T>::run(acc[mf][nf + 1], af[mf], bf[2], bf[3]);
-                }
-            }
-        }
+        mma_warp_steps<T, MF, NF, BK / 16, AP, BP, BT>(acc, ca, cb);
         cur = cur + 1 == stages ? 0 : cur + 1;
         nxt_stage = nxt_stage + 1 == stages ? 0 : nxt_stage + 1;
     }
