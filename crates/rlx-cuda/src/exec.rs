@@ -263,8 +263,8 @@ impl CudaExecutable {
         // Runs of thunks that one persistent kernel executes (src/layer.rs).
         let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
         let (mut layer_thunks, mut layer_instructions) = (0, 0);
-        // Feed-forward blocks of at most 128 rows as two kernels (src/ffn.rs),
-        // outside the layer programs' runs.
+        // Feed-forward blocks of at most 128 rows as fused kernels (src/ffn.rs;
+        // opt-in), outside the layer programs' runs.
         let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
         let fusions: Vec<ffn::Fusion> = ffn::find(&schedule.thunks, &outputs, dev.cc.0)
             .into_iter()

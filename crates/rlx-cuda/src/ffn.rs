@@ -286,11 +286,14 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
             let func = own.get(&format!("ffn_rows_{h}_{i}_{sfx}"))?;
             let smem = row_smem(h, i);
             func.set_max_dynamic_smem(smem)?;
-            func.allow_non_portable_clusters()?;
             // As many row groups as fit at once (one wave), each at most
-            // ROW_TILE rows; else the thunks lower as usual.
+            // ROW_TILE rows; else (or where 16-block clusters are refused)
+            // the thunks lower as usual.
             let want = (rows as usize).div_ceil(16);
-            let fit = func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32)? as usize;
+            let fit = match func.allow_non_portable_clusters() {
+                Ok(()) => func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32).unwrap_or(0) as usize,
+                Err(_) => 0,
+            };
             let groups = want.min(fit);
             let per = if groups == 0 { usize::MAX } else { (rows as usize).div_ceil(groups) };
             if info {
