@@ -255,8 +255,10 @@ pub(crate) fn workspace_bytes(thunks: &[Thunk], fusions: &[Fusion]) -> u64 {
         .unwrap_or(0)
 }
 
-/// The two launch steps of one fused triple for a slot, or None when an
-/// operand is not 16-byte aligned (the thunks then lower as usual).
+/// The launch steps of one fused triple for a slot (the row split's one
+/// kernel, or the cluster kernel and its norm), or None when an operand is
+/// not aligned or the row groups do not fit at once (the thunks then lower
+/// as usual).
 pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64) -> Result<Option<Vec<Step>>> {
     let (Thunk::MatMul(m1), Thunk::MatMul(m2), Thunk::Norm { rms, eps, x: _, residual, gamma, beta, out, .. }) =
         (&thunks[f.start], &thunks[f.start + 1], &thunks[f.start + 2])
