@@ -58,6 +58,18 @@ struct FfnSmem {
     static constexpr int TOTAL = U + W2 + PART + IC * 2;
 };
 
+// `rows` rows of COLS elements (a multiple of 8) from src (row stride ld
+// elements) into shared dst (pitch DP) by 16-byte cp.async, NT threads;
+// rows from `valid` on are written as zeros (nothing is read for them).
+template <int COLS, int DP, int NT>
+__device__ __forceinline__ void ffn_copy_rows(unsigned short* dst, const unsigned short* src, i64 ld, int rows, int valid) {
+    for (int e = threadIdx.x; e < rows * (COLS / 8); e += NT) {
+        const int r = e / (COLS / 8), c = e % (COLS / 8) * 8;
+        const bool in = r < valid;
+        cp_async16(dst + r * DP + c, in ? src + (i64)r * ld + c : src, in);
+    }
+}
+
 // One warp's tile of A·Bᵀ from shared memory (mma.sync m16n8k16): the
 // [MF][NF] accumulator fragments, zeroed here, over KS steps of 16 along K;
 // A's rows from r0 (pitch AP elements), B's rows (the output columns) from
@@ -87,6 +99,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
     constexpr int WARPS_M1 = BM / WM1, WC1 = IC / (W / WARPS_M1), MF1 = WM1 / 16, NF1 = WC1 / 8;
     constexpr int WARPS_M2 = BM / WM2, WC2 = KB / (W / WARPS_M2), MF2 = WM2 / 16, NF2 = WC2 / 8;
     static_assert(KB % 16 == 0 && IC % 32 == 0 && RW % 4 == 0, "slice sizes");
+    static_assert(L::TOTAL <= 227 * 1024, "shared memory of one block");
     static_assert(NF1 % 2 == 0 && NF2 % 2 == 0 && WC1 * (W / WARPS_M1) == IC && WC2 * (W / WARPS_M2) == KB, "warp tiling");
     extern __shared__ __align__(16) unsigned char ffn_smem[];
     u16* const xs = (u16*)ffn_smem;
@@ -106,22 +119,14 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
 
     // The weights: W1 rows i0.. (KB columns from k0), W2 rows k0.. (IC
     // columns from i0), the bias slice (zeros when there is none).
-    if (!(p.skip & 8)) for (int e = tid; e < IC * (KB / 8); e += NT) {
-        const int j = e / (KB / 8), c = e % (KB / 8) * 8;
-        cp_async16(w1s + j * XP + c, W1 + (i0 + j) * p.h + k0 + c, true);
-    }
-    if (!(p.skip & 8)) for (int e = tid; e < KB * (IC / 8); e += NT) {
-        const int j = e / (IC / 8), c = e % (IC / 8) * 8;
-        cp_async16(w2s + j * HP + c, W2 + (k0 + j) * p.i + i0 + c, true);
+    if (!(p.skip & 8)) {
+        ffn_copy_rows<KB, XP, NT>(w1s, W1 + i0 * p.h + k0, p.h, IC, IC);
+        ffn_copy_rows<IC, HP, NT>(w2s, W2 + k0 * p.i + i0, p.i, KB, KB);
     }
     if (tid < IC / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     cp_async_commit();
     pdl_enter();
-    for (int e = tid; e < BM * (KB / 8); e += NT) {
-        const int r = e / (KB / 8), c = e % (KB / 8) * 8;
-        const bool in = r < m;
-        cp_async16(xs + r * XP + c, in ? X + (i64)r * p.lda + k0 + c : X, in);
-    }
+    ffn_copy_rows<KB, XP, NT>(xs, X + k0, p.lda, BM, m);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -334,6 +339,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     constexpr int U4 = OC / 4;       // float4 units per row of a block's output columns
     static_assert(H % 128 == 0 && IS % 32 == 0 && NF1 % 2 == 0 && NF2 % 2 == 0 && OC % 4 == 0 && RT * U4 <= NT && U4 <= 7,
                   "row-split shapes");
+    static_assert(L::TOTAL <= 227 * 1024, "shared memory of one block");
     extern __shared__ __align__(16) unsigned char ffn_smem[];
     u16* const xs = (u16*)ffn_smem;
     u16* const w1s = xs + RT * XP;
@@ -354,22 +360,14 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
 
-    if (!(p.skip & 4)) for (int e = tid; e < IS * (H / 8); e += NT) {
-        const int j = e / (H / 8), c = e % (H / 8) * 8;
-        cp_async16(w1s + j * XP + c, W1 + (i0 + j) * H + c, true);
-    }
-    if (!(p.skip & 4)) for (int e = tid; e < H * (IS / 8); e += NT) {
-        const int j = e / (IS / 8), c = e % (IS / 8) * 8;
-        cp_async16(w2s + j * HP + c, W2 + (i64)j * I + i0 + c, true);
+    if (!(p.skip & 4)) {
+        ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
+        ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
     }
     if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     cp_async_commit();
     pdl_enter();
-    for (int e = tid; e < RT * (H / 8); e += NT) {
-        const int rr = e / (H / 8), c = e % (H / 8) * 8;
-        const bool in = rr < nrows;
-        cp_async16(xs + rr * XP + c, in ? X + (i64)(row0 + rr) * p.lda + c : X, in);
-    }
+    ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();

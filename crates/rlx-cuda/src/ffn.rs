@@ -18,9 +18,9 @@
 //!   DSMEM.
 //!
 //! Off by default: on the H200 neither beats cuBLASLt's kernels
-//! (bench/gpu-perf.md, session 11, 1×128: MiniLM 151–154 µs by default,
-//! 155–157 with the row split, 198 with the cluster kernel; bert-base 373
-//! against 625–637). Their data movement is the cost: DSMEM exchanges (~10 KB
+//! (bench/gpu-perf.md, session 11, 1×128: MiniLM 150–154 µs by default,
+//! 155–158 with the row split, 197–203 with the cluster kernel; bert-base
+//! 370–374 against 625–642). Their data movement is the cost: DSMEM exchanges (~10 KB
 //! per µs per block measured), the cluster barriers, and for the cluster
 //! kernel the f32 shares through L2 (6.3 MB at bert-base) and two waves of
 //! clusters at bert-base (15 of its 16 fit at once). `set_ffn_fusion` or
@@ -37,7 +37,7 @@ use rlx_runtime::Result;
 use crate::launch::{suffix, Args, Bases, Kernels, Op, Step};
 
 /// Rows one fused block handles (one 128-row tile per cluster).
-pub(crate) const MAX_ROWS: usize = 128;
+const MAX_ROWS: usize = 128;
 /// Blocks per cluster: the K slices of FFN1 and the column slices of FFN2.
 const CLUSTER: usize = 8;
 

@@ -22,26 +22,7 @@ fn layer(dt: DType, batch: usize, seq: usize, h: usize, heads: usize, seed: u64)
     let wqkv = sb.weight("wqkv", &[h, 3 * h], dt, &mut r);
     let bqkv = sb.weight("bqkv", &[3 * h], dt, &mut r);
     let qkv = sb.scratch((rows * 3 * h * dt.size()) as u64);
-    let mm = |a, b, bias, act, residual, out, n, k| {
-        Thunk::MatMul(MatMulThunk {
-            dtype: dt,
-            batch: 1,
-            m: rows,
-            n,
-            k,
-            a,
-            lda: k as u64,
-            a_batch_stride: (rows * k) as u64,
-            b,
-            b_trans: false,
-            ldb: n as u64,
-            b_batch_stride: 0,
-            bias,
-            act,
-            residual,
-            out,
-        })
-    };
+    let mm = |a, b, bias, act, residual, out, n, k| matmul(dt, rows, n, k, a, b, false, bias, act, residual, out);
     sb.thunk(mm(x, wqkv, Some(bqkv), None, None, qkv, 3 * h, h));
     let att = sb.scratch((rows * h * dt.size()) as u64);
     sb.thunk(fused_qkv_attention(dt, batch, seq, h, heads, qkv, Some((mask, DType::I32)), att));

@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use rand::Rng;
-use rlx_compile::{BufRef, MatMulThunk, Thunk};
+use rlx_compile::Thunk;
 use rlx_cuda::{set_ffn_fusion, FfnFusion};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions, Tensor};
@@ -29,39 +29,6 @@ struct Case {
     layers: usize,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn mm(
-    dt: DType,
-    rows: usize,
-    n: usize,
-    k: usize,
-    a: BufRef,
-    b: BufRef,
-    bias: BufRef,
-    act: Option<Activation>,
-    residual: Option<BufRef>,
-    out: BufRef,
-) -> Thunk {
-    Thunk::MatMul(MatMulThunk {
-        dtype: dt,
-        batch: 1,
-        m: rows,
-        n,
-        k,
-        a,
-        lda: k as u64,
-        a_batch_stride: (rows * k) as u64,
-        b,
-        b_trans: true,
-        ldb: k as u64,
-        b_batch_stride: 0,
-        bias: Some(bias),
-        act,
-        residual,
-        out,
-    })
-}
-
 /// x -> LayerNorm -> `layers` × (FFN1 + GELU -> FFN2 -> norm with the
 /// residual) -> out.
 fn graph(dt: DType, c: Case, seed: u64) -> Sb {
@@ -77,9 +44,9 @@ fn graph(dt: DType, c: Case, seed: u64) -> Sb {
         let mut w = |name: &str, shape: &[usize]| sb.weight(&format!("l{l}.{name}"), shape, dt, &mut r);
         let (w1, b1, w2, b2, g, b) = (w("w1", &[i, h]), w("b1", &[i]), w("w2", &[h, i]), w("b2", &[h]), w("g", &[h]), w("b", &[h]));
         let f1 = act(&mut sb, i);
-        sb.thunk(mm(dt, rows, i, h, cur, w1, b1, Some(Activation::Gelu), None, f1));
+        sb.thunk(matmul(dt, rows, i, h, cur, w1, true, Some(b1), Some(Activation::Gelu), None, f1));
         let f2 = act(&mut sb, h);
-        sb.thunk(mm(dt, rows, h, i, f1, w2, b2, None, c.residual_in_matmul.then_some(cur), f2));
+        sb.thunk(matmul(dt, rows, h, i, f1, w2, true, Some(b2), None, c.residual_in_matmul.then_some(cur), f2));
         let out = if l + 1 == c.layers { sb.output("out", &[rows, h], dt) } else { act(&mut sb, h) };
         let residual = (!c.residual_in_matmul).then_some(cur);
         let beta = (!c.rms).then_some(b);

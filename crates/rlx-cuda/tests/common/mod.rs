@@ -257,3 +257,39 @@ pub fn fused_qkv_attention(
         out,
     })
 }
+
+/// `[rows, k] · B` (+bias, activation, +residual) as one batch: B a weight
+/// stored `[k, n]`, or `[n, k]` with `b_trans` (a Linear layer's layout).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    dt: DType,
+    rows: usize,
+    n: usize,
+    k: usize,
+    a: BufRef,
+    b: BufRef,
+    b_trans: bool,
+    bias: Option<BufRef>,
+    act: Option<rlx_ir::Activation>,
+    residual: Option<BufRef>,
+    out: BufRef,
+) -> Thunk {
+    Thunk::MatMul(rlx_compile::MatMulThunk {
+        dtype: dt,
+        batch: 1,
+        m: rows,
+        n,
+        k,
+        a,
+        lda: k as u64,
+        a_batch_stride: (rows * k) as u64,
+        b,
+        b_trans,
+        ldb: if b_trans { k } else { n } as u64,
+        b_batch_stride: 0,
+        bias,
+        act,
+        residual,
+        out,
+    })
+}
