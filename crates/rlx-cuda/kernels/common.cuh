@@ -246,18 +246,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// `rows` rows of COLS elements (a multiple of 8) from src (row stride ld
-// elements) into shared dst (pitch DP) by 16-byte cp.async, NT threads;
-// rows from `valid` on are written as zeros (nothing is read for them).
-template <int COLS, int DP, int NT>
-__device__ __forceinline__ void cp_async_rows(unsigned short* dst, const unsigned short* src, i64 ld, int rows, int valid) {
-    for (int e = threadIdx.x; e < rows * (COLS / 8); e += NT) {
-        const int r = e / (COLS / 8), c = e % (COLS / 8) * 8;
-        const bool in = r < valid;
-        cp_async16(dst + r * DP + c, in ? src + (i64)r * ld + c : src, in);
-    }
-}
-
 // Two floats rounded to nearest (as `st`) and packed into one word.
 template <typename T> __device__ __forceinline__ unsigned pack2(float a, float b);
 template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
@@ -353,24 +341,6 @@ __device__ __forceinline__ void mma_warp_steps(float (&acc)[MF][NF][4], const un
     }
 }
 
-// One warp's tile of A·Bᵀ from shared memory (mma.sync m16n8k16): the
-// [MF][NF] accumulator fragments, zeroed here, over KS steps of 16 along K;
-// A's rows from r0 (pitch AP elements), B's rows (the output columns) from
-// c0 (pitch BP), K contiguous in both. `run` false leaves the zeros.
-template <typename T, int MF, int NF, int KS, int AP, int BP>
-__device__ __forceinline__ void mma_warp_tile(float (&acc)[MF][NF][4], const unsigned short* a, int r0, const unsigned short* b, int c0,
-                                              bool run) {
-#pragma unroll
-    for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-        for (int nf = 0; nf < NF; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
-    if (!run) return;
-    const int lane = threadIdx.x & 31, mi = lane >> 3, mr = lane & 7;
-    const unsigned short* ca = a + (r0 + (mi & 1) * 8 + mr) * AP + (mi >> 1) * 8;
-    const unsigned short* cb = b + (c0 + (mi >> 1) * 8 + mr) * BP + (mi & 1) * 8;
-    mma_warp_steps<T, MF, NF, KS, AP, BP, true>(acc, ca, cb);
-}
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // This block's rank in its thread-block cluster.
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -399,16 +369,6 @@ __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr) {
     asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
     return v;
 }
-__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-// cluster_sync_relaxed in two halves: arrive once this block's last read of
-// another block's shared memory has returned, wait before leaving, so no
-// block exits while others may still read its shared memory.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 #endif
 
 __device__ __forceinline__ void pdl_enter() {

@@ -58,6 +58,36 @@ struct FfnSmem {
     static constexpr int TOTAL = U + W2 + PART + IC * 2;
 };
 
+// `rows` rows of COLS elements (a multiple of 8) from src (row stride ld
+// elements) into shared dst (pitch DP) by 16-byte cp.async, NT threads;
+// rows from `valid` on are written as zeros (nothing is read for them).
+template <int COLS, int DP, int NT>
+__device__ __forceinline__ void ffn_copy_rows(unsigned short* dst, const unsigned short* src, i64 ld, int rows, int valid) {
+    for (int e = threadIdx.x; e < rows * (COLS / 8); e += NT) {
+        const int r = e / (COLS / 8), c = e % (COLS / 8) * 8;
+        const bool in = r < valid;
+        cp_async16(dst + r * DP + c, in ? src + (i64)r * ld + c : src, in);
+    }
+}
+
+// One warp's tile of A·Bᵀ from shared memory (mma.sync m16n8k16): the
+// [MF][NF] accumulator fragments, zeroed here, over KS steps of 16 along K;
+// A's rows from r0 (pitch AP elements), B's rows (the output columns) from
+// c0 (pitch BP), K contiguous in both. `run` false leaves the zeros.
+template <typename T, int MF, int NF, int KS, int AP, int BP>
+__device__ __forceinline__ void ffn_warp_tile(float (&acc)[MF][NF][4], const unsigned short* a, int r0, const unsigned short* b, int c0,
+                                              bool run) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf)
+#pragma unroll
+        for (int nf = 0; nf < NF; ++nf) acc[mf][nf][0] = acc[mf][nf][1] = acc[mf][nf][2] = acc[mf][nf][3] = 0.0f;
+    if (!run) return;
+    const int lane = threadIdx.x & 31, mi = lane >> 3, mr = lane & 7;
+    const unsigned short* ca = a + (r0 + (mi & 1) * 8 + mr) * AP + (mi >> 1) * 8;
+    const unsigned short* cb = b + (c0 + (mi >> 1) * 8 + mr) * BP + (mi & 1) * 8;
+    mma_warp_steps<T, MF, NF, KS, AP, BP, true>(acc, ca, cb);
+}
+
 // W warps; phase 1 warps own WM1 rows (of 128) by IC / (W·WM1/128) columns,
 // phase 2 warps WM2 rows by KB / (W·WM2/128) columns.
 template <typename T, int KB, int IC, int W, int WM1, int WM2>
@@ -90,13 +120,13 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
     // The weights: W1 rows i0.. (KB columns from k0), W2 rows k0.. (IC
     // columns from i0), the bias slice (zeros when there is none).
     if (!(p.skip & 8)) {
-        cp_async_rows<KB, XP, NT>(w1s, W1 + i0 * p.h + k0, p.h, IC, IC);
-        cp_async_rows<IC, HP, NT>(w2s, W2 + k0 * p.i + i0, p.i, KB, KB);
+        ffn_copy_rows<KB, XP, NT>(w1s, W1 + i0 * p.h + k0, p.h, IC, IC);
+        ffn_copy_rows<IC, HP, NT>(w2s, W2 + k0 * p.i + i0, p.i, KB, KB);
     }
     if (tid < IC / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     cp_async_commit();
     pdl_enter();
-    cp_async_rows<KB, XP, NT>(xs, X + k0, p.lda, BM, m);
+    ffn_copy_rows<KB, XP, NT>(xs, X + k0, p.lda, BM, m);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -105,7 +135,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
     {
         const int wm = warp % WARPS_M1, wn = warp / WARPS_M1;
         float acc[MF1][NF1][4];
-        mma_warp_tile<T, MF1, NF1, KB / 16, XP, XP>(acc, xs, wm * WM1, w1s, wn * WC1, wm * WM1 < m && !(p.skip & 2));
+        ffn_warp_tile<T, MF1, NF1, KB / 16, XP, XP>(acc, xs, wm * WM1, w1s, wn * WC1, wm * WM1 < m && !(p.skip & 2));
 #pragma unroll
         for (int mf = 0; mf < MF1; ++mf)
 #pragma unroll
@@ -162,7 +192,7 @@ __device__ __forceinline__ void ffn_body(const FfnP& p) {
         const int wm = warp % WARPS_M2, wn = warp / WARPS_M2;
         if (wm * WM2 >= m || (p.skip & 4)) return;
         float acc[MF2][NF2][4];
-        mma_warp_tile<T, MF2, NF2, IC / 16, HP, HP>(acc, hs, wm * WM2, w2s, wn * WC2, true);
+        ffn_warp_tile<T, MF2, NF2, IC / 16, HP, HP>(acc, hs, wm * WM2, w2s, wn * WC2, true);
         float* const ws = p.ws + (i64)(blockIdx.x / 8) * p.m * p.h + k0;
 #pragma unroll
         for (int mf = 0; mf < MF2; ++mf)
@@ -289,6 +319,13 @@ struct FfnRowsSmem {
     static constexpr int TOTAL = U + W2 + HS + IS * 2 + 2 * RT * 4 + RT * 8 * 4;
 };
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+#endif
 
 template <typename T, int H, int I>
 __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
@@ -324,13 +361,13 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const X = (const u16*)p.x;
 
     if (!(p.skip & 4)) {
-        cp_async_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
-        cp_async_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+        ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
+        ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
     }
     if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     cp_async_commit();
     pdl_enter();
-    cp_async_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
+    ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -339,7 +376,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     if (warp < 4 && (warp & 1) * 16 < nrows) {
         const int wm = warp & 1, wn = warp >> 1;
         float acc[1][NF1][4];
-        mma_warp_tile<T, 1, NF1, H / 16, XP, XP>(acc, xs, wm * 16, w1s, wn * (IS / 2), !(p.skip & 8));
+        ffn_warp_tile<T, 1, NF1, H / 16, XP, XP>(acc, xs, wm * 16, w1s, wn * (IS / 2), !(p.skip & 8));
         const T* bs = (const T*)b1s;
 #pragma unroll
         for (int nf = 0; nf < NF1; ++nf)
@@ -357,7 +394,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     {
         const int wm = warp & 1, wn = warp >> 1;
         float acc[1][NF2][4];
-        mma_warp_tile<T, 1, NF2, IS / 16, HP, HP>(acc, hs, wm * 16, w2s, wn * (H / 4), wm * 16 < nrows && !(p.skip & 16));
+        ffn_warp_tile<T, 1, NF2, IS / 16, HP, HP>(acc, hs, wm * 16, w2s, wn * (H / 4), wm * 16 < nrows && !(p.skip & 16));
 #pragma unroll
         for (int nf = 0; nf < NF2; ++nf)
 #pragma unroll

@@ -20,7 +20,6 @@ use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
 use crate::layer;
-use crate::linnorm;
 use crate::weights::DeviceWeights;
 
 /// A maximal run of steps: recorded once (replay) or a host-side run.
@@ -74,8 +73,6 @@ pub struct CudaExecutable {
     layer_instructions: usize,
     /// Feed-forward blocks (FFN1, FFN2, norm) run by the fused kernels (src/ffn.rs).
     fused_ffns: usize,
-    /// MatMul → Norm pairs run by the fused kernel (src/linnorm.rs).
-    fused_norms: usize,
     /// Their f32 workspace, shared by every fused block and slot.
     _ffn_ws: Option<DeviceBuffer>,
     /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
@@ -278,12 +275,6 @@ impl CudaExecutable {
             bytes => Some(DeviceBuffer::alloc(&dev, bytes)?),
         };
         let mut fused_ffns = 0;
-        // Linear layers and the norm after them as one kernel (src/linnorm.rs),
-        // outside the layer programs and the fused feed-forward blocks.
-        let taken: Vec<std::ops::Range<usize>> =
-            layer_runs.iter().map(|r| r.start..r.end).chain(fusions.iter().map(|f| f.start..f.start + 3)).collect();
-        let linnorms = linnorm::find(&schedule.thunks, &outputs, dev.cc.0, &taken);
-        let mut fused_norms = 0;
         // One activation arena for every slot: all calls run on the
         // executable's one stream, so a call's kernels start only after the
         // previous call's last kernel, its copy-out included, has finished;
@@ -372,16 +363,6 @@ impl CudaExecutable {
                         }
                         steps.extend(fused);
                         i += 3;
-                        continue;
-                    }
-                }
-                if linnorms.contains(&i) {
-                    if let Some(step) = linnorm::build(kernels, &schedule.thunks, i, &bases)? {
-                        if slots.is_empty() {
-                            fused_norms += 1;
-                        }
-                        steps.push(step);
-                        i += 2;
                         continue;
                     }
                 }
@@ -494,7 +475,6 @@ impl CudaExecutable {
             layer_thunks,
             layer_instructions,
             fused_ffns,
-            fused_norms,
             _ffn_ws: ffn_ws,
             matmul_choices,
             slots,
@@ -613,11 +593,6 @@ impl CudaExecutable {
     /// that run as the fused kernels of kernels/ffn.cu (see `set_ffn_fusion`).
     pub fn fused_ffn_count(&self) -> usize {
         self.fused_ffns
-    }
-    /// How many MatMul → Norm pairs of the schedule run as the fused kernel
-    /// of kernels/linnorm.cu (see `set_linear_norm_fusion`).
-    pub fn fused_norm_count(&self) -> usize {
-        self.fused_norms
     }
 
     /// Per MatMul thunk, in schedule order: the kernel that runs it

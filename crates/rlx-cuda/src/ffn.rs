@@ -186,7 +186,7 @@ fn second(a: &MatMulThunk, b: &MatMulThunk) -> bool {
 
 /// Nothing after `after` reads a byte of `buf` before something overwrites
 /// that byte, nor does the copy of the graph's outputs after the last thunk.
-pub(crate) fn dead_after(thunks: &[Thunk], after: usize, buf: &BufRef, outputs: &[BufRef]) -> bool {
+fn dead_after(thunks: &[Thunk], after: usize, buf: &BufRef, outputs: &[BufRef]) -> bool {
     // The byte ranges of `buf` still holding its value: [start, end).
     let mut live = vec![(buf.offset, buf.offset + buf.bytes)];
     let read =

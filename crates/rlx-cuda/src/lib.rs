@@ -20,7 +20,6 @@ mod gemm;
 mod hostops;
 mod launch;
 mod layer;
-mod linnorm;
 mod nvrtc;
 mod weights;
 
@@ -34,7 +33,6 @@ pub use exec::{set_l2_persist, CudaExecutable};
 pub use ffn::{set_ffn_fusion, FfnFusion};
 pub use gemm::{set_gemm_policy, GemmPolicy};
 pub use layer::{set_layer_policy, Policy as LayerPolicy};
-pub use linnorm::{set_linear_norm_fusion, LinearNormFusion};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
 
 use driver::{err, Device};

@@ -27,11 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// The own matmul (src/gemm.rs) and the fused feed-forward block
 /// (src/ffn.rs): compiled and loaded only when a matmul policy or the fusion
 /// needs them, so the default (cuBLASLt) does not pay for them.
-pub const GEMM_SOURCES: &[(&str, &str)] = &[
-    ("gemm.cu", include_str!("../kernels/gemm.cu")),
-    ("ffn.cu", include_str!("../kernels/ffn.cu")),
-    ("linnorm.cu", include_str!("../kernels/linnorm.cu")),
-];
+pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu")), ("ffn.cu", include_str!("../kernels/ffn.cu"))];
 
 /// Own-matmul files that use sm_90a-only instructions (wgmma): compiled for
 /// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere
