@@ -285,7 +285,7 @@ impl MatMulPlan {
     }
 
     /// Whether cuBLASLt accepts `algo` for this plan (and within our workspace).
-    fn accepts(&self, blas: &Blas, algo: &lt::cublasLtMatmulAlgo_t) -> bool {
+    pub(crate) fn accepts(&self, blas: &Blas, algo: &lt::cublasLtMatmulAlgo_t) -> bool {
         // SAFETY: handles are live; `result` is a local out-parameter.
         unsafe {
             let mut result: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
@@ -368,7 +368,7 @@ unsafe fn algo_attr(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlg
 }
 
 impl LtAlgo {
-    fn describe(algo: lt::cublasLtMatmulAlgo_t) -> LtAlgo {
+    pub(crate) fn describe(algo: lt::cublasLtMatmulAlgo_t) -> LtAlgo {
         use lt::cublasLtMatmulAlgoConfigAttributes_t as C;
         // SAFETY: reads of a plain-data algorithm descriptor.
         unsafe {

@@ -3,7 +3,8 @@
 //! cuBLASLt: which MatMul thunks it can run, its tilings, and the per-shape
 //! choice, made by timing both at prepare and kept for the life of the
 //! process (every executable of a shape then runs the same kernel, so replay
-//! and eager executables give the same bits).
+//! and eager executables give the same bits) and in a file that later
+//! processes read instead of timing again (src/gemm_cache.rs).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -14,6 +15,7 @@ use rlx_runtime::Result;
 
 use crate::blas::{folded, Blas, LtAlgo, MatMulPlan};
 use crate::driver::{err, Event, Func, GraphExec, Stream};
+use crate::gemm_cache::{self, Stored};
 use crate::launch::{Bases, Kernels, Op, Step};
 
 /// cuBLASLt heuristic answers to time per shape, and the cap on all
@@ -107,6 +109,12 @@ pub fn set_gemm_policy(p: GemmPolicy) {
     if let Ok(mut c) = choices().lock() {
         c.clear();
     }
+    gemm_cache::forget();
+}
+
+/// The policies whose choices come from timing (and so are worth keeping on disk).
+fn timed_policy(p: GemmPolicy) -> bool {
+    matches!(p, GemmPolicy::Library | GemmPolicy::LibraryAll | GemmPolicy::Auto | GemmPolicy::Own)
 }
 
 fn policy() -> GemmPolicy {
@@ -416,8 +424,10 @@ fn time_alternatives(stream: &Stream, fill: Option<Func>, alts: &[&Enqueue]) -> 
             Ok(Some(g))
         })
         .collect::<Result<_>>()?;
-    // Clocks ramp up under load: about a millisecond of work first.
-    for _ in 0..20 {
+    // Clocks ramp up under load: about a millisecond of work first (each
+    // launch is REPS matmuls of 3-50 µs), at least two rounds.
+    let rounds = (24 / alts.len().max(1)).clamp(2, 20);
+    for _ in 0..rounds {
         for g in graphs.iter().flatten() {
             g.launch(stream)?;
         }
@@ -509,6 +519,25 @@ pub(crate) fn choose(
         let c = GemmCfg { bn, warps, split, mc };
         return Ok((if own_cands.contains(&c) { Choice::Own(c) } else { default }, 0));
     }
+    // A choice timed by an earlier process (src/gemm_cache.rs), used only if
+    // it still applies: cuBLASLt accepts the algorithm for this plan, or the
+    // tiling is one of this shape's candidates.
+    let disk_key =
+        timed_policy(pol).then(|| gemm_cache::key(&k.timing_context(), &format!("{pol:?} {:?}", Key { device: 0, ..key.clone() })));
+    let stored = disk_key.as_deref().and_then(gemm_cache::get).and_then(|s| match s {
+        Stored::Lt(data) => {
+            let algo = cudarc::cublaslt::sys::cublasLtMatmulAlgo_t { data };
+            plan.accepts(blas, &algo).then(|| Choice::Lt(LtAlgo::describe(algo)))
+        }
+        Stored::Own([bn, warps, split, mc]) => {
+            let c = GemmCfg { bn, warps, split, mc };
+            own_cands.contains(&c).then_some(Choice::Own(c))
+        }
+    });
+    if let Some(c) = stored {
+        let mut table = choices().lock().map_err(|_| err("gemm choice table lock poisoned"))?;
+        return Ok((*table.entry(key).or_insert(c), 0));
+    }
     // cuBLASLt candidates: only the default under `Own` (the reference the
     // own kernel is reported against).
     let inplace = std::env::var("RLX_GEMM_INPLACE").map(|v| v == "1").unwrap_or(false);
@@ -570,6 +599,15 @@ pub(crate) fn choose(
             lt_us[0],
             ll.join(" "),
             ol.join(" ")
+        );
+    }
+    if let (Some(dk), true) = (&disk_key, pick.1.is_finite()) {
+        gemm_cache::put(
+            dk,
+            match pick.0 {
+                Choice::Lt(a) => Stored::Lt(a.algo.data),
+                Choice::Own(c) => Stored::Own([c.bn, c.warps, c.split, c.mc]),
+            },
         );
     }
     // A prepare on another thread may have decided this shape meanwhile:

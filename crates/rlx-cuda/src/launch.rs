@@ -228,6 +228,14 @@ impl Kernels {
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
     }
+    /// What a timed matmul choice depends on beyond its shape (src/gemm_cache.rs):
+    /// the device model and the driver and cuBLASLt versions.
+    pub(crate) fn timing_context(&self) -> String {
+        let d = &self.dev;
+        let driver = crate::driver::driver_version().unwrap_or(0);
+        let lt = crate::blas::cublaslt_version().unwrap_or(0);
+        format!("{} cc {}.{} sms {} driver {driver} cublasLt {lt}", d.name, d.cc.0, d.cc.1, d.sm_count)
+    }
     pub(crate) fn own_gemm_loaded(&self) -> bool {
         matches!(self.gemm.get(), Some(Ok(_)))
     }

@@ -17,6 +17,7 @@ mod driver;
 mod exec;
 mod ffn;
 mod gemm;
+mod gemm_cache;
 mod hostops;
 mod launch;
 mod layer;
@@ -32,6 +33,7 @@ use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, Wei
 pub use exec::{set_l2_persist, CudaExecutable};
 pub use ffn::{set_ffn_fusion, FfnFusion};
 pub use gemm::{set_gemm_policy, GemmPolicy};
+pub use gemm_cache::set_gemm_cache;
 pub use layer::{set_layer_policy, Policy as LayerPolicy};
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
 

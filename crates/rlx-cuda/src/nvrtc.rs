@@ -130,7 +130,7 @@ pub fn find_include_dir() -> Result<PathBuf> {
     )))
 }
 
-fn cache_dir() -> PathBuf {
+pub(crate) fn cache_dir() -> PathBuf {
     if let Ok(d) = std::env::var("RLX_CUDA_CACHE") {
         return PathBuf::from(d);
     }

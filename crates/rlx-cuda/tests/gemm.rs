@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use rlx_compile::{MatMulThunk, Thunk};
-use rlx_cuda::{set_gemm_policy, GemmPolicy};
+use rlx_cuda::{set_gemm_cache, set_gemm_policy, GemmPolicy};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions};
 
@@ -179,6 +179,8 @@ fn own_matmul_every_tiling_matches_cpu() {
 fn own_candidates_timed_with_a_partial_row_block() {
     let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let Some(g) = gpu_or_dry() else { return };
+    // Choices kept on disk would skip the timing this test exercises.
+    set_gemm_cache(None);
     let mut r = rng(57);
     let cases: [Case; 4] = [
         (1, 192, 1152, 384, true, true, None, false),
@@ -279,4 +281,55 @@ fn replay_graphs_hold_kernels_only() {
         }
     }
     check("f16 4096x3072x768 bias+gelu, replay graph of kernels only", &g, &s, &w, &named(inputs), (768f64).sqrt() / 2.0);
+}
+
+/// Timed choices go to the cache file and a later prepare (a fresh process,
+/// or here a fresh policy, which forgets what was chosen and read) takes
+/// them from it without timing, running the same kernels (same bits). A file
+/// of garbage means timing again.
+#[test]
+fn timed_choices_are_kept_on_disk() {
+    let _turn = POLICY_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(Some(g)) = gpu_or_dry() else { return };
+    let dir = std::env::temp_dir().join(format!("rlx-gemm-cache-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let file = dir.join("choices.txt");
+    set_gemm_cache(Some(file.clone()));
+    let mut r = rng(58);
+    let mut sb = Sb::new();
+    // Two shapes: an FFN2-like one (split-K candidates) and a small one.
+    let x = sb.input("x", &[96, 1536], DType::F16);
+    let w1 = sb.weight("w1", &[384, 1536], DType::F16, &mut r);
+    let b1 = sb.weight("b1", &[384], DType::F16, &mut r);
+    let y = sb.scratch(96 * 384 * 2);
+    sb.thunk(matmul(DType::F16, 96, 384, 1536, x, w1, true, Some(b1), None, None, y));
+    let w2 = sb.weight("w2", &[64, 384], DType::F16, &mut r);
+    let out = sb.output("out", &[96, 64], DType::F16);
+    sb.thunk(matmul(DType::F16, 96, 64, 384, y, w2, true, None, Some(Activation::Gelu), None, out));
+    let (s, w) = sb.finish();
+    let inputs = named(vec![("x", rand_tensor(&mut r, &[96, 1536], DType::F16))]);
+    let refs: Vec<(&str, &rlx_runtime::Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let prepare = || {
+        set_gemm_policy(GemmPolicy::Library);
+        let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        let out = e.run(&refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
+        (e.matmul_choices().to_vec(), out)
+    };
+    let (timed, first) = prepare();
+    assert_eq!(timed.len(), 2);
+    assert!(timed.iter().all(|(_, n)| *n > 0), "not timed: {timed:?}");
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let (read, again) = prepare();
+    assert!(read.iter().all(|(_, n)| *n == 0), "timed again: {read:?}");
+    assert_eq!(read.iter().map(|c| &c.0).collect::<Vec<_>>(), timed.iter().map(|c| &c.0).collect::<Vec<_>>());
+    assert_eq!(first.bytes(), again.bytes(), "the choices read from the file run other kernels");
+    // Garbage: ignored, timed again, and the file gets the choices back.
+    std::fs::write(&file, "not a choice\n0123 lt 1 2\n").unwrap_or_else(|e| panic!("{e}"));
+    let (retimed, _) = prepare();
+    assert!(retimed.iter().all(|(_, n)| *n > 0), "not timed again: {retimed:?}");
+    let (_, _) = prepare();
+    set_gemm_cache(None);
+    set_gemm_policy(GemmPolicy::Library);
+    let _ = std::fs::remove_dir_all(&dir);
 }
