@@ -303,7 +303,13 @@ extern "C" __global__ void ffn_norm_bf16(const FfnNormP p) { pdl_enter(); ffn_no
 // workspace and no separate norm kernel; deterministic (fixed orders).
 // Shared memory: X [32][H+8] and W1 slice [IS][H+8] (the f32 partial
 // [32][H+8] reuses them after step 1), W2 slice [H][IS+8], H_r [32][IS+8],
-// b1 slice [IS], the row statistics [2][32] f32 and per-thread sums [32][8].
+// b1 slice [IS], the row statistics [2][32] f32, per-thread sums [32][8],
+// and the second K half of step 1 [4][16][IS/2+4] f32.
+// Copies: W1 and b1 before griddepcontrol.wait, then X, then W2, which
+// lands while step 1 runs (skip bit 32: W2 before the wait instead).
+// Step 1 splits K in two halves over 8 warps. The norm's statistics take
+// one exchange: each block's (mean, M2) over its columns, combined in rank
+// order (M2 = Σ M2_z + OC·Σ (mean_z − mean)²).
 struct FfnRowsP {
     const void* x; const void* w1; const void* b1; const void* w2; const void* b2;
     const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
@@ -316,7 +322,9 @@ struct FfnRowsSmem {
     static constexpr int U = (RT + IS) * XP * 2;
     static constexpr int W2 = H * HP * 2;
     static constexpr int HS = RT * HP * 2;
-    static constexpr int TOTAL = U + W2 + HS + IS * 2 + 2 * RT * 4 + RT * 8 * 4;
+    // Phase 1's second K half: 4 warps' f32 [16][IS/2 + 4] partials.
+    static constexpr int KH = 4 * 16 * (IS / 2 + 4) * 4;
+    static constexpr int TOTAL = U + W2 + HS + IS * 2 + 2 * RT * 4 + RT * 8 * 4 + KH;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -325,6 +333,10 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
     return v;
 }
+// cluster_sync_relaxed in two halves: arrive once this block's last read of
+// another block's shared memory has returned, wait before leaving.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 #endif
 
 template <typename T, int H, int I>
@@ -334,10 +346,10 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     constexpr int IS = I / 16, OC = H / 16;  // intermediate and output columns per block
     typedef FfnRowsSmem<H, IS> L;
     constexpr int RT = L::RT, XP = L::XP, HP = L::HP, NT = 256;
-    constexpr int NF1 = IS / 2 / 8;  // phase 1: 2 x 2 warps of 16 rows x IS/2 columns
+    constexpr int NF1 = IS / 2 / 8;  // phase 1: 2 x 2 x 2 warps of 16 rows x IS/2 columns x H/2 of K
     constexpr int NF2 = H / 4 / 8;   // phase 2: 2 x 4 warps of 16 rows x H/4 columns
     constexpr int U4 = OC / 4;       // float4 units per row of a block's output columns
-    static_assert(H % 128 == 0 && IS % 32 == 0 && NF1 % 2 == 0 && NF2 % 2 == 0 && OC % 4 == 0 && RT * U4 <= NT && U4 <= 7,
+    static_assert(H % 128 == 0 && IS % 32 == 0 && NF1 % 2 == 0 && NF2 % 2 == 0 && OC % 4 == 0 && RT * U4 <= NT && U4 <= 6,
                   "row-split shapes");
     static_assert(L::TOTAL <= 227 * 1024, "shared memory of one block");
     extern __shared__ __align__(16) unsigned char ffn_smem[];
@@ -349,6 +361,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     u16* const b1s = (u16*)(ffn_smem + L::U + L::W2 + L::HS);
     float* const stat = (float*)(ffn_smem + L::U + L::W2 + L::HS + IS * 2);  // [2][RT]
     float* const part = stat + 2 * RT;                                        // [RT][8]
+    float* const khalf = part + RT * 8;                                       // [4][16][IS/2+4]
 
     const int r = (int)cluster_rank();
     const int row0 = (int)(blockIdx.x / 16) * (int)p.rows;
@@ -360,35 +373,54 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
 
+    const bool w2_early = p.skip & 32;
     if (!(p.skip & 4)) {
         ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
-        ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+        if (w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
     }
     if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     cp_async_commit();
     pdl_enter();
     ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
     cp_async_commit();
-    cp_async_wait<0>();
+    if (!(p.skip & 4) && !w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+    cp_async_commit();
+    cp_async_wait<1>();  // W1, b1 and X (W2 may still be on its way)
     __syncthreads();
 
-    // 1. H_r: warps 0..3, 16 rows by IS/2 columns each.
-    if (warp < 4 && (warp & 1) * 16 < nrows) {
-        const int wm = warp & 1, wn = warp >> 1;
+    // 1. H_r: warp (wm, wn, kh) multiplies 16 rows by IS/2 columns over K
+    // half kh; the kh = 1 warps hand their partial to the kh = 0 warps.
+    {
+        constexpr int KP = IS / 2 + 4;
+        const int wm = warp & 1, wn = (warp >> 1) & 1, kh = warp >> 2;
+        float* const kp = khalf + (warp & 3) * 16 * KP;
         float acc[1][NF1][4];
-        ffn_warp_tile<T, 1, NF1, H / 16, XP, XP>(acc, xs, wm * 16, w1s, wn * (IS / 2), !(p.skip & 8));
-        const T* bs = (const T*)b1s;
+        const bool run = wm * 16 < nrows && !(p.skip & 8);
+        ffn_warp_tile<T, 1, NF1, H / 32, XP, XP>(acc, xs + kh * (H / 2), wm * 16, w1s + kh * (H / 2), wn * (IS / 2), run);
+        if (kh == 1) {
 #pragma unroll
-        for (int nf = 0; nf < NF1; ++nf)
+            for (int nf = 0; nf < NF1; ++nf)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wm * 16 + g + h * 8, col = wn * (IS / 2) + nf * 8 + 2 * t;
-                const float a = act_t<T>(ACT_GELU, acc[0][nf][2 * h] + ld(bs, col));
-                const float b = act_t<T>(ACT_GELU, acc[0][nf][2 * h + 1] + ld(bs, col + 1));
-                *(unsigned*)(hs + row * HP + col) = pack2<T>(a, b);
-            }
+                for (int h = 0; h < 2; ++h)
+                    *(float2*)(kp + (g + h * 8) * KP + nf * 8 + 2 * t) = make_float2(acc[0][nf][2 * h], acc[0][nf][2 * h + 1]);
+        }
+        __syncthreads();
+        if (kh == 0 && wm * 16 < nrows) {
+            const T* bs = (const T*)b1s;
+#pragma unroll
+            for (int nf = 0; nf < NF1; ++nf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = wm * 16 + g + h * 8, col = wn * (IS / 2) + nf * 8 + 2 * t;
+                    const float2 o = *(const float2*)(kp + (g + h * 8) * KP + nf * 8 + 2 * t);
+                    const float a = act_t<T>(ACT_GELU, acc[0][nf][2 * h] + o.x + ld(bs, col));
+                    const float b = act_t<T>(ACT_GELU, acc[0][nf][2 * h + 1] + o.y + ld(bs, col + 1));
+                    *(unsigned*)(hs + row * HP + col) = pack2<T>(a, b);
+                }
+        }
     }
-    __syncthreads();  // H_r complete; xs and w1s free
+    cp_async_wait<0>();  // W2
+    __syncthreads();     // H_r complete; xs and w1s free
 
     // 2. The f32 partial of all H output columns: 8 warps, 16 rows by H/4.
     {
@@ -435,46 +467,56 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         }
         part[row * 8 + c4] = v[0] + v[1] + v[2] + v[3];
     }
-    const unsigned stat_addr = (unsigned)__cvta_generic_to_shared(stat);
-    // Sums of the block's columns per row, then over the cluster in rank order.
-    auto cluster_row_sum = [&](int which) -> void {
-        __syncthreads();
-        if (tid < nrows) {
-            float s = 0.0f;
+    // The block's (mean, M2) of each row over its OC columns (mean 0 for
+    // RmsNorm), then one exchange across the cluster.
+    __syncthreads();
+    if (tid < nrows) {
+        float s = 0.0f;
 #pragma unroll
-            for (int k = 0; k < U4; ++k) s += part[tid * 8 + k];
-            stat[which * RT + tid] = s;
-        }
-        cluster_sync();
-        if (tid < nrows) {
-            float s = 0.0f;
-            const unsigned a = stat_addr + (unsigned)((which * RT + tid) * 4);
-            for (int z = 0; z < 16; ++z) s += (p.skip & 2) ? stat[which * RT + tid] : ld_cluster_f32(cluster_map(a, (unsigned)z));
-            part[tid * 8 + 7] = s;  // slot 7: the row's units use slots 0..U4-1 (U4 <= 7)
-        }
-        __syncthreads();
-    };
-    const float inv_n = 1.0f / (float)H;
-    float mean = 0.0f;
-    if (!p.rms) {
-        cluster_row_sum(0);
-        mean = mine ? part[row * 8 + 7] * inv_n : 0.0f;
-        __syncthreads();
+        for (int k = 0; k < U4; ++k) s += part[tid * 8 + k];
+        stat[tid] = p.rms ? 0.0f : s * (1.0f / OC);
     }
-    if (mine) part[row * 8 + c4] = (v[0] - mean) * (v[0] - mean) + (v[1] - mean) * (v[1] - mean) + (v[2] - mean) * (v[2] - mean) +
-                                   (v[3] - mean) * (v[3] - mean);
-    cluster_row_sum(1);
+    __syncthreads();
+    const float lm = mine ? stat[row] : 0.0f;
+    if (mine) part[row * 8 + c4] = (v[0] - lm) * (v[0] - lm) + (v[1] - lm) * (v[1] - lm) + (v[2] - lm) * (v[2] - lm) + (v[3] - lm) * (v[3] - lm);
+    __syncthreads();
+    if (tid < nrows) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < U4; ++k) s += part[tid * 8 + k];
+        stat[RT + tid] = s;
+    }
+    cluster_sync();  // every block's statistics are visible to the cluster
+    if (tid < nrows) {
+        const unsigned a = (unsigned)__cvta_generic_to_shared(stat + tid);
+        float mz[16], m2 = 0.0f, mean = 0.0f;
+#pragma unroll
+        for (int z = 0; z < 16; ++z) {
+            const unsigned at = cluster_map(a, (unsigned)z);
+            mz[z] = (p.skip & 2) ? stat[tid] : ld_cluster_f32(at);
+            m2 += (p.skip & 2) ? stat[RT + tid] : ld_cluster_f32(at + RT * 4);
+        }
+#pragma unroll
+        for (int z = 0; z < 16; ++z) mean += mz[z];
+        mean *= 1.0f / 16;
+#pragma unroll
+        for (int z = 0; z < 16; ++z) m2 += (float)OC * (mz[z] - mean) * (mz[z] - mean);
+        part[tid * 8 + 6] = mean;  // slots 6, 7: the row's units use 0..U4-1 (U4 <= 6)
+        part[tid * 8 + 7] = rsqrtf(m2 * (1.0f / H) + (float)p.eps);
+    }
+    // This block reads no other block's shared memory after this point.
+    cluster_arrive_relaxed();
+    __syncthreads();
     if (mine) {
-        const float rstd = rsqrtf(part[row * 8 + 7] * inv_n + (float)p.eps);
+        const float mean = part[row * 8 + 6], rstd = part[row * 8 + 7];
         const float4 gm = ffn_ld4<T>(p.gamma, col);
         const float4 bt = p.beta ? ffn_ld4<T>(p.beta, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         const float o0 = (v[0] - mean) * rstd * gm.x + bt.x, o1 = (v[1] - mean) * rstd * gm.y + bt.y;
         const float o2 = (v[2] - mean) * rstd * gm.z + bt.z, o3 = (v[3] - mean) * rstd * gm.w + bt.w;
         *(uint2*)((T*)p.out + (i64)(row0 + row) * H + col) = make_uint2(pack2<T>(o0, o1), pack2<T>(o2, o3));
     }
-    // No block leaves while others may still read its statistics (each
-    // remote read fed a value before its thread arrived here).
-    cluster_sync_relaxed();
+    // No block leaves while others may still read its partials or statistics.
+    cluster_wait();
 #endif
 }
 

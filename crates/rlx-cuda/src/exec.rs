@@ -264,7 +264,8 @@ impl CudaExecutable {
         let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
         let (mut layer_thunks, mut layer_instructions) = (0, 0);
         // Feed-forward blocks of at most 128 rows as fused kernels (src/ffn.rs;
-        // opt-in), outside the layer programs' runs.
+        // the row split at MiniLM's widths by default), outside the layer
+        // programs' runs.
         let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
         let fusions: Vec<ffn::Fusion> = ffn::find(&schedule.thunks, &outputs, dev.cc.0)
             .into_iter()

@@ -17,17 +17,19 @@
 //!   block 1/16 of I, FFN2's partials and the norm's statistics summed over
 //!   DSMEM.
 //!
-//! Off by default: on the H200 neither beats cuBLASLt's kernels
-//! (bench/gpu-perf.md, session 11, 1×128: MiniLM 150–154 µs by default,
-//! 155–158 with the row split, 197–203 with the cluster kernel; bert-base
-//! 370–374 against 625–642). Their data movement is the cost: DSMEM exchanges (~10 KB
-//! per µs per block measured), the cluster barriers, and for the cluster
-//! kernel the f32 shares through L2 (6.3 MB at bert-base) and two waves of
+//! The row split is the default where it is compiled (sm_90+): on the H200
+//! (bench/gpu-perf.md, session 12) MiniLM reads 125 / 127 / 135 / 152 µs at
+//! 1×16 / 1×32 / 1×64 / 1×128 against 132 / 134 / 138 / 154 with cuBLASLt's
+//! kernels (32 kernels per forward instead of 50), and never measured slower.
+//! The cluster kernel is opt-in: 197–203 µs against 150–154 at MiniLM 1×128,
+//! bert-base 625–642 against 370–374 (session 11). Its data movement is the
+//! cost: DSMEM exchanges (~10 KB per µs per block measured), the cluster
+//! barriers, the f32 shares through L2 (6.3 MB at bert-base) and two waves of
 //! clusters at bert-base (15 of its 16 fit at once). `set_ffn_fusion` or
-//! RLX_FFN (`rows`, `1` = all, `clusters`) turns them on (sm_90+; the kernels
-//! load with the own matmul's modules). Diagnostics: RLX_FFN_INFO=1 prints
-//! the resident clusters at prepare; RLX_FFN_SKIP=bits leaves parts of the
-//! cluster kernel out (wrong results, timing only; see `skip_bits`).
+//! RLX_FFN (`0` none, `rows` the default, `1` = all, `clusters`) chooses;
+//! each loads kernels/ffn.cu on first use. Diagnostics: RLX_FFN_INFO=1
+//! prints the resident clusters at prepare; RLX_FFN_SKIP=bits leaves parts
+//! of the kernels out (wrong results, timing only; see `skip_bits`).
 
 use rlx_compile::operands::operands;
 use rlx_compile::{BufRef, MatMulThunk, Thunk};
@@ -80,15 +82,17 @@ const ROW_TILE: usize = 32;
 fn row_smem(h: usize, i: usize) -> u32 {
     let is = i / ROW_CLUSTER;
     let (xp, hp) = (h + 8, is + 8);
-    ((ROW_TILE + is) * xp * 2 + h * hp * 2 + ROW_TILE * hp * 2 + is * 2 + 2 * ROW_TILE * 4 + ROW_TILE * 8 * 4) as u32
+    let khalf = 4 * 16 * (is / 2 + 4) * 4;
+    ((ROW_TILE + is) * xp * 2 + h * hp * 2 + ROW_TILE * hp * 2 + is * 2 + 2 * ROW_TILE * 4 + ROW_TILE * 8 * 4 + khalf) as u32
 }
 
 /// Which feed-forward blocks run as fused kernels (`set_ffn_fusion`, RLX_FFN).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FfnFusion {
-    /// None (the default, RLX_FFN unset or 0).
+    /// None (RLX_FFN=0).
     Off,
-    /// The row split where it is compiled (H 384, I 1536), nothing else (RLX_FFN=rows).
+    /// The row split where it is compiled (H 384, I 1536), nothing else (the
+    /// default; RLX_FFN=rows).
     Rows,
     /// The row split where it is compiled, the cluster kernel elsewhere (RLX_FFN=1).
     All,
@@ -113,7 +117,13 @@ fn mode() -> FfnFusion {
         Some("1" | "on" | "true" | "yes" | "all") => FfnFusion::All,
         Some("rows") => FfnFusion::Rows,
         Some("clusters") => FfnFusion::Clusters,
-        _ => FfnFusion::Off,
+        Some("0" | "off" | "false" | "no") => FfnFusion::Off,
+        None | Some("") => FfnFusion::Rows,
+        Some(other) => {
+            // A typo must not silently measure something else.
+            eprintln!("rlx-cuda: RLX_FFN={other:?} is not one of 0, rows, 1, clusters; using the default (rows)");
+            FfnFusion::Rows
+        }
     }
 }
 
@@ -122,7 +132,9 @@ fn mode() -> FfnFusion {
 /// FFN1's multiply, 4 FFN2, 8 the weight loads, 16 the cluster barriers, 32
 /// the reduction's remote stores, 64 its remote loads, 128 the workspace
 /// stores. Row split: 1 the remote loads of FFN2's partials, 2 those of the
-/// norm's statistics, 4 the weight loads, 8 FFN1's multiply, 16 FFN2's.
+/// norm's statistics, 4 the weight loads, 8 FFN1's multiply, 16 FFN2's; 32
+/// (results unchanged) copies W2 before the programmatic-launch wait rather
+/// than after X.
 fn skip_bits() -> i64 {
     std::env::var("RLX_FFN_SKIP").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
 }
@@ -278,7 +290,16 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     }
     let rows = (m1.batch * m1.m) as u64;
     let sfx = suffix(m1.dtype);
-    let own = k.own_gemm()?;
+    // The kernels could not be compiled or loaded: the thunks run as usual
+    // (said once per process, as this is the default path).
+    let own = match k.ffn() {
+        Ok(o) => o,
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("rlx-cuda: fused feed-forward kernels unavailable, using the unfused ones: {e}"));
+            return Ok(None);
+        }
+    };
     let info = std::env::var("RLX_FFN_INFO").is_ok();
     let v = match f.kernel {
         Kernel::Clusters(_) if ws == 0 => return Ok(None),
@@ -478,8 +499,12 @@ mod tests {
         assert_eq!(VARIANTS[0].smem(), (128 + 192) * 104 * 2 + 96 * 200 * 2 + 128 * 200 * 4 + 192 * 2);
         assert_eq!(VARIANTS[1].smem(), 128 * 104 * 2 + 48 * 104 * 2 + 128 * 104 * 4 + 96 * 2);
         assert!(VARIANTS.iter().all(|v| v.smem() <= 227 * 1024 && v.i % v.ic == 0 && v.h % (8 * 16) == 0));
-        // The row split: X and W1 (the f32 partial reuses them), W2, H, b1, statistics, per-thread sums.
-        assert_eq!(row_smem(384, 1536), (32 + 96) * 392 * 2 + 384 * 104 * 2 + 32 * 104 * 2 + 96 * 2 + 2 * 32 * 4 + 32 * 8 * 4);
+        // The row split: X and W1 (the f32 partial reuses them), W2, H, b1,
+        // statistics, per-thread sums, FFN1's second K half.
+        assert_eq!(
+            row_smem(384, 1536),
+            (32 + 96) * 392 * 2 + 384 * 104 * 2 + 32 * 104 * 2 + 96 * 2 + 2 * 32 * 4 + 32 * 8 * 4 + 4 * 16 * 52 * 4
+        );
         assert!(row_smem(384, 1536) <= 227 * 1024);
     }
 }

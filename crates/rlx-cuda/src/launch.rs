@@ -205,10 +205,13 @@ pub(crate) struct Kernels {
     /// The own matmul's functions, loaded on first use (`own_gemm`); a
     /// failure is kept as its message and repeated to every caller.
     gemm: OnceLock<std::result::Result<OwnGemm, String>>,
+    /// The fused feed-forward kernels, loaded on first use (`ffn`), the same way.
+    ffn: OnceLock<std::result::Result<OwnGemm, String>>,
 }
 
-/// The own matmul's kernels (kernels/gemm.cu, and kernels/gemm_wgmma.cu on
-/// cc 9.0).
+/// Kernels loaded on first use: the own matmul's (kernels/gemm.cu, and
+/// kernels/gemm_wgmma.cu on cc 9.0), or the fused feed-forward block's
+/// (kernels/ffn.cu).
 pub(crate) struct OwnGemm {
     funcs: HashMap<String, Func>,
     /// The sm_90a wgmma + TMA matmul was loaded.
@@ -217,13 +220,16 @@ pub(crate) struct OwnGemm {
 
 impl OwnGemm {
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
-        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the own matmul's modules")))
+        self.funcs
+            .get(name)
+            .copied()
+            .ok_or_else(|| err(format!("kernel {name} is not in the lazily loaded modules (own matmul or fused feed-forward)")))
     }
 }
 
 impl Kernels {
     pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>) -> Kernels {
-        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, dev, gemm: OnceLock::new() }
+        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, dev, gemm: OnceLock::new(), ffn: OnceLock::new() }
     }
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
@@ -248,6 +254,15 @@ impl Kernels {
             Ok(OwnGemm { funcs, wgmma })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the own matmul kernels: {e}")))
+    }
+    /// The fused feed-forward kernels, compiled (or read from the disk cache)
+    /// and loaded the first time a fusion needs them (src/ffn.rs).
+    pub(crate) fn ffn(&self) -> Result<&OwnGemm> {
+        let loaded = self.ffn.get_or_init(|| {
+            let funcs = load_modules(&self.dev, &crate::nvrtc::ffn_sources_for(self.dev.cc)).map_err(|e| e.to_string())?;
+            Ok(OwnGemm { funcs, wgmma: false })
+        });
+        loaded.as_ref().map_err(|e| err(format!("loading the fused feed-forward kernels: {e}")))
     }
     fn typed(&self, base: &str, d: DType) -> Result<Func> {
         self.get(&format!("{base}_{}", suffix(d)))

@@ -24,10 +24,13 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_mma.cu", concat!(include_str!("../kernels/attention_mma.cu"), include_str!("../kernels/layer.cu"))),
 ];
 
-/// The own matmul (src/gemm.rs) and the fused feed-forward block
-/// (src/ffn.rs): compiled and loaded only when a matmul policy or the fusion
-/// needs them, so the default (cuBLASLt) does not pay for them.
-pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu")), ("ffn.cu", include_str!("../kernels/ffn.cu"))];
+/// The own matmul (src/gemm.rs): compiled and loaded only when a matmul
+/// policy needs it, so the default (cuBLASLt) does not pay for it.
+pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu"))];
+
+/// The fused feed-forward blocks (src/ffn.rs): compiled and loaded the first
+/// time a schedule has a block they run.
+pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/ffn.cu"))];
 
 /// Own-matmul files that use sm_90a-only instructions (wgmma): compiled for
 /// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere
@@ -51,6 +54,12 @@ pub fn gemm_sources_for(cc: (i32, i32)) -> Vec<Source> {
         v.extend(SM90A_GEMM_SOURCES.iter().map(|(f, s)| (*f, *s, "sm_90a".to_string())));
     }
     v
+}
+
+/// The fused feed-forward block's files for a device of compute capability `cc`.
+pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    FFN_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
 /// `compile_cubin` for every file at once, one thread each (NVRTC programs
@@ -250,7 +259,7 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> = sources_for(arch).into_iter().chain(gemm_sources_for(arch)).collect();
+    let files: Vec<Source> = sources_for(arch).into_iter().chain(gemm_sources_for(arch)).chain(ffn_sources_for(arch)).collect();
     let bins = compile_many(&files)?;
     Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }
