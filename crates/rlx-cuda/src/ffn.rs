@@ -77,6 +77,13 @@ const ROW_VARIANTS: [(usize, usize); 1] = [(384, 1536)];
 const ROW_CLUSTER: usize = 16;
 /// Rows one row-split cluster can take (kernels/ffn.cu FfnRowsSmem::RT).
 const ROW_TILE: usize = 32;
+/// Rows per row-split group to aim for (as many groups as that takes, up to
+/// the clusters that fit at once): a cluster's DSMEM partials and epilogue
+/// grow with its rows. H200, MiniLM replay µs at 1×16 / 1×32 / 1×48 / 1×64
+/// (bench/gpu-perf.md, session 12): 8 rows 122 / 124 / 131 / 136–137, 12
+/// rows 122–123 / 125–126 / 128 / 134, 16 rows 125 / 128 / 130 / 136; 24 and
+/// 32 were slower still (1×64: 141 and 146).
+const GROUP_ROWS: usize = 12;
 
 /// kernels/ffn.cu's FfnRowsSmem::TOTAL.
 fn row_smem(h: usize, i: usize) -> u32 {
@@ -309,10 +316,13 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
             let func = own.get(&format!("ffn_rows_{h}_{i}_{sfx}"))?;
             let smem = row_smem(h, i);
             func.set_max_dynamic_smem(smem)?;
-            // As many row groups as fit at once (one wave), each at most
-            // ROW_TILE rows; else (or where 16-block clusters are refused)
-            // the thunks lower as usual.
-            let want = (rows as usize).div_ceil(16);
+            // Groups of about GROUP_ROWS rows (RLX_FFN_GROUP_ROWS for A/B), as
+            // many as fit at once (one wave), each at most ROW_TILE rows;
+            // else (or where 16-block clusters are refused) the thunks lower
+            // as usual.
+            let aim = std::env::var("RLX_FFN_GROUP_ROWS").ok().and_then(|v| v.trim().parse::<usize>().ok());
+            let aim = aim.unwrap_or(GROUP_ROWS).clamp(1, ROW_TILE);
+            let want = (rows as usize).div_ceil(aim);
             let fit = match func.allow_non_portable_clusters() {
                 Ok(()) => func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32).unwrap_or(0) as usize,
                 Err(_) => 0,
