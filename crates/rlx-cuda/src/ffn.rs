@@ -18,9 +18,10 @@
 //!   DSMEM.
 //!
 //! The row split is the default where it is compiled (sm_90+): on the H200
-//! (bench/gpu-perf.md, session 12) MiniLM reads 125 / 127 / 135 / 152 µs at
-//! 1×16 / 1×32 / 1×64 / 1×128 against 132 / 134 / 138 / 154 with cuBLASLt's
-//! kernels (32 kernels per forward instead of 50), and never measured slower.
+//! (bench/gpu-perf.md, session 12) MiniLM reads 122 / 125 / 128 / 134 / 150
+//! µs at 1×16 / 1×32 / 1×48 / 1×64 / 1×128 against 133 / 134 / 139 / 139 /
+//! 150 with cuBLASLt's kernels (32 kernels per forward instead of 50), and
+//! never measured slower.
 //! The cluster kernel is opt-in: 197–203 µs against 150–154 at MiniLM 1×128,
 //! bert-base 625–642 against 370–374 (session 11). Its data movement is the
 //! cost: DSMEM exchanges (~10 KB per µs per block measured), the cluster
