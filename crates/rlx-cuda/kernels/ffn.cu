@@ -314,6 +314,10 @@ struct FfnRowsP {
     const void* x; const void* w1; const void* b1; const void* w2; const void* b2;
     const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
     i64 m; i64 lda; i64 rows; i64 rms; double eps; i64 skip;
+    // The tail kernel's output projection and first norm (null / 0 otherwise):
+    // X = norm1(round(XA·WOᵀ + bo + res0a) + res0), written to out1 (= x).
+    const void* xa; const void* wo; const void* bo; const void* res0a; const void* res0;
+    const void* g1; const void* be1; void* out1; i64 lda_a; i64 rms1; double eps1;
 };
 
 template <int H, int IS>
@@ -325,6 +329,9 @@ struct FfnRowsSmem {
     // Phase 1's second K half: 4 warps' f32 [16][IS/2 + 4] partials.
     static constexpr int KH = 4 * 16 * (IS / 2 + 4) * 4;
     static constexpr int TOTAL = U + W2 + HS + IS * 2 + 2 * RT * 4 + RT * 8 * 4 + KH;
+    // The tail kernel adds the output projection's weight slice [32][H+8]
+    // (its H/16 rows, zeros past them).
+    static constexpr int WO = 32 * XP * 2;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -339,7 +346,42 @@ __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 #endif
 
-template <typename T, int H, int I>
+// The norm statistics of a row split: every block's (mean, M2) of each row
+// over its OC columns in stat[row] / stat[RT + row] (after a cluster
+// barrier) -> the row's mean and 1/sqrt(var + eps) in part[row·8 + 6] and
+// part[row·8 + 7], by threads 0..nrows-1, summed in rank order. `local`
+// (timing only): this block's statistics stand in for the others'.
+template <int RT, int OC, int H>
+__device__ __forceinline__ void rows_combine_stats(float* stat, float* part, int nrows, float eps, bool local) {
+    const int tid = threadIdx.x;
+    if (tid >= nrows) return;
+    const unsigned a = (unsigned)__cvta_generic_to_shared(stat + tid);
+    float mz[16], m2 = 0.0f, mean = 0.0f;
+#pragma unroll
+    for (int z = 0; z < 16; ++z) {
+        const unsigned at = cluster_map(a, (unsigned)z);
+        mz[z] = local ? stat[tid] : ld_cluster_f32(at);
+        m2 += local ? stat[RT + tid] : ld_cluster_f32(at + RT * 4);
+    }
+#pragma unroll
+    for (int z = 0; z < 16; ++z) mean += mz[z];
+    mean *= 1.0f / 16;
+#pragma unroll
+    for (int z = 0; z < 16; ++z) m2 += (float)OC * (mz[z] - mean) * (mz[z] - mean);
+    part[tid * 8 + 6] = mean;  // slots 6, 7: a row's units use 0..5
+    part[tid * 8 + 7] = rsqrtf(m2 * (1.0f / H) + eps);
+}
+
+__device__ __forceinline__ void st_cluster_u32(unsigned addr, unsigned v) {
+    asm volatile("st.shared::cluster.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// f32 rounded to the storage type and back.
+template <typename T> __device__ __forceinline__ float round_t(float v);
+template <> __device__ __forceinline__ float round_t<__half>(float v) { return __half2float(__float2half_rn(v)); }
+template <> __device__ __forceinline__ float round_t<__nv_bfloat16>(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+template <typename T, int H, int I, bool TAIL>
 __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     typedef unsigned short u16;
@@ -351,7 +393,10 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     constexpr int U4 = OC / 4;       // float4 units per row of a block's output columns
     static_assert(H % 128 == 0 && IS % 32 == 0 && NF1 % 2 == 0 && NF2 % 2 == 0 && OC % 4 == 0 && RT * U4 <= NT && U4 <= 6,
                   "row-split shapes");
-    static_assert(L::TOTAL <= 227 * 1024, "shared memory of one block");
+    static_assert(L::TOTAL + (TAIL ? L::WO : 0) <= 227 * 1024, "shared memory of one block");
+    static_assert(!TAIL || (OC % 8 == 0 && OC <= 32 && H % 64 == 0 && 2 * RT * OC + 3 * OC <= RT * HP && RT * OC <= 4 * 16 * (IS / 2 + 4) &&
+                            4 * RT * 36 * 4 <= L::W2),
+                  "tail shapes");
     extern __shared__ __align__(16) unsigned char ffn_smem[];
     u16* const xs = (u16*)ffn_smem;
     u16* const w1s = xs + RT * XP;
@@ -362,6 +407,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     float* const stat = (float*)(ffn_smem + L::U + L::W2 + L::HS + IS * 2);  // [2][RT]
     float* const part = stat + 2 * RT;                                        // [RT][8]
     float* const khalf = part + RT * 8;                                       // [4][16][IS/2+4]
+    u16* const wos = (u16*)(ffn_smem + L::TOTAL);                             // TAIL: [32][XP]
 
     const int r = (int)cluster_rank();
     const int row0 = (int)(blockIdx.x / 16) * (int)p.rows;
@@ -373,20 +419,109 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
 
-    const bool w2_early = p.skip & 32;
+    const bool w2_early = !TAIL && (p.skip & 32);
+    // TAIL: the residuals of norm1 [2][RT][OC] and bo, g1, be1 [3][OC]
+    // (this block's columns) in hs, which step 1 fills only later.
+    u16* const t_res = hs;
+    u16* const t_vec = hs + 2 * RT * OC;
     if (!(p.skip & 4)) {
         ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
         if (w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+        if (TAIL) ffn_copy_rows<H, XP, NT>(wos, (const u16*)p.wo + (i64)r * OC * H, H, 32, OC);
     }
     if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
+    if (TAIL && tid < 3 * (OC / 8)) {
+        const int v = tid / (OC / 8), c = tid % (OC / 8) * 8;
+        const u16* src = (const u16*)(v == 0 ? p.bo : v == 1 ? p.g1 : p.be1);
+        cp_async16(t_vec + v * OC + c, src ? src + r * OC + c : W1, src != nullptr);
+    }
     cp_async_commit();
     pdl_enter();
-    ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
+    if (TAIL) {
+        ffn_copy_rows<H, XP, NT>(xs, (const u16*)p.xa + (i64)row0 * p.lda_a, p.lda_a, RT, nrows);
+        for (int e = tid; e < 2 * RT * (OC / 8); e += NT) {
+            const int which = e / (RT * (OC / 8)), row = e / (OC / 8) % RT, c = e % (OC / 8) * 8;
+            const u16* src = (const u16*)(which == 0 ? p.res0a : p.res0);
+            const bool in = src != nullptr && row < nrows;
+            cp_async16(t_res + (which * RT + row) * OC + c, in ? src + (i64)(row0 + row) * H + r * OC + c : W1, in);
+        }
+    } else {
+        ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
+    }
     cp_async_commit();
-    if (!(p.skip & 4) && !w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+    if (!TAIL && !(p.skip & 4) && !w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
     cp_async_commit();
     cp_async_wait<1>();  // W1, b1 and X (W2 may still be on its way)
     __syncthreads();
+
+    if (TAIL) {
+        // 0. The output projection: warp (wm, kq) multiplies 16 rows by this
+        // block's OC columns (padded to 32) over K quarter kq; the quarters
+        // are summed in order through the W2 slice's space (not yet loaded).
+        constexpr int OP = 36;
+        float* const op = (float*)w2s;  // [4][RT][OP]
+        {
+            const int wm = warp & 1, kq = warp >> 1;
+            float acc[1][4][4];
+            ffn_warp_tile<T, 1, 4, H / 64, XP, XP>(acc, xs + kq * (H / 4), wm * 16, wos + kq * (H / 4), 0, wm * 16 < nrows);
+#pragma unroll
+            for (int nf = 0; nf < 4; ++nf)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *(float2*)(op + (kq * RT + wm * 16 + g + h * 8) * OP + nf * 8 + 2 * t) =
+                        make_float2(acc[0][nf][2 * h], acc[0][nf][2 * h + 1]);
+        }
+        __syncthreads();
+        // + bo + res0a, rounded to the storage type (the unfused matmul's
+        // output), + res0: norm1's input, kept in khalf [RT][OC].
+        float* const pre = khalf;
+        const T* const tv = (const T*)t_vec;
+        const T* const tr = (const T*)t_res;
+        for (int e = tid; e < nrows * OC; e += NT) {
+            const int row = e / OC, c = e % OC;
+            float s = op[row * OP + c];
+#pragma unroll
+            for (int q = 1; q < 4; ++q) s += op[(q * RT + row) * OP + c];
+            s += ld(tv, c) + ld(tr, row * OC + c);
+            pre[row * OC + c] = round_t<T>(s) + ld(tr, (RT + row) * OC + c);
+        }
+        __syncthreads();  // the partials are read: W2 may land over them
+        if (!(p.skip & 4)) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+        cp_async_commit();
+        if (tid < nrows) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < OC; ++c) sum += pre[tid * OC + c];
+            const float lm = p.rms1 ? 0.0f : sum * (1.0f / OC);
+            float d2 = 0.0f;
+#pragma unroll
+            for (int c = 0; c < OC; ++c) d2 += (pre[tid * OC + c] - lm) * (pre[tid * OC + c] - lm);
+            stat[tid] = lm;
+            stat[RT + tid] = d2;
+        }
+        cluster_sync();  // every block's norm1 statistics are visible; every block is done with XA in xs
+        rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps1, p.skip & 2);
+        __syncthreads();
+        // Norm1's output: stored (it is the thunk's output) and written into
+        // every block's xs, where step 1 reads whole rows of it.
+        const unsigned xs_addr = (unsigned)__cvta_generic_to_shared(xs);
+        for (int e = tid; e < nrows * (OC / 2); e += NT) {
+            const int row = e / (OC / 2), c = e % (OC / 2) * 2, col = r * OC + c;
+            const float mean = part[row * 8 + 6], rstd = part[row * 8 + 7];
+            float o[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                o[j] = (pre[row * OC + c + j] - mean) * rstd * ld(tv, OC + c + j);
+                if (p.be1) o[j] += ld(tv, 2 * OC + c + j);
+            }
+            const unsigned w = pack2<T>(o[0], o[1]);
+            *(unsigned*)((T*)p.out1 + (i64)(row0 + row) * H + col) = w;
+            const unsigned off = xs_addr + (unsigned)((row * XP + col) * 2);
+#pragma unroll
+            for (int z = 0; z < 16; ++z) st_cluster_u32(cluster_map(off, (unsigned)z), w);
+        }
+        cluster_sync();  // every block holds norm1's rows; its statistics are read
+    }
 
     // 1. H_r: warp (wm, wn, kh) multiplies 16 rows by IS/2 columns over K
     // half kh; the kh = 1 warps hand their partial to the kh = 0 warps.
@@ -487,23 +622,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         stat[RT + tid] = s;
     }
     cluster_sync();  // every block's statistics are visible to the cluster
-    if (tid < nrows) {
-        const unsigned a = (unsigned)__cvta_generic_to_shared(stat + tid);
-        float mz[16], m2 = 0.0f, mean = 0.0f;
-#pragma unroll
-        for (int z = 0; z < 16; ++z) {
-            const unsigned at = cluster_map(a, (unsigned)z);
-            mz[z] = (p.skip & 2) ? stat[tid] : ld_cluster_f32(at);
-            m2 += (p.skip & 2) ? stat[RT + tid] : ld_cluster_f32(at + RT * 4);
-        }
-#pragma unroll
-        for (int z = 0; z < 16; ++z) mean += mz[z];
-        mean *= 1.0f / 16;
-#pragma unroll
-        for (int z = 0; z < 16; ++z) m2 += (float)OC * (mz[z] - mean) * (mz[z] - mean);
-        part[tid * 8 + 6] = mean;  // slots 6, 7: the row's units use 0..U4-1 (U4 <= 6)
-        part[tid * 8 + 7] = rsqrtf(m2 * (1.0f / H) + (float)p.eps);
-    }
+    rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps, p.skip & 2);
     // This block reads no other block's shared memory after this point.
     cluster_arrive_relaxed();
     __syncthreads();
@@ -522,10 +641,16 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
 
 #define RLX_FFN_ROWS(H, I)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) ffn_rows_##H##_##I##_f16(const FfnRowsP p) {          \
-        ffn_rows_body<__half, H, I>(p);                                                                    \
+        ffn_rows_body<__half, H, I, false>(p);                                                             \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(256) ffn_rows_##H##_##I##_bf16(const FfnRowsP p) {         \
-        ffn_rows_body<__nv_bfloat16, H, I>(p);                                                             \
+        ffn_rows_body<__nv_bfloat16, H, I, false>(p);                                                      \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) ffn_rows_tail_##H##_##I##_f16(const FfnRowsP p) {     \
+        ffn_rows_body<__half, H, I, true>(p);                                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) ffn_rows_tail_##H##_##I##_bf16(const FfnRowsP p) {    \
+        ffn_rows_body<__nv_bfloat16, H, I, true>(p);                                                       \
     }
 // MiniLM (H 384, I 1536).
 RLX_FFN_ROWS(384, 1536)

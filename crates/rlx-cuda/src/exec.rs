@@ -269,7 +269,7 @@ impl CudaExecutable {
         let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
         let fusions: Vec<ffn::Fusion> = ffn::find(&schedule.thunks, &outputs, dev.cc.0)
             .into_iter()
-            .filter(|f| !layer_runs.iter().any(|r| r.start < f.start + 3 && f.start < r.end))
+            .filter(|f| !layer_runs.iter().any(|r| r.start < f.start + f.thunks() && f.start < r.end))
             .collect();
         let ffn_ws = match ffn::workspace_bytes(&schedule.thunks, &fusions) {
             0 => None,
@@ -363,7 +363,7 @@ impl CudaExecutable {
                             fused_ffns += 1;
                         }
                         steps.extend(fused);
-                        i += 3;
+                        i += f.thunks();
                         continue;
                     }
                 }

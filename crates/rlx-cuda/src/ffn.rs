@@ -94,6 +94,12 @@ fn row_smem(h: usize, i: usize) -> u32 {
     ((ROW_TILE + is) * xp * 2 + h * hp * 2 + ROW_TILE * hp * 2 + is * 2 + 2 * ROW_TILE * 4 + ROW_TILE * 8 * 4 + khalf) as u32
 }
 
+/// The tail kernel's extra shared memory: the output projection's weight
+/// slice [32][H+8] (kernels/ffn.cu FfnRowsSmem::WO).
+fn tail_smem(h: usize) -> u32 {
+    (32 * (h + 8) * 2) as u32
+}
+
 /// Which feed-forward blocks run as fused kernels (`set_ffn_fusion`, RLX_FFN).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FfnFusion {
@@ -154,13 +160,85 @@ enum Kernel {
     Clusters(usize),
     /// `ffn_rows_<H>_<I>`: the feed-forward block and the norm in one kernel.
     Rows,
+    /// `ffn_rows_tail_<H>_<I>`: also the attention's output projection and
+    /// the norm before the feed-forward block (five thunks).
+    RowsTail,
 }
 
-/// A triple `find` accepted: thunks start, start + 1, start + 2.
+/// Thunks start.. that `find` accepted: a feed-forward triple, or for
+/// `RowsTail` the output projection and its norm, then the triple.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fusion {
     pub start: usize,
     kernel: Kernel,
+}
+
+impl Fusion {
+    /// How many thunks it runs.
+    pub fn thunks(&self) -> usize {
+        if self.kernel == Kernel::RowsTail {
+            5
+        } else {
+            3
+        }
+    }
+}
+
+/// RLX_FFN_TAIL=0 (A/B): the row split without the output projection and
+/// its norm.
+fn tail_enabled() -> bool {
+    std::env::var("RLX_FFN_TAIL").map(|v| v.trim() != "0").unwrap_or(true)
+}
+
+fn overlap(a: &BufRef, b: &BufRef) -> bool {
+    a.space == b.space && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes
+}
+
+/// `w` may be written (by the block that owns its rows and columns, after
+/// every read of `r` that other blocks make) while `r` is read only if they
+/// are the same bytes or apart.
+fn same_or_apart(w: &BufRef, r: Option<&BufRef>) -> bool {
+    r.is_none_or(|r| r == w || !overlap(w, r))
+}
+
+/// Thunks i, i + 1: the attention's output projection ([rows, H] · W_oᵀ
+/// (+ bias, + residual), W_o [H, H]) and the norm (+ residual) whose output
+/// the feed-forward block `ffn` (thunks i + 2..) reads; the tail kernel
+/// writes norm1's output as well, so its liveness does not matter; the
+/// projection's output must be dead after the norm.
+fn tail(thunks: &[Thunk], i: usize, ffn: &MatMulThunk, norm2_out: &BufRef, outputs: &[BufRef]) -> bool {
+    let (Thunk::MatMul(o), Thunk::Norm { dtype, rows, cols, x, residual, out, .. }) = (&thunks[i], &thunks[i + 1]) else {
+        return false;
+    };
+    let h = ffn.k;
+    o.dtype == ffn.dtype
+        && o.b_trans
+        && o.b_batch_stride == 0
+        && o.ldb == o.k as u64
+        && o.k == h
+        && o.n == h
+        && o.batch * o.m == ffn.batch * ffn.m
+        && (o.batch == 1 || o.a_batch_stride == o.m as u64 * o.lda)
+        && o.lda.is_multiple_of(8)
+        && o.lda >= o.k as u64
+        && o.act.is_none()
+        && o.residual.is_none_or(|r| r != o.out)
+        && *dtype == o.dtype
+        && *rows == o.batch * o.m
+        && *cols == h
+        && *x == o.out
+        && residual.is_none_or(|r| r != *x)
+        && *out == ffn.a
+        && ffn.lda == h as u64
+        // Norm1's output over the projection's input only as the same rows.
+        && (!overlap(out, &o.a) || (*out == o.a && o.lda == h as u64))
+        && same_or_apart(out, residual.as_ref())
+        && same_or_apart(out, o.residual.as_ref())
+        && (!overlap(norm2_out, &o.a) || (*norm2_out == o.a && o.lda == h as u64))
+        && same_or_apart(norm2_out, residual.as_ref())
+        && same_or_apart(norm2_out, o.residual.as_ref())
+        && same_or_apart(norm2_out, Some(out))
+        && (*out == o.out || dead_after(thunks, i + 1, &o.out, outputs))
 }
 
 fn kernel_for(m: &MatMulThunk, mode: FfnFusion) -> Option<Kernel> {
@@ -237,26 +315,39 @@ fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusio
     if cc_major < 9 || mode == FfnFusion::Off {
         return Vec::new();
     }
+    // The feed-forward triple at i, and the kernel that runs it.
+    let triple = |i: usize| -> Option<(Kernel, &MatMulThunk, &BufRef)> {
+        let (Thunk::MatMul(a), Thunk::MatMul(b), Thunk::Norm { dtype, rows, cols, x, residual, out, .. }) =
+            (thunks.get(i)?, thunks.get(i + 1)?, thunks.get(i + 2)?)
+        else {
+            return None;
+        };
+        let ok = first(a)
+            && second(a, b)
+            && *dtype == a.dtype
+            && *rows == a.batch * a.m
+            && *cols == a.k
+            && *x == b.out
+            && residual.is_none_or(|r| r != *x)
+            && dead_after(thunks, i + 1, &a.out, outputs)
+            && dead_after(thunks, i + 2, &b.out, outputs);
+        ok.then(|| kernel_for(a, mode)).flatten().map(|k| (k, a, out))
+    };
+    let tails = tail_enabled();
     let mut found = Vec::new();
     let mut i = 0;
     while i + 2 < thunks.len() {
-        if let (Thunk::MatMul(a), Thunk::MatMul(b), Thunk::Norm { dtype, rows, cols, x, residual, .. }) =
-            (&thunks[i], &thunks[i + 1], &thunks[i + 2])
-        {
-            let ok = first(a)
-                && second(a, b)
-                && *dtype == a.dtype
-                && *rows == a.batch * a.m
-                && *cols == a.k
-                && *x == b.out
-                && residual.is_none_or(|r| r != *x)
-                && dead_after(thunks, i + 1, &a.out, outputs)
-                && dead_after(thunks, i + 2, &b.out, outputs);
-            if let (true, Some(kernel)) = (ok, kernel_for(a, mode)) {
-                found.push(Fusion { start: i, kernel });
-                i += 3;
+        if let (true, Some((Kernel::Rows, a, out))) = (tails, triple(i + 2)) {
+            if tail(thunks, i, a, out, outputs) {
+                found.push(Fusion { start: i, kernel: Kernel::RowsTail });
+                i += 5;
                 continue;
             }
+        }
+        if let Some((kernel, ..)) = triple(i) {
+            found.push(Fusion { start: i, kernel });
+            i += 3;
+            continue;
         }
         i += 1;
     }
@@ -280,8 +371,9 @@ pub(crate) fn workspace_bytes(thunks: &[Thunk], fusions: &[Fusion]) -> u64 {
 /// not aligned or the row groups do not fit at once (the thunks then lower
 /// as usual).
 pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64) -> Result<Option<Vec<Step>>> {
+    let t0 = f.start + f.thunks() - 3;
     let (Thunk::MatMul(m1), Thunk::MatMul(m2), Thunk::Norm { rms, eps, x: _, residual, gamma, beta, out, .. }) =
-        (&thunks[f.start], &thunks[f.start + 1], &thunks[f.start + 2])
+        (&thunks[t0], &thunks[t0 + 1], &thunks[t0 + 2])
     else {
         return Ok(None);
     };
@@ -312,10 +404,33 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     let v = match f.kernel {
         Kernel::Clusters(_) if ws == 0 => return Ok(None),
         Kernel::Clusters(v) => &VARIANTS[v],
-        Kernel::Rows => {
+        Kernel::Rows | Kernel::RowsTail => {
             let (h, i) = (m1.k, m1.n);
-            let func = own.get(&format!("ffn_rows_{h}_{i}_{sfx}"))?;
-            let smem = row_smem(h, i);
+            // The tail's output projection and norm1, or zeros.
+            let mut tail_args = Args::default();
+            let mut smem = row_smem(h, i);
+            let name = if f.kernel == Kernel::RowsTail {
+                let (Thunk::MatMul(mo), Thunk::Norm { rms: rms1, eps: eps1, residual: r1, gamma: g1, beta: be1, out: out1, .. }) =
+                    (&thunks[f.start], &thunks[f.start + 1])
+                else {
+                    return Ok(None);
+                };
+                let (xa, wo, bo) = (b.ptr(&mo.a)?, b.ptr(&mo.b)?, opt(mo.bias.as_ref())?);
+                let (r0a, r0, g1, be1, o1) = (opt(mo.residual.as_ref())?, opt(r1.as_ref())?, b.ptr(g1)?, opt(be1.as_ref())?, b.ptr(out1)?);
+                // 16-byte copies of every operand and of each block's 48-byte
+                // column slices; 4-byte stores of norm1's output.
+                let a_row = mo.lda * mo.dtype.size() as u64;
+                if !(xa | wo | bo | r0a | r0 | g1 | be1 | a_row).is_multiple_of(16) || !o1.is_multiple_of(4) {
+                    return Ok(None);
+                }
+                tail_args = tail_args.p(xa).p(wo).p(bo).p(r0a).p(r0).p(g1).p(be1).p(o1).p(mo.lda).i(*rms1 as i64).f(*eps1 as f64);
+                smem += tail_smem(h);
+                format!("ffn_rows_tail_{h}_{i}_{sfx}")
+            } else {
+                tail_args = tail_args.p(0).p(0).p(0).p(0).p(0).p(0).p(0).p(0).p(0).i(0).f(0.0);
+                format!("ffn_rows_{h}_{i}_{sfx}")
+            };
+            let func = own.get(&name)?;
             func.set_max_dynamic_smem(smem)?;
             // Groups of about GROUP_ROWS rows (RLX_FFN_GROUP_ROWS for A/B), as
             // many as fit at once (one wave), each at most ROW_TILE rows;
@@ -352,7 +467,8 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
                 .i(per)
                 .i(*rms as i64)
                 .f(*eps as f64)
-                .i(skip_bits());
+                .i(skip_bits())
+                .extend(tail_args);
             let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
             let op = Op::Kernel { func, grid, block: 256, smem, cluster: [ROW_CLUSTER as u32, 1, 1], args: args.0 };
             return Ok(Some(vec![Step::new(op, "ffn")]));
@@ -498,10 +614,82 @@ mod tests {
         let s: rlx_compile::Schedule =
             serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
+        // The row split takes each layer's output projection and its norm
+        // too (the norm writes over the projection's input here); the
+        // cluster kernel only the feed-forward block.
         let found = find_with(&s.thunks, &outputs, 9, FfnFusion::All);
-        assert_eq!(found.iter().map(|f| f.start).collect::<Vec<_>>(), [5, 12, 19, 26, 33, 40]);
-        assert!(found.iter().all(|f| f.kernel == Kernel::Rows));
-        assert!(find_with(&s.thunks, &outputs, 9, FfnFusion::Clusters).iter().all(|f| f.kernel == Kernel::Clusters(1)));
+        assert_eq!(found.iter().map(|f| f.start).collect::<Vec<_>>(), [3, 10, 17, 24, 31, 38]);
+        assert!(found.iter().all(|f| f.kernel == Kernel::RowsTail && f.thunks() == 5));
+        let clusters = find_with(&s.thunks, &outputs, 9, FfnFusion::Clusters);
+        assert_eq!(clusters.iter().map(|f| f.start).collect::<Vec<_>>(), [5, 12, 19, 26, 33, 40]);
+        assert!(clusters.iter().all(|f| f.kernel == Kernel::Clusters(1)));
+    }
+
+    /// The output projection and its norm before `block`'s triple: A (the
+    /// attention's output) and the residual X0 after the block's buffers.
+    fn tail_block(rows: usize) -> (Vec<Thunk>, [BufRef; 6]) {
+        let (h, i) = (384, 1536);
+        let (t, [x1, hb, y, out]) = block(rows, h, i, Some(Activation::Gelu));
+        let a = buf(out.offset + out.bytes, rows * h * 2);
+        let yo = buf(a.offset + a.bytes, rows * h * 2);
+        let x0 = buf(yo.offset + yo.bytes, rows * h * 2);
+        let Thunk::MatMul(mut o) = t[1].clone() else { unreachable!() };
+        (o.m, o.n, o.k, o.a, o.lda, o.b, o.ldb, o.out) = (rows, h, h, a, h as u64, w(5, h * h * 2), h as u64, yo);
+        o.a_batch_stride = (rows * h) as u64;
+        let norm1 = Thunk::Norm {
+            rms: false,
+            dtype: DType::F16,
+            rows,
+            cols: h,
+            eps: 1e-12,
+            x: yo,
+            residual: Some(x0),
+            gamma: w(6, h * 2),
+            beta: None,
+            out: x1,
+        };
+        let mut all = vec![Thunk::MatMul(o), norm1];
+        all.extend(t);
+        let _ = hb;
+        (all, [a, yo, x0, x1, y, out])
+    }
+
+    #[test]
+    fn the_row_split_takes_the_output_projection_and_its_norm() {
+        let (t, [a, yo, x0, x1, _, out]) = tail_block(64);
+        assert_eq!(find_with(&t, &[out], 9, FfnFusion::Rows), [Fusion { start: 0, kernel: Kernel::RowsTail }]);
+        // The projection's output read later: only the triple.
+        assert_eq!(find_with(&t, &[out, yo], 9, FfnFusion::Rows), [Fusion { start: 2, kernel: Kernel::Rows }]);
+        // Norm1 in place over the projection's input or its residual: still the tail.
+        for over in [a, x0] {
+            let mut t2 = t.clone();
+            if let Thunk::Norm { out, .. } = &mut t2[1] {
+                *out = over;
+            }
+            if let Thunk::MatMul(m) = &mut t2[2] {
+                m.a = over;
+            }
+            if let Thunk::Norm { residual, .. } = &mut t2[4] {
+                *residual = Some(over);
+            }
+            assert_eq!(find_with(&t2, &[out], 9, FfnFusion::Rows)[0].kernel, Kernel::RowsTail, "{over:?}");
+        }
+        // Norm1's output over part of the projection's input: not the tail.
+        let shifted = buf(a.offset + 768, a.bytes as usize);
+        let mut t3 = t.clone();
+        if let Thunk::Norm { out, .. } = &mut t3[1] {
+            *out = shifted;
+        }
+        if let Thunk::MatMul(m) = &mut t3[2] {
+            m.a = shifted;
+        }
+        if let Thunk::Norm { residual, .. } = &mut t3[4] {
+            *residual = Some(shifted);
+        }
+        assert!(find_with(&t3, &[out], 9, FfnFusion::Rows).iter().all(|f| f.kernel != Kernel::RowsTail));
+        // The cluster kernel has no tail.
+        assert_eq!(find_with(&t, &[out], 9, FfnFusion::Clusters), [Fusion { start: 2, kernel: Kernel::Clusters(1) }]);
+        let _ = x1;
     }
 
     #[test]

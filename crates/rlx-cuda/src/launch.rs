@@ -64,6 +64,11 @@ impl Args {
         self.0.push(v.to_bits());
         self
     }
+    /// `more`'s words after these.
+    pub(crate) fn extend(mut self, more: Args) -> Self {
+        self.0.extend(more.0);
+        self
+    }
     /// A fixed `i64[MAX_RANK]` array, zero padded.
     fn arr(mut self, v: impl IntoIterator<Item = u64>) -> Self {
         let mut a: Vec<u64> = v.into_iter().take(MAX_RANK).collect();
