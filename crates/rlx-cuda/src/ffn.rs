@@ -15,13 +15,17 @@
 //! - the row split (`ffn_rows_<H>_<I>`, MiniLM's widths): 16-block clusters
 //!   over groups of at most 32 rows run the whole block and the norm, each
 //!   block 1/16 of I, FFN2's partials and the norm's statistics summed over
-//!   DSMEM.
+//!   DSMEM. Where the block follows the attention's output projection and
+//!   its norm (MatMul [H, H] → Norm → triple), `ffn_rows_tail_<H>_<I>` runs
+//!   those two as well (five thunks): each block OC = H/16 columns of the
+//!   projection, norm1's statistics combined over DSMEM, and norm1's output
+//!   stored and pushed into every block of the cluster.
 //!
-//! The row split is the default where it is compiled (sm_90+): on the H200
-//! (bench/gpu-perf.md, session 12) MiniLM reads 122 / 125 / 128 / 134 / 150
-//! µs at 1×16 / 1×32 / 1×48 / 1×64 / 1×128 against 133 / 134 / 139 / 139 /
-//! 150 with cuBLASLt's kernels (32 kernels per forward instead of 50), and
-//! never measured slower.
+//! The row split with its tail is the default where it is compiled (sm_90+):
+//! on the H200 (bench/gpu-perf.md, session 12) MiniLM reads 112 / 122 / 129
+//! / 131 / 149 µs at 1×16 / 1×32 / 1×48 / 1×64 / 1×128 against 133 / 133 /
+//! 139 / 138 / 150 with cuBLASLt's kernels (20 kernels per forward instead
+//! of 50), and never measured slower. RLX_FFN_TAIL=0 leaves the tail out.
 //! The cluster kernel is opt-in: 197–203 µs against 150–154 at MiniLM 1×128,
 //! bert-base 625–642 against 370–374 (session 11). Its data movement is the
 //! cost: DSMEM exchanges (~10 KB per µs per block measured), the cluster
