@@ -28,6 +28,15 @@ pub struct BufRef {
     pub bytes: u64,
 }
 
+impl BufRef {
+    /// Whether the two share a byte.
+    pub fn overlaps(&self, other: &BufRef) -> bool {
+        self.space == other.space
+            && self.offset < other.offset.saturating_add(other.bytes)
+            && other.offset < self.offset.saturating_add(self.bytes)
+    }
+}
+
 /// A `[B, S, W]` tensor read through strides (in elements), e.g. Q out of a
 /// fused QKV projection: batch_stride = S*3W, row_stride = 3W.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

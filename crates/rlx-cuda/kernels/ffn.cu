@@ -334,18 +334,6 @@ struct FfnRowsSmem {
     static constexpr int WO = 32 * XP * 2;
 };
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-// cluster_sync_relaxed in two halves: arrive once this block's last read of
-// another block's shared memory has returned, wait before leaving.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-#endif
-
 // The norm statistics of a row split: every block's (mean, M2) of each row
 // over its OC columns in stat[row] / stat[RT + row] (after a cluster
 // barrier) -> the row's mean and 1/sqrt(var + eps) in part[row·8 + 6] and
@@ -370,10 +358,6 @@ __device__ __forceinline__ void rows_combine_stats(float* stat, float* part, int
     for (int z = 0; z < 16; ++z) m2 += (float)OC * (mz[z] - mean) * (mz[z] - mean);
     part[tid * 8 + 6] = mean;  // slots 6, 7: a row's units use 0..5
     part[tid * 8 + 7] = rsqrtf(m2 * (1.0f / H) + eps);
-}
-
-__device__ __forceinline__ void st_cluster_u32(unsigned addr, unsigned v) {
-    asm volatile("st.shared::cluster.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // f32 rounded to the storage type and back.

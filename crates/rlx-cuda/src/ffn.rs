@@ -194,15 +194,11 @@ fn tail_enabled() -> bool {
     std::env::var("RLX_FFN_TAIL").map(|v| v.trim() != "0").unwrap_or(true)
 }
 
-fn overlap(a: &BufRef, b: &BufRef) -> bool {
-    a.space == b.space && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes
-}
-
 /// `w` may be written (by the block that owns its rows and columns, after
 /// every read of `r` that other blocks make) while `r` is read only if they
 /// are the same bytes or apart.
 fn same_or_apart(w: &BufRef, r: Option<&BufRef>) -> bool {
-    r.is_none_or(|r| r == w || !overlap(w, r))
+    r.is_none_or(|r| r == w || !w.overlaps(r))
 }
 
 /// Thunks i, i + 1: the attention's output projection ([rows, H] · W_oᵀ
@@ -235,10 +231,10 @@ fn tail(thunks: &[Thunk], i: usize, ffn: &MatMulThunk, norm2_out: &BufRef, outpu
         && *out == ffn.a
         && ffn.lda == h as u64
         // Norm1's output over the projection's input only as the same rows.
-        && (!overlap(out, &o.a) || (*out == o.a && o.lda == h as u64))
+        && (!out.overlaps(&o.a) || (*out == o.a && o.lda == h as u64))
         && same_or_apart(out, residual.as_ref())
         && same_or_apart(out, o.residual.as_ref())
-        && (!overlap(norm2_out, &o.a) || (*norm2_out == o.a && o.lda == h as u64))
+        && (!norm2_out.overlaps(&o.a) || (*norm2_out == o.a && o.lda == h as u64))
         && same_or_apart(norm2_out, residual.as_ref())
         && same_or_apart(norm2_out, o.residual.as_ref())
         && same_or_apart(norm2_out, Some(out))
@@ -338,7 +334,7 @@ fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusio
             && residual.is_none_or(|r| r != *x)
             // The norm's output over a block's input rows or residuals only
             // as the same bytes (read before the rows' owner writes them).
-            && (!overlap(out, &a.a) || (*out == a.a && a.lda == a.k as u64))
+            && (!out.overlaps(&a.a) || (*out == a.a && a.lda == a.k as u64))
             && same_or_apart(out, b.residual.as_ref())
             && same_or_apart(out, residual.as_ref())
             && dead_after(thunks, i + 1, &a.out, outputs)
@@ -439,7 +435,8 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
                 smem += tail_smem(h);
                 format!("ffn_rows_tail_{h}_{i}_{sfx}")
             } else {
-                tail_args = tail_args.p(0).p(0).p(0).p(0).p(0).p(0).p(0).p(0).p(0).i(0).f(0.0);
+                // Eleven words of null pointers and zeros (0.0 is all zero bits).
+                tail_args = Args(vec![0; 11]);
                 format!("ffn_rows_{h}_{i}_{sfx}")
             };
             let func = own.get(&name)?;

@@ -125,8 +125,9 @@ pub(crate) fn put(key: &str, stored: Stored) {
     if let Some(dir) = p.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    // One write of a whole short line: appends from racing processes do
-    // not interleave within it.
+    // One write of a whole short line in append mode, so racing processes
+    // do not interleave within a line on local file systems (a torn line
+    // would only be skipped when read).
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&p) {
         let _ = f.write_all(stored.line(key).as_bytes());
     }

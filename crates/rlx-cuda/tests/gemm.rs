@@ -328,7 +328,8 @@ fn timed_choices_are_kept_on_disk() {
     std::fs::write(&file, "not a choice\n0123 lt 1 2\n").unwrap_or_else(|e| panic!("{e}"));
     let (retimed, _) = prepare();
     assert!(retimed.iter().all(|(_, n)| *n > 0), "not timed again: {retimed:?}");
-    let (_, _) = prepare();
+    let (reread, _) = prepare();
+    assert!(reread.iter().all(|(_, n)| *n == 0), "the re-timed choices were not written back: {reread:?}");
     set_gemm_cache(None);
     set_gemm_policy(GemmPolicy::Library);
     let _ = std::fs::remove_dir_all(&dir);
