@@ -11,6 +11,7 @@ mod error;
 mod graph;
 mod op;
 mod print;
+mod quant;
 mod shape;
 mod verify;
 
@@ -18,6 +19,7 @@ pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId};
 pub use op::{Activation, AttentionSpec, BinaryOp, Op, ReduceOp, RopeMode};
+pub use quant::QFormat;
 pub use shape::{broadcast_shapes, Shape};
 
 pub type Result<T, E = IrError> = std::result::Result<T, E>;
