@@ -15,6 +15,7 @@ mod config;
 mod embedder;
 mod embedding_writer;
 mod error;
+pub mod gguf;
 pub mod safetensors;
 mod text_lines;
 mod tokenizer;
