@@ -250,7 +250,9 @@ impl Lowerer<'_> {
                 } else {
                     None
                 };
-                let valid_len = if spec.valid_len { Some(self.dense(i, self.input(i, next)?)?) } else { None };
+                let valid_len = if spec.valid_len { Some(self.input(i, next)?) } else { None };
+                let valid_len_per_batch = valid_len.is_some_and(|l| g.nodes[l].shape.dims() != [1]);
+                let valid_len = valid_len.map(|l| self.dense(i, l)).transpose()?;
                 Thunk::Attention(AttentionThunk {
                     dtype,
                     batch: dims[0],
@@ -267,6 +269,7 @@ impl Lowerer<'_> {
                     mask: mask.map(|m| self.dense(i, m)).transpose()?,
                     mask_dtype: mask.map_or(dtype, |m| g.nodes[m].dtype),
                     valid_len,
+                    valid_len_per_batch,
                     out: self.buf(i),
                 })
             }
@@ -318,6 +321,51 @@ impl Lowerer<'_> {
                     state: self.dense(i, st)?,
                     value: self.dense(i, val)?,
                     position: self.dense(i, pos)?,
+                    positions_per_batch: g.nodes[pos].shape.dims() != [1],
+                }
+            }
+            Op::QMatMul { format } => {
+                let (a, w) = (in0(self)?, self.input(i, 1)?);
+                let (rows, a_rows) = self.rows(i, a)?;
+                Thunk::QMatMul {
+                    format: *format,
+                    dtype,
+                    rows,
+                    n: node.shape.last(),
+                    k: g.nodes[a].shape.last(),
+                    a: a_rows.buf,
+                    lda: a_rows.row_stride,
+                    w: self.dense(i, w)?,
+                    out: self.buf(i),
+                }
+            }
+            Op::QGather { format } => {
+                let (t, ids) = (in0(self)?, self.input(i, 1)?);
+                Thunk::QGather {
+                    format: *format,
+                    id_dtype: g.nodes[ids].dtype,
+                    n: g.nodes[ids].shape.numel(),
+                    dim: node.shape.last(),
+                    vocab: g.nodes[t].shape.dims()[0],
+                    table: self.dense(i, t)?,
+                    ids: self.dense(i, ids)?,
+                    out: self.buf(i),
+                }
+            }
+            Op::Sample => {
+                let l = in0(self)?;
+                let ld = g.nodes[l].shape.dims();
+                let h = self.input(i, 3)?;
+                Thunk::Sample {
+                    batch: ld[0],
+                    vocab: ld[1],
+                    history_len: g.nodes[h].shape.dims()[1],
+                    logits: self.dense(i, l)?,
+                    fparams: self.dense(i, self.input(i, 1)?)?,
+                    iparams: self.dense(i, self.input(i, 2)?)?,
+                    history: self.dense(i, h)?,
+                    position: self.dense(i, self.input(i, 4)?)?,
+                    out: self.buf(i),
                 }
             }
         };

@@ -149,7 +149,7 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                 v.push(rd("mask", m, prod(&[a.batch, a.kv_len]), a.mask_dtype));
             }
             if let Some(l) = a.valid_len {
-                v.push(rd("valid_len", l, 1, DType::I32));
+                v.push(rd("valid_len", l, if a.valid_len_per_batch { a.batch } else { 1 }, DType::I32));
             }
             v
         }
@@ -197,10 +197,40 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                 wr("out", *out, prod(&[*rows, *cols]), *dtype),
             ]
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => vec![
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => vec![
             wr("state", *state, prod(&[*batch, *max_rows, *width]), *dtype),
             rd("value", *value, prod(&[*batch, *new_rows, *width]), *dtype),
-            rd("position", *position, 1, DType::I32),
+            rd("position", *position, if *positions_per_batch { *batch } else { 1 }, DType::I32),
+        ],
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out } => {
+            let row_bytes = format.row_bytes(*k).unwrap_or(usize::MAX);
+            vec![
+                Operand {
+                    what: "a",
+                    buf: *a,
+                    need: extent(&[*rows, *k], &[*lda, 1]).saturating_mul(dtype.size() as u64),
+                    align: dtype.size(),
+                    write: false,
+                },
+                rd("w", *w, prod(&[*n, row_bytes]), DType::U8),
+                wr("out", *out, prod(&[*rows, *n]), *dtype),
+            ]
+        }
+        Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
+            let row_bytes = format.row_bytes(*dim).unwrap_or(usize::MAX);
+            vec![
+                rd("table", *table, prod(&[*vocab, row_bytes]), DType::U8),
+                rd("ids", *ids, *n, *id_dtype),
+                wr("out", *out, prod(&[*n, *dim]), DType::F32),
+            ]
+        }
+        Thunk::Sample { batch, vocab, history_len, logits, fparams, iparams, history, position, out } => vec![
+            rd("logits", *logits, prod(&[*batch, *vocab]), DType::F32),
+            rd("fparams", *fparams, prod(&[*batch, 4]), DType::F32),
+            rd("iparams", *iparams, prod(&[*batch, 4]), DType::I32),
+            rd("history", *history, prod(&[*batch, *history_len]), DType::I32),
+            rd("position", *position, *batch, DType::I32),
+            wr("out", *out, *batch, DType::I32),
         ],
     }
 }
@@ -248,6 +278,11 @@ pub fn check_operands(t: &Thunk) -> Result<(), String> {
     }
     // gemm reads its operands while it writes the output, so they must not
     // share bytes (elementwise kernels may run in place; a matmul cannot).
+    if let Thunk::QMatMul { a, w, out, .. } = t {
+        if overlaps(out, a) || overlaps(out, w) {
+            return Err("qmatmul output overlaps an operand (a or w)".into());
+        }
+    }
     if let Thunk::MatMul(mm) = t {
         if overlaps(&mm.out, &mm.a) || overlaps(&mm.out, &mm.b) {
             return Err("matmul output overlaps an operand (a or b)".into());

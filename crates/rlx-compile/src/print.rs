@@ -129,8 +129,18 @@ fn describe(t: &Thunk) -> String {
         Thunk::SwiGlu { dtype, rows: r, cols, gate, up, out } => {
             format!("{dtype} rows={r} cols={cols} gate={} up={} -> {out}", rows(gate), rows(up))
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => {
-            format!("{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}")
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
+            let per = if *positions_per_batch { " per row" } else { "" };
+            format!("{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}{per}")
+        }
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out } => {
+            format!("{dtype} [{rows}, {k}] x {format}[{n}, {k}]ᵀ a={a} lda={lda} w={w} -> {out}")
+        }
+        Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
+            format!("{format} table={table} [{vocab}, {dim}] ids={ids}:{id_dtype} n={n} -> {out}:f32")
+        }
+        Thunk::Sample { batch, vocab, history_len, logits, fparams, iparams, history, position, out } => {
+            format!("[{batch}, {vocab}] logits={logits} f={fparams} i={iparams} history={history}x{history_len} pos={position} -> {out}")
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The output of compilation: a backend-neutral list of thunks over byte
 //! offsets. Plain data: serialisable, printable, no pointers.
 
-use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode, Shape};
+use rlx_ir::{Activation, BinaryOp, DType, QFormat, ReduceOp, RopeMode, Shape};
 use serde::{Deserialize, Serialize};
 
 /// Which memory a buffer lives in.
@@ -106,6 +106,10 @@ pub struct AttentionThunk {
     /// is kv_len. A value outside `0..=kv_len` is an error (CPU) or is
     /// clamped and raises the backend's error flag (GPU).
     pub valid_len: Option<BufRef>,
+    /// valid_len holds one value per batch row (`[batch]`) rather than one
+    /// for all (`[1]`).
+    #[serde(default)]
+    pub valid_len_per_batch: bool,
     pub out: BufRef,
 }
 
@@ -275,7 +279,8 @@ pub enum Thunk {
         out: BufRef,
     },
     /// state[b, pos + s, :] = value[b, s, :] for s < new_rows, pos read from
-    /// an i32 device scalar. State is `[batch, max_rows, width]`. A position
+    /// i32 device memory: one value for every batch row, or one per row with
+    /// `positions_per_batch`. State is `[batch, max_rows, width]`. A position
     /// with pos + new_rows > max_rows is an error (CPU) or a no-op that
     /// raises the error flag (GPU).
     WriteState {
@@ -287,6 +292,48 @@ pub enum Thunk {
         state: BufRef,
         value: BufRef,
         position: BufRef,
+        #[serde(default)]
+        positions_per_batch: bool,
+    },
+    /// out[r, :] = a[r, :] · wᵀ for `rows` rows of `k` elements (row stride
+    /// `lda`); w is `n` rows of `format` blocks read as stored; out is
+    /// contiguous `[rows, n]`. f32 accumulation.
+    QMatMul {
+        format: QFormat,
+        dtype: DType,
+        rows: usize,
+        n: usize,
+        k: usize,
+        a: BufRef,
+        lda: u64,
+        w: BufRef,
+        out: BufRef,
+    },
+    /// out[i, :] = dequantised table row ids[i] (f32); `vocab` rows of `dim`
+    /// elements in `format` blocks. An id outside 0..vocab is an error.
+    QGather {
+        format: QFormat,
+        id_dtype: DType,
+        n: usize,
+        dim: usize,
+        vocab: usize,
+        table: BufRef,
+        ids: BufRef,
+        out: BufRef,
+    },
+    /// Next-token sampling over `[batch, vocab]` f32 logits (`Op::Sample`):
+    /// fparams f32 `[batch, 4]`, iparams i32 `[batch, 4]`, history i32
+    /// `[batch, history_len]`, position i32 `[batch]` → out i32 `[batch]`.
+    Sample {
+        batch: usize,
+        vocab: usize,
+        history_len: usize,
+        logits: BufRef,
+        fparams: BufRef,
+        iparams: BufRef,
+        history: BufRef,
+        position: BufRef,
+        out: BufRef,
     },
 }
 
@@ -311,6 +358,9 @@ impl Thunk {
             Thunk::MaskedMean { .. } => "masked_mean",
             Thunk::EmbedNorm { .. } => "embed_norm",
             Thunk::WriteState { .. } => "write_state",
+            Thunk::QMatMul { .. } => "qmatmul",
+            Thunk::QGather { .. } => "qgather",
+            Thunk::Sample { .. } => "sample",
         }
     }
 }

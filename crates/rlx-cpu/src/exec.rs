@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rlx_compile::{Schedule, Space, TensorSlot, Thunk};
-use rlx_runtime::{check_inputs, ExecStats, Executable, RuntimeError, Tensor, Ticket, WeightStore};
+use rlx_runtime::{check_inputs, ExecStats, Executable, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 
 use crate::kernels;
 use crate::kernels::matmul::WeightCopy;
@@ -64,7 +64,8 @@ struct Done {
 struct Worker {
     schedule: Arc<Schedule>,
     arenas: Vec<AlignedBuf>,
-    states: Vec<AlignedBuf>,
+    /// Shared with the other executables of a [`StateSet`] when bound to one.
+    states: Vec<Arc<AlignedBuf>>,
     consts: Vec<AlignedBuf>,
     weights: Vec<WeightMem>,
     /// Per thunk: f32 copy of a half-precision matmul weight.
@@ -90,9 +91,25 @@ fn resolve_all(schedule: &Schedule, store: &WeightStore) -> Result<Vec<Arc<Tenso
 }
 
 impl Worker {
-    fn new(schedule: Arc<Schedule>, store: &WeightStore, slots: usize, pool: Option<Arc<rayon::ThreadPool>>) -> Result<Worker> {
+    fn new(
+        schedule: Arc<Schedule>,
+        store: &WeightStore,
+        shared_states: Option<&Arc<StateSet>>,
+        slots: usize,
+        pool: Option<Arc<rayon::ThreadPool>>,
+    ) -> Result<Worker> {
         let arenas = (0..slots).map(|i| alloc(schedule.arena_bytes, &format!("arena of slot {i}"))).collect::<Result<Vec<_>>>()?;
-        let states = schedule.states.iter().map(|s| alloc(s.buf.bytes, &format!("state '{}'", s.name))).collect::<Result<Vec<_>>>()?;
+        let states = schedule
+            .states
+            .iter()
+            .map(|s| {
+                let make = || alloc(s.buf.bytes, &format!("state '{}'", s.name));
+                match shared_states {
+                    Some(set) => set.get_or_create("cpu", &s.name, s.buf.bytes, make),
+                    None => make().map(Arc::new),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
         let consts = schedule
             .consts
             .iter()
@@ -293,7 +310,7 @@ impl Worker {
                     }
                 }
                 Job::Reset(reply) => {
-                    this.states.iter_mut().for_each(|s| s.bytes_mut().fill(0));
+                    this.states.iter().for_each(|s| s.zero());
                     let _ = reply.send(());
                 }
                 Job::ReadState(i, reply) => {
@@ -342,11 +359,12 @@ impl CpuExecutable {
     pub(crate) fn new(
         schedule: Arc<Schedule>,
         store: Arc<WeightStore>,
+        states: Option<&Arc<StateSet>>,
         slots: usize,
         pool: Option<Arc<rayon::ThreadPool>>,
     ) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let worker = Worker::new(schedule.clone(), &store, slots, pool)?;
+        let worker = Worker::new(schedule.clone(), &store, states, slots, pool)?;
         let rebind_failed = worker.rebind_failed.clone();
         let shared = Arc::new(Mutex::new(worker));
         let (job_tx, job_rx) = channel();

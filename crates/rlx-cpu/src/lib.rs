@@ -18,10 +18,13 @@ mod simd;
 mod validate;
 mod widened;
 
+/// Kernels for GGML block-quantized weights (also used by model loaders).
+pub use kernels::quant;
+
 use std::sync::Arc;
 
 use rlx_compile::{Schedule, Thunk};
-use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, WeightStore};
+use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, StateSet, WeightStore};
 
 pub use act::erf;
 pub use exec::CpuExecutable;
@@ -84,6 +87,24 @@ impl Backend for CpuBackend {
     }
 
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
+        self.check(&schedule)?;
+        Ok(Box::new(CpuExecutable::new(schedule, weights, None, opts.slots.max(1), self.pool.clone())?))
+    }
+
+    fn prepare_shared(
+        &self,
+        schedule: Arc<Schedule>,
+        weights: Arc<WeightStore>,
+        states: &Arc<StateSet>,
+        opts: &PrepareOptions,
+    ) -> Result<Box<dyn Executable>> {
+        self.check(&schedule)?;
+        Ok(Box::new(CpuExecutable::new(schedule, weights, Some(states), opts.slots.max(1), self.pool.clone())?))
+    }
+}
+
+impl CpuBackend {
+    fn check(&self, schedule: &Schedule) -> Result<()> {
         if let Some(e) = &self.pool_error {
             return Err(exec_err(e.clone()));
         }
@@ -94,7 +115,7 @@ impl Backend for CpuBackend {
                 detail,
             })?;
         }
-        Ok(Box::new(CpuExecutable::new(schedule, weights, opts.slots.max(1), self.pool.clone())?))
+        Ok(())
     }
 }
 

@@ -72,6 +72,18 @@ impl AlignedBuf {
     pub fn region(&self) -> Region {
         Region { base: self.ptr.as_ptr(), len: self.len }
     }
+
+    /// Zeroes the buffer through a shared reference: state buffers are
+    /// shared by the executables of a state set, which write them through
+    /// regions the same way (see the aliasing note at the top).
+    pub fn zero(&self) {
+        if self.len > 0 {
+            // SAFETY: ptr is valid for len bytes; the caller orders this
+            // against every other access to the buffer (executables bound
+            // to one state set run one call at a time, by contract).
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) }
+        }
+    }
 }
 
 impl Drop for AlignedBuf {

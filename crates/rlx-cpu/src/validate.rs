@@ -88,6 +88,30 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
             }
         }
         Thunk::WriteState { .. } => Ok(()),
+        Thunk::QMatMul { dtype, format, k, .. } => {
+            if *dtype != DType::F32 {
+                return Err(format!("qmatmul on {dtype} activations (f32 only on the CPU)"));
+            }
+            match format.row_bytes(*k) {
+                Some(_) => Ok(()),
+                None => Err(format!("qmatmul: K = {k} is not a multiple of {format}'s block of {}", format.block_elems())),
+            }
+        }
+        Thunk::QGather { id_dtype, format, dim, .. } => {
+            if !id_dtype.is_int() {
+                return Err(format!("qgather ids must be i32 or i64, found {id_dtype}"));
+            }
+            match format.row_bytes(*dim) {
+                Some(_) => Ok(()),
+                None => Err(format!("qgather: dim {dim} is not a multiple of {format}'s block of {}", format.block_elems())),
+            }
+        }
+        Thunk::Sample { vocab, .. } => {
+            if *vocab == 0 {
+                return Err("sample over an empty vocabulary".into());
+            }
+            Ok(())
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! One builder method per op. Each infers its output shape and dtype and
 //! returns an error on mismatch; nothing is added to the graph on error.
 
-use crate::{Activation, AttentionSpec, BinaryOp, DType, Graph, NodeId, Op, ReduceOp, Result, RopeMode, Shape};
+use crate::{Activation, AttentionSpec, BinaryOp, DType, Graph, NodeId, Op, QFormat, ReduceOp, Result, RopeMode, Shape};
 
 impl Graph {
     pub fn input(&mut self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<NodeId> {
@@ -154,6 +154,21 @@ impl Graph {
     /// Writes `value` into `state` at rows `position..` (axis 1), in place.
     pub fn write_state(&mut self, state: NodeId, value: NodeId, position: NodeId) -> Result<NodeId> {
         self.push(Op::WriteState, vec![state, value, position], None)
+    }
+
+    /// a · wᵀ with `w` a block-quantized weight `U8 [N, row_bytes]`.
+    pub fn qmatmul(&mut self, a: NodeId, w: NodeId, format: QFormat) -> Result<NodeId> {
+        self.push(Op::QMatMul { format }, vec![a, w], None)
+    }
+
+    /// Embedding lookup from a block-quantized table `U8 [V, row_bytes]`.
+    pub fn qgather(&mut self, table: NodeId, ids: NodeId, format: QFormat) -> Result<NodeId> {
+        self.push(Op::QGather { format }, vec![table, ids], None)
+    }
+
+    /// Next-token sampling (see [`Op::Sample`]).
+    pub fn sample(&mut self, logits: NodeId, fparams: NodeId, iparams: NodeId, history: NodeId, position: NodeId) -> Result<NodeId> {
+        self.push(Op::Sample, vec![logits, fparams, iparams, history, position], None)
     }
 
     pub fn swiglu(&mut self, gate: NodeId, up: NodeId) -> Result<NodeId> {

@@ -1,7 +1,9 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Element types. Floats are data; integers are ids, positions and lengths.
+/// Element types. Floats are data; integers are ids, positions and lengths;
+/// `U8` is raw bytes, the storage of block-quantized weights (see
+/// [`crate::QFormat`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DType {
     F32,
@@ -9,6 +11,7 @@ pub enum DType {
     BF16,
     I32,
     I64,
+    U8,
 }
 
 impl DType {
@@ -17,13 +20,15 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
+            DType::U8 => 1,
         }
     }
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
+    /// Integer ids, positions and lengths (not raw bytes).
     pub fn is_int(self) -> bool {
-        !self.is_float()
+        matches!(self, DType::I32 | DType::I64)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -32,6 +37,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::I32 => "i32",
             DType::I64 => "i64",
+            DType::U8 => "u8",
         }
     }
     pub fn parse(s: &str) -> Option<DType> {
@@ -41,6 +47,7 @@ impl DType {
             "bf16" | "bfloat16" => DType::BF16,
             "i32" | "int32" => DType::I32,
             "i64" | "int64" => DType::I64,
+            "u8" | "uint8" => DType::U8,
             _ => return None,
         })
     }

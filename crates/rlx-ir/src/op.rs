@@ -1,6 +1,6 @@
 use serde::{Deserialize, Serialize};
 
-use crate::DType;
+use crate::{DType, QFormat};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Activation {
@@ -41,10 +41,12 @@ pub enum RopeMode {
 ///
 /// Optional inputs follow q, k, v in this order:
 /// - `mask`: key-padding mask `[B, Skv]` (nonzero = attend), any dtype.
-/// - `valid_len`: an i32 `[1]` device scalar — the number of valid keys. Keys
-///   at or past it are ignored and, with `causal`, query i sits at absolute
-///   position `valid_len - Sq + i`. This is what lets one compiled decode step
-///   serve every position of a KV cache.
+/// - `valid_len`: i32 `[1]` (one for every batch row) or `[B]` (one per
+///   row) device values — the number of valid keys. Keys at or past it are
+///   ignored and, with `causal`, query i sits at absolute position
+///   `valid_len - Sq + i`. This is what lets one compiled decode step serve
+///   every position of a KV cache, and a batched step sequences of
+///   different lengths.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AttentionSpec {
     pub heads: usize,
@@ -104,11 +106,33 @@ pub enum Op {
     Attention(AttentionSpec),
     /// inputs: x `[B, S, heads*head_dim]`, positions i32 `[S]` or `[B, S]`.
     Rope { theta: f32, mode: RopeMode, head_dim: usize },
-    /// inputs: state `[B, Smax, W]`, value `[B, Snew, W]`, position i32 `[1]`.
-    /// Writes value into state rows `position..position+Snew` in place; the
-    /// output is the updated state (same buffer). Later readers of the state
-    /// must read this node so the write is ordered before them.
+    /// inputs: state `[B, Smax, W]`, value `[B, Snew, W]`, position i32 `[1]`
+    /// (shared by every batch row) or `[B]` (per row). Writes value into
+    /// state rows `position..position+Snew` in place; the output is the
+    /// updated state (same buffer). Later readers of the state must read this
+    /// node so the write is ordered before them.
     WriteState,
+    /// inputs: a `[.., M, K]` (float), w `U8 [N, format.row_bytes(K)]` — a
+    /// block-quantized weight read as stored → `[.., M, N]` = a · wᵀ in a's
+    /// dtype.
+    QMatMul { format: QFormat },
+    /// inputs: table `U8 [V, row_bytes]` (rows of `format` blocks), ids
+    /// (i32/i64, any shape) → f32 `[..ids, D]`: the dequantised rows.
+    QGather { format: QFormat },
+    /// Next-token sampling, one row per sequence. inputs:
+    /// - logits f32 `[B, V]`;
+    /// - fparams f32 `[B, 4]`: temperature (≤ 0: greedy argmax), top_p (1:
+    ///   off), min_p (0: off), repeat_penalty (1: off);
+    /// - iparams i32 `[B, 4]`: top_k (0: off), repeat_last_n, seed low and
+    ///   high 32 bits;
+    /// - history i32 `[B, H]`: the sequence's tokens by position;
+    /// - position i32 `[B]`: the position of the last token in history.
+    ///
+    /// → i32 `[B]`. The penalty applies to tokens at positions
+    /// `position-repeat_last_n+1 ..= position`. The random draw is a pure
+    /// function of (seed, position), so the same seed gives the same text
+    /// on every backend and however calls are pipelined.
+    Sample,
 
     // Fused ops produced by passes.
     /// inputs: a, b, [bias `[N]`], [residual `[.., M, N]`] — act(a·b + bias) + residual.
@@ -165,6 +189,9 @@ impl Op {
             Op::Attention(_) => "attention",
             Op::Rope { .. } => "rope",
             Op::WriteState => "write_state",
+            Op::QMatMul { .. } => "qmatmul",
+            Op::QGather { .. } => "qgather",
+            Op::Sample => "sample",
             Op::MatMulFused { .. } => "matmul_fused",
             Op::ResidualLayerNorm { .. } => "residual_layer_norm",
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
@@ -202,6 +229,7 @@ impl Op {
             self,
             Op::MatMul { .. }
                 | Op::MatMulFused { .. }
+                | Op::QMatMul { .. }
                 | Op::LayerNorm { .. }
                 | Op::RmsNorm { .. }
                 | Op::ResidualLayerNorm { .. }

@@ -50,6 +50,7 @@ fn attrs(op: &Op) -> String {
             if s.valid_len { " valid_len" } else { "" }
         ),
         Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
+        Op::QMatMul { format } | Op::QGather { format } => format!("{format}"),
         _ => String::new(),
     }
 }

@@ -317,8 +317,8 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             }
             if spec.valid_len {
                 let (l, d) = ins[next];
-                if l.numel() != 1 || d != DType::I32 {
-                    return Err(IrError::shape(name, format!("valid_len must be an i32 [1], found {l} {d}")));
+                if !(l.0 == [1] || l.0 == [q.0[0]]) || d != DType::I32 {
+                    return Err(IrError::shape(name, format!("valid_len must be an i32 [1] or [{}], found {l} {d}", q.0[0])));
                 }
             }
             Ok((q.clone(), ins[0].1))
@@ -348,10 +348,72 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             if st.rank() != 3 || val.rank() != 3 || st.0[0] != val.0[0] || st.0[2] != val.0[2] || val.0[1] > st.0[1] {
                 return Err(IrError::shape(name, format!("value {val} does not fit state {st} (both [B, S, W])")));
             }
-            if pos.numel() != 1 || ins[2].1 != DType::I32 {
-                return Err(IrError::shape(name, format!("position must be an i32 [1], found {pos} {}", ins[2].1)));
+            if !(pos.0 == [1] || pos.0 == [st.0[0]]) || ins[2].1 != DType::I32 {
+                return Err(IrError::shape(name, format!("position must be an i32 [1] or [{}], found {pos} {}", st.0[0], ins[2].1)));
             }
             Ok((st.clone(), ins[0].1))
+        }
+        Op::QMatMul { format } => {
+            arity(name, ins.len(), 2..=2)?;
+            float(name, ins[0].1)?;
+            let (a, w) = (ins[0].0, ins[1].0);
+            if ins[1].1 != DType::U8 || w.rank() != 2 {
+                return Err(IrError::dtype(name, format!("weight must be u8 [N, row_bytes] ({format} blocks), found {w} {}", ins[1].1)));
+            }
+            if a.rank() < 2 {
+                return Err(IrError::shape(name, format!("a must have rank >= 2, found {a}")));
+            }
+            let k = a.last();
+            match format.row_bytes(k) {
+                Some(rb) if rb == w.0[1] => {}
+                Some(rb) => {
+                    return Err(IrError::shape(name, format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1])))
+                }
+                None => {
+                    return Err(IrError::shape(
+                        name,
+                        format!("K = {k} is not a multiple of {format}'s block of {} elements", format.block_elems()),
+                    ))
+                }
+            }
+            let mut out = a.0.clone();
+            *out.last_mut().unwrap_or(&mut 0) = w.0[0];
+            Ok((Shape(out), ins[0].1))
+        }
+        Op::QGather { format } => {
+            arity(name, ins.len(), 2..=2)?;
+            int(name, ins[1].1, "ids")?;
+            let t = ins[0].0;
+            if ins[0].1 != DType::U8 || t.rank() != 2 || t.0[1] % format.block_bytes() != 0 {
+                return Err(IrError::dtype(
+                    name,
+                    format!("table must be u8 [V, n*{}] ({format} blocks), found {t} {}", format.block_bytes(), ins[0].1),
+                ));
+            }
+            let mut out = ins[1].0 .0.clone();
+            out.push(t.0[1] / format.block_bytes() * format.block_elems());
+            Ok((Shape(out), DType::F32))
+        }
+        Op::Sample => {
+            arity(name, ins.len(), 5..=5)?;
+            let (l, fp, ip, hist, pos) = (ins[0].0, ins[1].0, ins[2].0, ins[3].0, ins[4].0);
+            if ins[0].1 != DType::F32 || l.rank() != 2 {
+                return Err(IrError::shape(name, format!("logits must be f32 [B, V], found {l} {}", ins[0].1)));
+            }
+            let b = l.0[0];
+            let want = |what: &str, s: &Shape, d: DType, dims: &[usize], dt: DType| -> Result<()> {
+                if s.0 != dims || d != dt {
+                    return Err(IrError::shape(name, format!("{what} must be {dt} {}, found {s} {d}", Shape(dims.to_vec()))));
+                }
+                Ok(())
+            };
+            want("fparams", fp, ins[1].1, &[b, 4], DType::F32)?;
+            want("iparams", ip, ins[2].1, &[b, 4], DType::I32)?;
+            if hist.rank() != 2 || hist.0[0] != b || ins[3].1 != DType::I32 {
+                return Err(IrError::shape(name, format!("history must be i32 [{b}, H], found {hist} {}", ins[3].1)));
+            }
+            want("position", pos, ins[4].1, &[b], DType::I32)?;
+            Ok((Shape(vec![b]), DType::I32))
         }
     }
 }

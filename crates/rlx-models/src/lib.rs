@@ -11,13 +11,18 @@
 //! ```
 
 mod bert;
+pub mod bpe_vocab;
+pub mod chat_template;
 mod config;
 mod embedder;
 mod embedding_writer;
 mod error;
+mod generator;
 pub mod gguf;
+pub mod llama;
 pub mod safetensors;
 mod text_lines;
+pub mod text_stream;
 mod tokenizer;
 mod weights;
 
@@ -26,6 +31,8 @@ pub use config::{BertConfig, Pooling, SentenceConfig};
 pub use embedder::{cosine, l2_normalize, EmbedderOptions, SentenceEmbedder, SEQ_BUCKETS};
 pub use embedding_writer::{EmbeddingWriter, OutputFormat};
 pub use error::{ModelError, Result};
+pub use generator::{gguf_text, Generation, GenerationStats, Generator, GeneratorOptions, Piece, SamplingParams, StopReason};
+pub use chat_template::Message;
 pub use text_lines::TextLines;
 pub use tokenizer::TextTokenizer;
 pub use weights::{bert_weight_specs, load_bert_weights, random_weights};

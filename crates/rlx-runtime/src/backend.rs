@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rlx_compile::{Schedule, Thunk};
 
-use crate::{Result, RuntimeError, Tensor, WeightStore};
+use crate::{Result, RuntimeError, StateSet, Tensor, WeightStore};
 
 /// Options for turning a schedule into an executable.
 #[derive(Debug, Clone)]
@@ -34,6 +34,18 @@ pub trait Backend: Send + Sync {
     fn supports(&self, thunk: &Thunk) -> bool;
     /// Checks support, binds the weights and allocates arenas and state.
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>>;
+    /// As [`prepare`](Backend::prepare), with the schedule's states taken
+    /// from (or added to) a set shared with other executables.
+    fn prepare_shared(
+        &self,
+        schedule: Arc<Schedule>,
+        weights: Arc<WeightStore>,
+        states: &Arc<StateSet>,
+        opts: &PrepareOptions,
+    ) -> Result<Box<dyn Executable>> {
+        let _ = (schedule, weights, states, opts);
+        Err(RuntimeError::backend(self.name(), "state shared between executables is not supported by this backend yet"))
+    }
 }
 
 /// Counters an executable keeps about itself.

@@ -3,11 +3,13 @@
 
 mod backend;
 mod error;
+mod states;
 mod tensor;
 mod weights;
 
 pub use backend::{check_inputs, Backend, ExecStats, Executable, PrepareOptions, Ticket};
 pub use error::RuntimeError;
+pub use states::StateSet;
 pub use tensor::Tensor;
 pub use weights::WeightStore;
 

@@ -80,6 +80,13 @@ impl Tensor {
         Ok(Tensor { shape, ..self })
     }
 
+    /// Values as i32: i32 data as is, anything else converted like
+    /// [`to_dtype`](Self::to_dtype).
+    pub fn to_i32(&self) -> Vec<i32> {
+        let t = self.to_dtype(DType::I32);
+        t.data.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
     /// Values as f32 whatever the dtype (ints converted).
     pub fn to_f32(&self) -> Vec<f32> {
         let d = &self.data;
@@ -89,6 +96,7 @@ impl Tensor {
             DType::BF16 => d.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DType::I32 => d.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
             DType::I64 => d.chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32).collect(),
+            DType::U8 => d.iter().map(|&b| b as f32).collect(),
         }
     }
 
@@ -118,6 +126,7 @@ impl Tensor {
                     DType::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
                     DType::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
                     DType::I64 => v.iter().flat_map(|x| (*x as i64).to_le_bytes()).collect(),
+                    DType::U8 => v.iter().map(|x| *x as u8).collect(),
                 }
             }
         };

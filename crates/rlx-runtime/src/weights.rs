@@ -61,11 +61,12 @@ impl WeightStore {
 
     /// Adds or replaces a param. Replacing requires the same shape (the
     /// data may come in another float dtype; it is converted where used).
+    /// `U8` params hold block-quantized rows, read as stored.
     pub fn set(&self, name: &str, tensor: Tensor) -> Result<()> {
-        if !tensor.dtype().is_float() {
+        if !tensor.dtype().is_float() && tensor.dtype() != DType::U8 {
             return Err(RuntimeError::Weight {
                 name: name.into(),
-                detail: format!("weights must be f32, f16 or bf16, found {}", tensor.dtype()),
+                detail: format!("weights must be f32, f16, bf16 or u8 (quantized blocks), found {}", tensor.dtype()),
             });
         }
         let mut g = self.inner.write().map_err(poisoned)?;
@@ -146,6 +147,9 @@ impl WeightStore {
 
 fn build(slot: &WeightSlot, parts: &[Arc<Tensor>]) -> Result<Tensor> {
     let err = |detail: String| RuntimeError::Weight { name: slot.name.clone(), detail };
+    if let Some(p) = parts.iter().find(|p| (p.dtype() == DType::U8) != (slot.dtype == DType::U8)) {
+        return Err(err(format!("the graph reads it as {}, the store holds {}: quantized blocks and floats do not convert", slot.dtype, p.dtype())));
+    }
     if parts.len() == 1 {
         if parts[0].shape() != &slot.shape {
             return Err(err(format!("the graph expects shape {}, the store holds {}", slot.shape, parts[0].shape())));

@@ -28,13 +28,23 @@ pub use error::Error;
 pub use session::{CompiledGraph, Session};
 
 pub use rlx_compile::{compile, CompileOptions, Compiled, Schedule, Thunk};
-pub use rlx_ir::{Activation, AttentionSpec, BinaryOp, DType, Graph, IrError, Node, NodeId, Op, ReduceOp, RopeMode, Shape};
-pub use rlx_runtime::{ExecStats, PrepareOptions, RuntimeError, Tensor, Ticket, WeightStore};
+pub use rlx_ir::{Activation, AttentionSpec, BinaryOp, DType, Graph, IrError, Node, NodeId, Op, QFormat, ReduceOp, RopeMode, Shape};
+pub use rlx_runtime::{ExecStats, PrepareOptions, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 
 /// The backends themselves, for tools that need them directly.
 pub mod backends {
     pub use rlx_cpu::CpuBackend;
+    /// The CPU's quantized-block kernels (dequantisation, quantisation,
+    /// reference and fast matmul), e.g. to read GGUF weights on the host.
+    pub use rlx_cpu::quant;
+    #[cfg(feature = "cuda")]
     pub use rlx_cuda::{doctor as cuda_doctor, CudaBackend};
+
+    /// What `rlx doctor` prints in a build without the CUDA backend.
+    #[cfg(not(feature = "cuda"))]
+    pub fn cuda_doctor() -> String {
+        "CUDA: this build of rlx has no CUDA support (built without the `cuda` feature)".into()
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -2,7 +2,7 @@ use std::sync::Arc;
 
 use rlx_compile::{CompileOptions, Compiled, Schedule};
 use rlx_ir::Graph;
-use rlx_runtime::{Backend, ExecStats, Executable, PrepareOptions, Tensor, Ticket, WeightStore};
+use rlx_runtime::{Backend, ExecStats, Executable, PrepareOptions, StateSet, Tensor, Ticket, WeightStore};
 
 use crate::{Device, Error, Result};
 
@@ -19,10 +19,13 @@ pub struct Session {
 fn backend_for(device: Device) -> Result<Arc<dyn Backend>> {
     match device {
         Device::Cpu => Ok(Arc::new(rlx_cpu::CpuBackend::new())),
+        #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
             let b = rlx_cuda::CudaBackend::new(n).map_err(|e| Error::Device(device.to_string(), e.to_string()))?;
             Ok(Arc::new(b))
         }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::Device(device.to_string(), "this build of rlx has no CUDA support (built without the `cuda` feature)".into())),
     }
 }
 
@@ -81,6 +84,18 @@ impl Session {
         let compiled = rlx_compile::compile(graph, &self.compile_options)?;
         let schedule = Arc::new(compiled.schedule.clone());
         let exec = self.backend.prepare(schedule, self.weights.clone(), &self.prepare_options)?;
+        Ok(CompiledGraph { compiled, exec })
+    }
+
+    /// As [`compile`](Self::compile), with the graph's state tensors taken
+    /// from `states` by name (created there on first use), so several
+    /// executables share them — e.g. a decoder's KV cache, written by the
+    /// prefill of every length bucket and by the decode step. The caller
+    /// orders calls of different executables that touch the set.
+    pub fn compile_shared(&self, graph: &Graph, states: &Arc<StateSet>) -> Result<CompiledGraph> {
+        let compiled = rlx_compile::compile(graph, &self.compile_options)?;
+        let schedule = Arc::new(compiled.schedule.clone());
+        let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &self.prepare_options)?;
         Ok(CompiledGraph { compiled, exec })
     }
 }

@@ -32,21 +32,54 @@ fn keep(mask: &Src<u8>, dtype: DType, i: usize) -> bool {
         DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]) != 0.0,
         DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32() != 0.0,
         DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32() != 0.0,
-        DType::I32 | DType::I64 => b.iter().any(|&x| x != 0),
+        DType::I32 | DType::I64 | DType::U8 => b.iter().any(|&x| x != 0),
     }
 }
 
 pub fn run(t: &AttentionThunk, mem: &Mem) -> Result<()> {
-    let valid = match &t.valid_len {
-        Some(b) => {
-            let v = mem.src::<i32>(b).map_err(exec_err)?.get(0);
-            if v < 0 || v as usize > t.kv_len {
-                return Err(exec_err(format!("attention: valid_len {v} is outside 0..={} (kv_len)", t.kv_len)));
-            }
-            v as usize
+    let Some(b) = &t.valid_len else { return run_valid(t, t.kv_len, mem) };
+    let lens = mem.src::<i32>(b).map_err(exec_err)?;
+    let rows = if t.valid_len_per_batch { t.batch } else { 1 };
+    let mut valid = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let v = lens.get(r);
+        if v < 0 || v as usize > t.kv_len {
+            return Err(exec_err(format!("attention: valid_len {v} (batch row {r}) is outside 0..={} (kv_len)", t.kv_len)));
         }
-        None => t.kv_len,
+        valid.push(v as usize);
+    }
+    if !t.valid_len_per_batch {
+        return run_valid(t, valid[0], mem);
+    }
+    // One valid length per batch row: each row is its own batch-1 attention.
+    for (r, &v) in valid.iter().enumerate() {
+        run_valid(&batch_row(t, r), v, mem)?;
+    }
+    Ok(())
+}
+
+/// The thunk restricted to batch row `r` (its operands start at that row).
+fn batch_row(t: &AttentionThunk, r: usize) -> AttentionThunk {
+    let es = t.dtype.size() as u64;
+    let shift = |b: rlx_compile::BufRef, elems: u64, size: u64| {
+        let d = (r as u64 * elems).saturating_mul(size);
+        rlx_compile::BufRef { offset: b.offset + d, bytes: b.bytes.saturating_sub(d), ..b }
     };
+    let seq = |v: &rlx_compile::SeqView| rlx_compile::SeqView { buf: shift(v.buf, v.batch_stride, es), ..*v };
+    AttentionThunk {
+        batch: 1,
+        q: seq(&t.q),
+        k: seq(&t.k),
+        v: seq(&t.v),
+        mask: t.mask.map(|m| shift(m, t.kv_len as u64, t.mask_dtype.size() as u64)),
+        out: shift(t.out, (t.q_len * t.heads * t.head_dim) as u64, es),
+        valid_len: None,
+        valid_len_per_batch: false,
+        ..t.clone()
+    }
+}
+
+fn run_valid(t: &AttentionThunk, valid: usize, mem: &Mem) -> Result<()> {
     let mask = t.mask.map(|m| mem.src::<u8>(&m)).transpose().map_err(exec_err)?;
     with_float!(t.dtype, T => {
         let q = mem.src::<T>(&t.q.buf).map_err(exec_err)?;

@@ -245,6 +245,7 @@ fn read_any(src: &Src<u8>, dtype: DType, i: usize) -> f64 {
         DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f64(),
         DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f64(),
         DType::I32 | DType::I64 => read_int(src, dtype, i) as f64,
+        DType::U8 => b[0] as f64,
     }
 }
 
@@ -275,6 +276,7 @@ pub fn cast(from: DType, to: DType, n: usize, src: &BufRef, dst: &BufRef, mem: &
             DType::BF16 => row.copy_from_slice(&half::bf16::from_f32(v as f32).to_le_bytes()),
             DType::I32 => row.copy_from_slice(&(v as i32).to_le_bytes()),
             DType::I64 => row.copy_from_slice(&(v as i64).to_le_bytes()),
+            DType::U8 => row[0] = v as u8,
         }
     });
     Ok(())

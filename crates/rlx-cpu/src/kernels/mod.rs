@@ -8,8 +8,11 @@ pub mod lanes;
 pub mod matmul;
 pub mod matmul_small;
 pub mod norm;
+pub mod qlinear;
+pub mod quant;
 pub mod reduce;
 pub mod rope;
+pub mod sample;
 pub mod softmax;
 pub mod state;
 pub mod topk;
@@ -95,7 +98,7 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
         Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => {
             reduce::masked_mean(*dtype, *mask_dtype, *out_dtype, [*batch, *seq, *dim], x, mask, out, mem)
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => state::run(
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => state::run(
             &state::WriteStateArgs {
                 dtype: *dtype,
                 batch: *batch,
@@ -105,6 +108,28 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
                 state,
                 value,
                 position,
+                positions_per_batch: *positions_per_batch,
+            },
+            mem,
+        ),
+        Thunk::QMatMul { format, rows, n, k, a, lda, w, out, .. } => {
+            qlinear::matmul(&qlinear::QMatMulArgs { format: *format, rows: *rows, n: *n, k: *k, a, lda: *lda, w, out }, mem)
+        }
+        Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => qlinear::gather(
+            &qlinear::QGatherArgs { format: *format, id_dtype: *id_dtype, n: *n, dim: *dim, vocab: *vocab, table, ids, out },
+            mem,
+        ),
+        Thunk::Sample { batch, vocab, history_len, logits, fparams, iparams, history, position, out } => sample::run(
+            &sample::SampleArgs {
+                batch: *batch,
+                vocab: *vocab,
+                history_len: *history_len,
+                logits,
+                fparams,
+                iparams,
+                history,
+                position,
+                out,
             },
             mem,
         ),

@@ -1,0 +1,155 @@
+//! Next-token sampling (`Thunk::Sample`), one sequence per batch row.
+//!
+//! Order, as llama.cpp's default chain: repetition penalty over the last
+//! `repeat_last_n` tokens of the history, then (unless greedy) top-k, top-p
+//! and min-p on the temperature-1 distribution, then the temperature, then
+//! one draw. The draw is a pure function of (seed, position): same seed,
+//! same text, however the steps are pipelined.
+
+use rlx_compile::BufRef;
+
+use crate::memory::Mem;
+use crate::{exec_err, Result};
+
+pub struct SampleArgs<'a> {
+    pub batch: usize,
+    pub vocab: usize,
+    pub history_len: usize,
+    pub logits: &'a BufRef,
+    pub fparams: &'a BufRef,
+    pub iparams: &'a BufRef,
+    pub history: &'a BufRef,
+    pub position: &'a BufRef,
+    pub out: &'a BufRef,
+}
+
+/// Per-sequence sampling settings as the thunk reads them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleParams {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub top_k: i32,
+    pub repeat_last_n: i32,
+    pub seed: u64,
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in [0, 1) from (seed, position): counter-based, so any
+/// backend computes the same value without carrying generator state.
+pub fn uniform(seed: u64, position: u64) -> f64 {
+    let z = splitmix64(seed ^ splitmix64(position));
+    (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// The sampled id for one row of logits. `recent` are the tokens the
+/// repetition penalty applies to. Ties go to the lower id.
+pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position: u64) -> usize {
+    let v = logits.len();
+    if p.repeat_penalty != 1.0 && p.repeat_penalty > 0.0 {
+        let mut seen = std::collections::HashSet::new();
+        for &t in recent {
+            if t >= 0 && (t as usize) < v && seen.insert(t) {
+                let l = &mut logits[t as usize];
+                *l = if *l > 0.0 { *l / p.repeat_penalty } else { *l * p.repeat_penalty };
+            }
+        }
+    }
+    let argmax = || {
+        let mut best = 0;
+        for (i, &l) in logits.iter().enumerate() {
+            // NaN never wins; a NaN first entry is replaced by any number.
+            if l > logits[best] || (logits[best].is_nan() && !l.is_nan()) {
+                best = i;
+            }
+        }
+        best
+    };
+    if !(p.temperature > 0.0) {
+        return argmax();
+    }
+    let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    let mut cand: Vec<usize> = (0..v).filter(|&i| !logits[i].is_nan()).collect();
+    if cand.is_empty() {
+        return 0;
+    }
+    if p.top_k > 0 && (p.top_k as usize) < cand.len() {
+        let k = p.top_k as usize;
+        cand.select_nth_unstable_by(k - 1, by_logit);
+        cand.truncate(k);
+    }
+    let filter = p.top_p < 1.0 || p.min_p > 0.0;
+    if filter || p.top_k > 0 {
+        cand.sort_unstable_by(by_logit);
+    }
+    let max = cand.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max);
+    if filter {
+        let w: Vec<f64> = cand.iter().map(|&i| ((logits[i] - max) as f64).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = cand.len();
+        if p.min_p > 0.0 {
+            // The first candidate has weight 1 (the maximum).
+            keep = w.iter().take_while(|&&x| x >= p.min_p as f64).count().max(1);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (j, x) in w.iter().enumerate().take(keep) {
+                acc += x / total;
+                if acc >= p.top_p as f64 {
+                    keep = j + 1;
+                    break;
+                }
+            }
+        }
+        cand.truncate(keep.max(1));
+    }
+    let t = p.temperature as f64;
+    let w: Vec<f64> = cand.iter().map(|&i| ((logits[i] - max) as f64 / t).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let mut u = uniform(p.seed, position) * total;
+    for (j, x) in w.iter().enumerate() {
+        if u < *x {
+            return cand[j];
+        }
+        u -= x;
+    }
+    cand[cand.len() - 1]
+}
+
+pub fn run(a: &SampleArgs<'_>, mem: &Mem) -> Result<()> {
+    let logits = mem.src::<f32>(a.logits).map_err(exec_err)?;
+    let fp = mem.src::<f32>(a.fparams).map_err(exec_err)?;
+    let ip = mem.src::<i32>(a.iparams).map_err(exec_err)?;
+    let hist = mem.src::<i32>(a.history).map_err(exec_err)?;
+    let pos = mem.src::<i32>(a.position).map_err(exec_err)?;
+    let out = mem.dst::<i32>(a.out).map_err(exec_err)?;
+    let mut row = vec![0f32; a.vocab];
+    for b in 0..a.batch {
+        let p = SampleParams {
+            temperature: fp.get(b * 4),
+            top_p: fp.get(b * 4 + 1),
+            min_p: fp.get(b * 4 + 2),
+            repeat_penalty: fp.get(b * 4 + 3),
+            top_k: ip.get(b * 4),
+            repeat_last_n: ip.get(b * 4 + 1),
+            seed: (ip.get(b * 4 + 2) as u32 as u64) | ((ip.get(b * 4 + 3) as u32 as u64) << 32),
+        };
+        let at = pos.get(b);
+        if at < 0 || at as usize >= a.history_len.max(1) {
+            return Err(exec_err(format!("sample: position {at} (batch row {b}) is outside the history of {} tokens", a.history_len)));
+        }
+        let first = (at as i64 - p.repeat_last_n.max(0) as i64 + 1).max(0) as usize;
+        let recent: Vec<i32> = (first..=at as usize).map(|j| hist.get(b * a.history_len + j)).collect();
+        row.copy_from_slice(logits.row(b * a.vocab, a.vocab));
+        let id = sample_row(&mut row, &recent, &p, at as u64);
+        out.set(b, id as i32);
+    }
+    Ok(())
+}

@@ -1,0 +1,671 @@
+//! Text generation with a LLaMA-family decoder: [`Generator`].
+//!
+//! A generator compiles one decode step (recorded once, run for every
+//! position: the token and position come from device state) and prefill
+//! steps per prompt-length bucket, all bound to one shared state set (the
+//! KV cache, token history, next token and position; see `llama.rs`).
+//!
+//! Decode is pipelined: the sampled token is written to state by the step
+//! that sampled it, so step t+1 is submitted before step t's token has been
+//! read; tokens reach the host as the steps' outputs. Steps that ran past a
+//! stop are waited for and discarded — their cache rows lie past the kept
+//! tokens and are overwritten by the next prompt.
+//!
+//! The cache is kept between calls: a prompt that starts with the tokens
+//! already in the cache (the previous turns of a chat) only prefills what is
+//! new.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rlx::{CompiledGraph, Device, Session, StateSet, Tensor, Ticket};
+use tokenizers::Tokenizer;
+
+use crate::bpe_vocab::{build_tokenizer, GgufVocab};
+use crate::chat_template::{ChatTemplate, Message};
+use crate::gguf::GgufFile;
+use crate::llama::{build_step_graph, io, LlamaConfig, LlamaWeights, StepShape, WeightKind};
+use crate::text_stream::{StreamStep, TextStream};
+use crate::{ModelError, Result};
+
+/// How a generator is built.
+#[derive(Debug, Clone)]
+pub struct GeneratorOptions {
+    /// Cache rows (tokens of prompt and reply together); at most the model's
+    /// context length.
+    pub ctx_size: usize,
+    /// Prompt-length buckets compiled for prefill; a longer prompt is fed in
+    /// chunks of the largest.
+    pub prefill_buckets: Vec<usize>,
+    /// Decode steps in flight at once (pipeline depth, at least 1).
+    pub pipeline: usize,
+    /// Also return each step's logits (tests and tools; costs a copy of the
+    /// vocabulary-sized row per token).
+    pub logits: bool,
+    /// Dequantise block-quantized weights to f32 at load (the reference
+    /// path; 4–8× the memory and slower).
+    pub dequantize: bool,
+}
+
+impl Default for GeneratorOptions {
+    fn default() -> Self {
+        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false }
+    }
+}
+
+/// Per-request sampling settings (llama.cpp's defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// ≤ 0: greedy (argmax).
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: i32,
+    /// 1: off.
+    pub top_p: f32,
+    /// 0: off.
+    pub min_p: f32,
+    /// 1: off.
+    pub repeat_penalty: f32,
+    /// Tokens the penalty looks back over.
+    pub repeat_last_n: i32,
+    pub seed: u64,
+    /// New tokens at most.
+    pub max_tokens: usize,
+    /// Generation stops before any of these strings; they are not returned.
+    pub stop: Vec<String>,
+    /// Keep going past the end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+            max_tokens: 256,
+            stop: vec![],
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Argmax decoding, no penalties.
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, ..Default::default() }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |what: &str| Err(ModelError::Input(format!("sampling: {what}")));
+        if self.temperature.is_nan() {
+            return bad("temperature is NaN");
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad(&format!("top_p must be in 0..=1, found {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(&format!("min_p must be in 0..=1, found {}", self.min_p));
+        }
+        if !(self.repeat_penalty > 0.0) {
+            return bad(&format!("repeat_penalty must be positive, found {}", self.repeat_penalty));
+        }
+        if self.top_k < 0 || self.repeat_last_n < 0 {
+            return bad(&format!("top_k ({}) and repeat_last_n ({}) must be >= 0", self.top_k, self.repeat_last_n));
+        }
+        Ok(())
+    }
+
+    fn tensors(&self) -> Result<(Tensor, Tensor)> {
+        let f = Tensor::from_f32([1, 4], &[self.temperature, self.top_p, self.min_p, self.repeat_penalty])?;
+        let i = Tensor::from_i32([1, 4], &[self.top_k, self.repeat_last_n, self.seed as u32 as i32, (self.seed >> 32) as u32 as i32])?;
+        Ok((f, i))
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The end-of-sequence token.
+    Eos,
+    /// One of the stop strings.
+    StopString(String),
+    /// `max_tokens` new tokens.
+    MaxTokens,
+    /// The cache is full.
+    ContextFull,
+}
+
+/// One streamed step: the text that became final and the token it came with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    pub token: u32,
+    /// The logits the token was sampled from, with `GeneratorOptions::logits`.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Counters of one generation.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache (not prefilled again).
+    pub cached_tokens: usize,
+    pub generated: usize,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+}
+
+impl GenerationStats {
+    pub fn prefill_tok_s(&self) -> f64 {
+        let n = (self.prompt_tokens - self.cached_tokens) as f64;
+        if self.prefill_time.is_zero() {
+            0.0
+        } else {
+            n / self.prefill_time.as_secs_f64()
+        }
+    }
+    /// Tokens after the first (which prefill produced) per second of decode.
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.decode_time.is_zero() || self.generated < 2 {
+            0.0
+        } else {
+            (self.generated - 1) as f64 / self.decode_time.as_secs_f64()
+        }
+    }
+}
+
+/// A LLaMA-family model ready to generate (see the module docs).
+pub struct Generator {
+    session: Session,
+    config: LlamaConfig,
+    kinds: std::collections::HashMap<String, WeightKind>,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    eos: Vec<u32>,
+    states: Arc<StateSet>,
+    opts: GeneratorOptions,
+    prefill: BTreeMap<usize, CompiledGraph>,
+    decode: Option<CompiledGraph>,
+    /// Tokens whose keys and values are in the cache, by position.
+    cached: Vec<u32>,
+}
+
+fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer { path: path.to_path_buf(), detail: e.to_string() }
+}
+
+/// The tokenizer, chat template and end-of-sequence ids of a GGUF file.
+pub fn gguf_text(path: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u32>)> {
+    let f = GgufFile::open(path).map_err(|e| ModelError::format(path, e.to_string()))?;
+    let g = |e: crate::gguf::GgufError| tok_err(path, e);
+    let opt_u32 = |k: &str| f.get_opt_u32(k).map_err(g);
+    let vocab = GgufVocab {
+        model: f.get_str("tokenizer.ggml.model").map_err(g)?.to_string(),
+        pre: f.get_opt_str("tokenizer.ggml.pre").map_err(g)?.map(str::to_string),
+        tokens: f.get_str_array("tokenizer.ggml.tokens").map_err(g)?.to_vec(),
+        merges: if f.contains_key("tokenizer.ggml.merges") { f.get_str_array("tokenizer.ggml.merges").map_err(g)?.to_vec() } else { vec![] },
+        token_types: if f.contains_key("tokenizer.ggml.token_type") {
+            Some(f.get_i32_array("tokenizer.ggml.token_type").map_err(g)?.into_owned())
+        } else {
+            None
+        },
+        bos: opt_u32("tokenizer.ggml.bos_token_id")?,
+        eos: opt_u32("tokenizer.ggml.eos_token_id")?,
+        pad: opt_u32("tokenizer.ggml.padding_token_id")?,
+        unk: opt_u32("tokenizer.ggml.unknown_token_id")?,
+        add_bos: f.get_opt_bool("tokenizer.ggml.add_bos_token").map_err(g)?.unwrap_or_else(|| {
+            crate::bpe_vocab::default_add_bos(f.get_opt_str("tokenizer.ggml.pre").ok().flatten())
+        }),
+        add_eos: f.get_opt_bool("tokenizer.ggml.add_eos_token").map_err(g)?.unwrap_or(false),
+    };
+    let tokenizer = build_tokenizer(&vocab).map_err(|e| tok_err(path, e))?;
+    let name = |id: Option<u32>| id.and_then(|i| vocab.tokens.get(i as usize)).cloned().unwrap_or_default();
+    let template = match f.get_opt_str("tokenizer.chat_template").map_err(g)? {
+        Some(src) => Some(ChatTemplate::new(src, &name(vocab.bos), &name(vocab.eos)).map_err(|e| tok_err(path, e))?),
+        None => None,
+    };
+    let mut eos: Vec<u32> = vocab.eos.into_iter().collect();
+    // Chat models end a turn with their end-of-turn token even where the
+    // file's eos is another one.
+    for t in ["<|im_end|>", "<|eot_id|>", "<|end|>"] {
+        if let Some(id) = vocab.tokens.iter().position(|x| x == t) {
+            if !eos.contains(&(id as u32)) {
+                eos.push(id as u32);
+            }
+        }
+    }
+    Ok((tokenizer, template, eos))
+}
+
+fn hf_text(dir: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u32>)> {
+    let tp = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tp).map_err(|e| tok_err(&tp, e))?;
+    let cp = dir.join("tokenizer_config.json");
+    let cfg: serde_json::Value = match std::fs::read_to_string(&cp) {
+        Ok(t) => serde_json::from_str(&t).map_err(|e| ModelError::format(&cp, format!("not valid JSON: {e}")))?,
+        Err(_) => serde_json::Value::Null,
+    };
+    let tok_str = |v: &serde_json::Value| v.as_str().map(str::to_string).or_else(|| v["content"].as_str().map(str::to_string));
+    let (bos, eos_s) = (tok_str(&cfg["bos_token"]).unwrap_or_default(), tok_str(&cfg["eos_token"]).unwrap_or_default());
+    let template = match cfg["chat_template"].as_str() {
+        Some(src) => Some(ChatTemplate::new(src, &bos, &eos_s).map_err(|e| tok_err(&cp, e))?),
+        None => None,
+    };
+    let eos = [eos_s.as_str(), "<|im_end|>", "<|eot_id|>"].iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
+    Ok((tokenizer, template, eos))
+}
+
+impl Generator {
+    /// Loads a GGUF file or a Hugging Face directory (`config.json`,
+    /// `model.safetensors`, `tokenizer.json`).
+    pub fn load(path: impl AsRef<Path>, device: Device) -> Result<Generator> {
+        Self::load_with(path, device, GeneratorOptions::default())
+    }
+
+    pub fn load_with(path: impl AsRef<Path>, device: Device, opts: GeneratorOptions) -> Result<Generator> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+        let (weights, (tokenizer, template, eos)) = if meta.is_dir() {
+            (LlamaWeights::from_hf_dir(path)?, hf_text(path)?)
+        } else {
+            (LlamaWeights::from_gguf(path)?, gguf_text(path)?)
+        };
+        Self::from_parts(weights, tokenizer, template, eos, device, opts)
+    }
+
+    /// A generator over weights and a tokenizer already loaded.
+    pub fn from_parts(
+        weights: LlamaWeights,
+        tokenizer: Tokenizer,
+        template: Option<ChatTemplate>,
+        eos: Vec<u32>,
+        device: Device,
+        mut opts: GeneratorOptions,
+    ) -> Result<Generator> {
+        let weights = if opts.dequantize { weights.dequantized()? } else { weights };
+        let config = weights.config;
+        if opts.ctx_size < 2 {
+            return Err(ModelError::Input(format!("ctx-size {} is too small (at least 2)", opts.ctx_size)));
+        }
+        opts.ctx_size = opts.ctx_size.min(config.max_context);
+        opts.pipeline = opts.pipeline.max(1);
+        opts.prefill_buckets.retain(|&b| b > 0);
+        opts.prefill_buckets.sort_unstable();
+        opts.prefill_buckets.dedup();
+        if opts.prefill_buckets.is_empty() {
+            opts.prefill_buckets.push(16);
+        }
+        let mut session = Session::new(device)?;
+        let mut po = session.prepare_options().clone();
+        po.slots = opts.pipeline;
+        session.set_prepare_options(po);
+        for (name, t) in weights.tensors {
+            session.set_weight(&name, t)?;
+        }
+        let mut g = Generator {
+            session,
+            config,
+            kinds: weights.kinds,
+            tokenizer: Arc::new(tokenizer),
+            template,
+            eos,
+            states: StateSet::new(),
+            opts,
+            prefill: BTreeMap::new(),
+            decode: None,
+            cached: vec![],
+        };
+        // Compile the decode step now: load errors show at load time.
+        g.decode_exe()?;
+        Ok(g)
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn ctx_size(&self) -> usize {
+        self.opts.ctx_size
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Token ids of raw text (no template; special tokens in the text are
+    /// matched, BOS added where the model asks for it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| ModelError::Input(format!("tokenizing the prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The chat template applied to `messages` with the generation prompt.
+    pub fn render_chat(&self, messages: &[Message]) -> Result<String> {
+        let t = self.template.as_ref().ok_or_else(|| ModelError::Input("this model has no chat template; use a raw prompt".into()))?;
+        t.render(messages, true).map_err(|e| ModelError::Input(format!("chat template: {e}")))
+    }
+
+    /// Token ids of a chat prompt (template applied; no BOS added beyond
+    /// what the template writes).
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages)?;
+        let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Input(format!("tokenizing the chat prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    fn decode_exe(&mut self) -> Result<&mut CompiledGraph> {
+        if self.decode.is_none() {
+            let shape = StepShape { batch: 1, seq: 1, decode: true, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
+            self.decode = Some(self.session.compile_shared(&graph, &self.states)?);
+        }
+        self.decode.as_mut().ok_or_else(|| ModelError::Input("decode step missing".into()))
+    }
+
+    fn prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
+        if !self.prefill.contains_key(&bucket) {
+            let shape = StepShape { batch: 1, seq: bucket, decode: false, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
+            let exe = self.session.compile_shared(&graph, &self.states)?;
+            self.prefill.insert(bucket, exe);
+        }
+        self.prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("prefill step missing".into()))
+    }
+
+    /// Feeds `ids[from..]` (positions `from..`) through prefill chunks and
+    /// returns the first sampled token (and its logits).
+    fn prefill_from(&mut self, ids: &[u32], from: usize, f: &Tensor, i: &Tensor) -> Result<(u32, Option<Vec<f32>>)> {
+        let largest = *self.opts.prefill_buckets.last().unwrap_or(&16);
+        let mut at = from;
+        let mut last = None;
+        while at < ids.len() {
+            let remaining = ids.len() - at;
+            let room = self.opts.ctx_size - at;
+            let bucket = self.opts.prefill_buckets.iter().copied().find(|&b| b >= remaining).unwrap_or(largest);
+            // A bucket must fit the cache rows left; fall back to smaller ones.
+            let bucket = if bucket <= room {
+                bucket
+            } else {
+                self.opts.prefill_buckets.iter().copied().rev().find(|&b| b <= room).unwrap_or(1)
+            };
+            let n = remaining.min(bucket);
+            let mut chunk: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
+            chunk.resize(bucket, chunk.last().copied().unwrap_or(0));
+            let positions: Vec<i32> = (0..bucket).map(|j| (at + j) as i32).collect();
+            let ids_t = Tensor::from_i32([1, bucket], &chunk)?;
+            let pos_t = Tensor::from_i32([1, bucket], &positions)?;
+            let start = Tensor::from_i32([1], &[at as i32])?;
+            let valid = Tensor::from_i32([1], &[(at + bucket) as i32])?;
+            let last_row = Tensor::from_i32([1], &[(n - 1) as i32])?;
+            let next_pos = Tensor::from_i32([1], &[(at + n) as i32])?;
+            let exe = self.prefill_exe(bucket)?;
+            let out = exe.run(&[
+                (io::IDS, &ids_t),
+                (io::POSITIONS, &pos_t),
+                (io::START, &start),
+                (io::VALID, &valid),
+                (io::LAST_ROW, &last_row),
+                (io::NEXT_POS, &next_pos),
+                (io::FPARAMS, f),
+                (io::IPARAMS, i),
+            ])?;
+            last = Some(out);
+            at += n;
+        }
+        let out = last.ok_or_else(|| ModelError::Input("empty prompt".into()))?;
+        let token = out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
+        Ok((token as u32, out.get(1).map(|l| l.to_f32())))
+    }
+
+    /// Starts generating after raw text `prompt` (no chat template).
+    pub fn generate(&mut self, prompt: &str, params: &SamplingParams) -> Result<Generation<'_>> {
+        let ids = self.encode(prompt)?;
+        self.generate_ids(&ids, params)
+    }
+
+    /// Starts generating a reply to `messages` with the model's chat
+    /// template. When the conversation and `max_tokens` do not fit the
+    /// context, the oldest turns after the system message are dropped until
+    /// they do (an error when even the last message alone does not fit).
+    pub fn chat(&mut self, messages: &[Message], params: &SamplingParams) -> Result<Generation<'_>> {
+        let (first, rest) = match messages.split_first() {
+            Some((m, rest)) if m.role == "system" => (Some(m.clone()), rest),
+            _ => (None, messages),
+        };
+        let budget = self.opts.ctx_size.saturating_sub(params.max_tokens.min(self.opts.ctx_size / 2));
+        let mut skip = 0;
+        let ids = loop {
+            let kept: Vec<Message> = first.iter().cloned().chain(rest[skip..].iter().cloned()).collect();
+            let ids = self.encode_chat(&kept)?;
+            if ids.len() <= budget || skip + 1 >= rest.len() {
+                break ids;
+            }
+            skip += 1;
+        };
+        self.generate_ids(&ids, params)
+    }
+
+    /// Starts generating after the given prompt token ids.
+    pub fn generate_ids(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<Generation<'_>> {
+        params.check()?;
+        if prompt.is_empty() {
+            return Err(ModelError::Input("the prompt is empty (no tokens)".into()));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.config.vocab) {
+            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", self.config.vocab)));
+        }
+        if prompt.len() >= self.opts.ctx_size {
+            return Err(ModelError::Input(format!(
+                "the prompt has {} tokens; the context holds {} (raise --ctx-size, up to the model's {})",
+                prompt.len(),
+                self.opts.ctx_size,
+                self.config.max_context
+            )));
+        }
+        let (f, i) = params.tensors()?;
+        // Reuse the cached prefix; at least the last prompt token is fed
+        // again, since its logits give the first new token.
+        let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        let t0 = Instant::now();
+        self.cached.truncate(common);
+        let first = self.prefill_from(prompt, common, &f, &i);
+        let (first, logits) = match first {
+            Ok(x) => x,
+            Err(e) => {
+                self.cached.clear();
+                return Err(e);
+            }
+        };
+        self.cached = prompt.to_vec();
+        let prefill_time = t0.elapsed();
+        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
+        let step = Tensor::from_i32([1], &[1])?;
+        Ok(Generation {
+            stats: GenerationStats { prompt_tokens: prompt.len(), cached_tokens: common, prefill_time, ..Default::default() },
+            gen: self,
+            params: params.clone(),
+            stream,
+            f,
+            i,
+            step,
+            pending: VecDeque::new(),
+            next: Some((first, logits)),
+            submitted: 0,
+            done: None,
+            ids: vec![],
+            decode_start: None,
+        })
+    }
+}
+
+/// A generation in progress: an iterator of [`Piece`]s. Dropping it early
+/// stops the generation (steps in flight are waited for).
+pub struct Generation<'g> {
+    gen: &'g mut Generator,
+    params: SamplingParams,
+    stream: TextStream,
+    f: Tensor,
+    i: Tensor,
+    step: Tensor,
+    pending: VecDeque<Ticket>,
+    /// The token to hand out next, when already known.
+    next: Option<(u32, Option<Vec<f32>>)>,
+    /// Decode steps submitted so far.
+    submitted: usize,
+    done: Option<StopReason>,
+    ids: Vec<u32>,
+    decode_start: Option<Instant>,
+    stats: GenerationStats,
+}
+
+impl Generation<'_> {
+    /// Why it ended (`None` while running).
+    pub fn stop_reason(&self) -> Option<&StopReason> {
+        self.done.as_ref()
+    }
+
+    /// The new token ids handed out so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    pub fn stats(&self) -> &GenerationStats {
+        &self.stats
+    }
+
+    /// Runs to the end; returns the text.
+    pub fn collect_text(&mut self) -> Result<String> {
+        let mut s = String::new();
+        for p in self.by_ref() {
+            s.push_str(&p?.text);
+        }
+        Ok(s)
+    }
+
+    /// Position of the token decode step `k` feeds: the prompt, then the
+    /// tokens handed out before it.
+    fn step_position(&self, k: usize) -> usize {
+        self.stats.prompt_tokens + k
+    }
+
+    /// Keeps up to `pipeline` decode steps in flight, within max_tokens and
+    /// the cache.
+    fn fill(&mut self) -> Result<()> {
+        while self.pending.len() < self.gen.opts.pipeline {
+            // Step k produces new token k+1; its history write lands at
+            // position p+1, which must be a cache row.
+            let k = self.submitted;
+            if k + 1 >= self.params.max_tokens || self.step_position(k) + 1 >= self.gen.opts.ctx_size {
+                break;
+            }
+            let (f, i, step) = (self.f.clone(), self.i.clone(), self.step.clone());
+            let exe = self.gen.decode_exe()?;
+            let t = exe.submit(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
+            self.pending.push_back(t);
+            self.submitted += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits out the steps still in flight (they may write the shared
+    /// state, so nothing else may run before they finish).
+    fn drain(&mut self) {
+        while let Some(t) = self.pending.pop_front() {
+            if let Ok(exe) = self.gen.decode_exe() {
+                let _ = exe.wait(t);
+            }
+        }
+        if let Some(s) = self.decode_start.take() {
+            self.stats.decode_time = s.elapsed();
+        }
+    }
+
+    fn finish(&mut self, reason: StopReason) {
+        self.drain();
+        // Keys and values of the prompt and of every token fed to a kept
+        // step stay valid for the next call.
+        let fed = self.ids.len().saturating_sub(1);
+        self.gen.cached.extend_from_slice(&self.ids[..fed]);
+        self.done = Some(reason);
+    }
+
+    fn advance(&mut self) -> Result<Option<Piece>> {
+        if self.done.is_some() {
+            return Ok(None);
+        }
+        let (token, logits) = match self.next.take() {
+            Some(x) => x,
+            None => {
+                let Some(t) = self.pending.pop_front() else {
+                    // Unreachable in order: the step that handed out the
+                    // last token already finished the generation.
+                    self.finish(StopReason::ContextFull);
+                    return Ok(None);
+                };
+                let out = self.gen.decode_exe()?.wait(t)?;
+                let token = out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
+                (token as u32, out.get(1).map(|l| l.to_f32()))
+            }
+        };
+        if self.decode_start.is_none() {
+            self.decode_start = Some(Instant::now());
+        }
+        self.ids.push(token);
+        self.stats.generated = self.ids.len();
+        if self.gen.eos.contains(&token) && !self.params.ignore_eos {
+            let rest = self.stream.finish().map_err(|e| ModelError::Input(e.to_string()))?;
+            self.finish(StopReason::Eos);
+            return Ok(Some(Piece { text: rest.text().to_string(), token, logits }));
+        }
+        self.fill()?;
+        let step = self.stream.push(token).map_err(|e| ModelError::Input(e.to_string()))?;
+        let mut text = step.text().to_string();
+        if let StreamStep::Stopped { stop, .. } = &step {
+            let stop = stop.clone();
+            self.finish(StopReason::StopString(stop));
+            return Ok(Some(Piece { text, token, logits }));
+        }
+        if self.ids.len() >= self.params.max_tokens || (self.pending.is_empty() && self.next.is_none()) {
+            let rest = self.stream.finish().map_err(|e| ModelError::Input(e.to_string()))?;
+            text.push_str(rest.text());
+            let reason = if self.ids.len() >= self.params.max_tokens { StopReason::MaxTokens } else { StopReason::ContextFull };
+            self.finish(reason);
+        }
+        Ok(Some(Piece { text, token, logits }))
+    }
+}
+
+impl Iterator for Generation<'_> {
+    type Item = Result<Piece>;
+    fn next(&mut self) -> Option<Self::Item> {
+        match self.advance() {
+            Ok(Some(p)) => Some(Ok(p)),
+            Ok(None) => None,
+            Err(e) => {
+                self.drain();
+                self.gen.cached.clear();
+                self.done = Some(StopReason::MaxTokens);
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+impl Drop for Generation<'_> {
+    fn drop(&mut self) {
+        if self.done.is_none() {
+            self.finish(StopReason::MaxTokens);
+        }
+    }
+}
