@@ -66,6 +66,7 @@ impl SentenceEmbedder {
             return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")));
         }
         check_options(&options)?;
+        check_file_formats(dir)?;
         let config = BertConfig::from_file(&dir.join("config.json"))?;
         let sentence = SentenceConfig::from_dir(dir, &config)?;
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"), sentence.max_seq_length)?;
@@ -139,8 +140,21 @@ impl SentenceEmbedder {
 
     /// Token ids of each text, as the model sees them.
     pub fn tokenize(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
+        self.tokenize_counting(texts).map(|(ids, _)| ids)
+    }
+
+    /// [`tokenize`](Self::tokenize), and how many texts were longer than the
+    /// model's limit and truncated to it.
+    pub fn tokenize_counting(&self, texts: &[&str]) -> Result<(Vec<Vec<u32>>, usize)> {
         let tok = self.tokenizer.as_ref().ok_or_else(|| ModelError::Input("this embedder has no tokenizer: use embed_ids".into()))?;
-        tok.encode_batch(texts)
+        tok.encode_batch_counting(texts)
+    }
+
+    /// The most tokens a text keeps, special tokens included; longer texts
+    /// are truncated.
+    pub fn max_tokens(&self) -> usize {
+        let bucket = self.seq_buckets.last().copied().unwrap_or(0);
+        self.tokenizer.as_ref().map_or(bucket, |t| t.max_len().min(bucket))
     }
 
     /// One vector per id sequence (each with its special tokens), in input
@@ -170,7 +184,9 @@ impl SentenceEmbedder {
         Ok(())
     }
 
-    fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
+    /// [`embed_ids`](Self::embed_ids), calling `progress(n)` after each batch
+    /// of `n` sequences.
+    pub fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
         self.check_ids(ids.iter().map(|r| r.as_slice()))?;
         // Sorting by length keeps the padding inside each batch small.
         let mut order: Vec<usize> = (0..ids.len()).collect();
@@ -276,6 +292,33 @@ impl SentenceEmbedder {
         }
         Ok(result)
     }
+}
+
+/// A model directory in a format RLX does not read gets "not supported" and
+/// the conversion, rather than "no such file" for the file it lacks.
+fn check_file_formats(dir: &Path) -> Result<()> {
+    let has = |name: &str| dir.join(name).is_file();
+    let shown = dir.display();
+    if !has("tokenizer.json") && has("vocab.txt") {
+        return Err(ModelError::format(
+            dir,
+            format!(
+                "not supported: the tokenizer is only a vocab.txt; RLX reads tokenizer.json. Convert it with transformers: \
+                 python3 -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{shown}').save_pretrained('{shown}')\""
+            ),
+        ));
+    }
+    if !has("model.safetensors") && (has("pytorch_model.bin") || has("pytorch_model.bin.index.json")) {
+        return Err(ModelError::format(
+            dir,
+            format!(
+                "not supported: the weights are only a PyTorch pickle (pytorch_model.bin); RLX reads model.safetensors. \
+                 Convert them to safetensors with transformers: \
+                 python3 -c \"from transformers import AutoModel; AutoModel.from_pretrained('{shown}').save_pretrained('{shown}', safe_serialization=True)\""
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_options(o: &EmbedderOptions) -> Result<()> {

@@ -25,6 +25,19 @@ impl OutputFormat {
             _ => None,
         }
     }
+
+    /// The format a file name asks for: `.npy`, or `.jsonl` / `.json`;
+    /// `None` for any other extension.
+    pub fn from_path(path: &Path) -> Option<OutputFormat> {
+        path.extension().and_then(|e| e.to_str()).and_then(OutputFormat::parse)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OutputFormat::Jsonl => "jsonl",
+            OutputFormat::Npy => "npy",
+        }
+    }
 }
 
 /// A file that appears under its name only once complete.

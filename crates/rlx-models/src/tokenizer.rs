@@ -45,11 +45,19 @@ impl TextTokenizer {
 
     /// Token ids of many texts (tokenised in parallel), in input order.
     pub fn encode_batch(&self, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
+        self.encode_batch_counting(texts).map(|(ids, _)| ids)
+    }
+
+    /// [`encode_batch`](Self::encode_batch), and how many of the texts were
+    /// longer than `max_len` and cut to it.
+    pub fn encode_batch_counting(&self, texts: &[&str]) -> Result<(Vec<Vec<u32>>, usize)> {
         let encs = self.inner.encode_batch_fast(texts.to_vec(), true).map_err(|e| ModelError::Tokenizer {
             path: self.path.clone(),
             detail: format!("encoding a batch of {} texts: {e}", texts.len()),
         })?;
-        Ok(encs.iter().map(|e| e.get_ids().to_vec()).collect())
+        // Truncation moves the cut tokens into the overflow encodings.
+        let truncated = encs.iter().filter(|e| !e.get_overflowing().is_empty()).count();
+        Ok((encs.iter().map(|e| e.get_ids().to_vec()).collect(), truncated))
     }
 
     /// WordPiece strings of one text (for debugging and tests).

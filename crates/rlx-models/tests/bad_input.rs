@@ -231,6 +231,27 @@ fn missing_files_are_named() {
 }
 
 #[test]
+fn vocab_txt_and_pytorch_bin_directories_are_not_supported_with_the_conversion() {
+    let dir = temp_dir("unsupported");
+    write_config(&dir, |_| {});
+    std::fs::write(dir.join("vocab.txt"), "[PAD]\n").expect("write");
+    let e = SentenceEmbedder::load(&dir, Device::Cpu).err().expect("vocab.txt only").to_string();
+    assert!(e.contains("not supported") && e.contains("vocab.txt") && e.contains("tokenizer.json"), "{e}");
+    assert!(e.contains("AutoTokenizer.from_pretrained") && e.contains(&dir.display().to_string()), "{e}");
+
+    std::fs::write(dir.join("tokenizer.json"), "{}").expect("write");
+    std::fs::write(dir.join("pytorch_model.bin"), "").expect("write");
+    let e = SentenceEmbedder::load(&dir, Device::Cpu).err().expect("pytorch_model.bin only").to_string();
+    assert!(e.contains("not supported") && e.contains("pytorch_model.bin") && e.contains("save_pretrained"), "{e}");
+
+    // With model.safetensors beside it, the .bin is ignored and loading goes on
+    // (to the next problem: this tokenizer.json is empty).
+    write(&dir.join("model.safetensors"), &tiny_tensors(""));
+    let e = SentenceEmbedder::load(&dir, Device::Cpu).err().expect("bad tokenizer").to_string();
+    assert!(!e.contains("not supported") && e.contains("tokenizer"), "{e}");
+}
+
+#[test]
 fn an_invalid_utf8_line_is_named_and_empty_lines_are_texts() {
     let input: &[u8] = b"first\n\nthird\r\n\xff\xfe bad\nfifth";
     let mut lines = TextLines::new(input, "texts.txt");

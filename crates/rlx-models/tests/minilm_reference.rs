@@ -46,6 +46,20 @@ fn the_long_text_is_truncated_exactly_as_the_reference() {
 }
 
 #[test]
+fn truncated_texts_are_counted_as_the_reference_marks_them() {
+    let Some(e) = embedder("truncated_texts_are_counted_as_the_reference_marks_them") else { return };
+    let items = items();
+    let texts: Vec<&str> = items.iter().map(|it| it["text"].as_str().expect("text")).collect();
+    let marked = items.iter().filter(|it| it["truncated"].as_bool() == Some(true)).count();
+    let (ids, truncated) = e.tokenize_counting(&texts).expect("tokenize");
+    assert_eq!(truncated, marked);
+    assert_eq!(ids, e.tokenize(&texts).expect("tokenize"));
+    assert_eq!(e.max_tokens(), 256);
+    let (_, none) = e.tokenize_counting(&["a short text", ""]).expect("tokenize");
+    assert_eq!(none, 0);
+}
+
+#[test]
 fn embeddings_match_sentence_transformers_one_by_one() {
     let Some(e) = embedder("embeddings_match_sentence_transformers_one_by_one") else { return };
     let (mut worst_cos, mut worst_diff) = (1f32, 0f32);
