@@ -3,28 +3,28 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rlx::{DType, Device};
 use rlx_models::{cosine, EmbedderOptions, EmbeddingWriter, OutputFormat, SentenceEmbedder, TextLines};
 
-/// Where the default model lives, relative to the repository root.
-const DEFAULT_MODEL: &str = "models/all-MiniLM-L6-v2";
+use crate::model_dir::{default_model_dir, fetch_hint, Env};
 
 /// Texts read from a file or stdin per round: bounded memory, and enough
 /// texts that sorting by length keeps batches tightly padded.
 const TEXTS_PER_ROUND: usize = 1024;
 
-/// Inputs larger than this get a progress bar (drawn only on a terminal).
-const PROGRESS_ABOVE: u64 = 1000;
+/// Work that has run this long gets a progress bar (on a terminal only).
+const PROGRESS_AFTER: Duration = Duration::from_secs(2);
 
 #[derive(Args, Debug)]
 pub struct ModelArgs {
     /// Model directory (config.json, model.safetensors, tokenizer.json).
-    /// Default: $RLX_MODEL_DIR, else models/all-MiniLM-L6-v2 found from the
-    /// current directory or the executable's.
+    /// Default: $RLX_MODEL_DIR, else models/all-MiniLM-L6-v2 in a repository
+    /// checkout around the current directory or the executable, else the one
+    /// `rlx fetch` put in the data directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// cpu, cuda or cuda:N.
@@ -50,9 +50,10 @@ pub struct EmbedArgs {
     /// when complete).
     #[arg(long, short)]
     pub output: Option<PathBuf>,
-    /// jsonl (one {"index", "embedding"} object per line) or npy.
-    #[arg(long, default_value = "jsonl")]
-    pub format: String,
+    /// jsonl (one {"index", "embedding"} object per line) or npy. Default:
+    /// from --output's extension (.npy, .jsonl or .json), else jsonl.
+    #[arg(long)]
+    pub format: Option<String>,
     /// Read texts from FILE, one per line (every line is a text, the empty
     /// one too).
     #[arg(long, short)]
@@ -70,7 +71,7 @@ pub struct SimilarityArgs {
 }
 
 pub fn run(args: EmbedArgs) -> Result<(), String> {
-    let format = OutputFormat::parse(&args.format).ok_or_else(|| format!("--format '{}': expected jsonl or npy", args.format))?;
+    let format = output_format(args.format.as_deref(), args.output.as_deref())?;
     if !args.texts.is_empty() && args.input.is_some() {
         return Err("give texts as arguments or --input FILE, not both".into());
     }
@@ -82,32 +83,38 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
 
     let start = Instant::now();
-    let mut done = 0u64;
+    let mut count = Counts::default();
     if !args.texts.is_empty() {
-        let bar = progress(Some(args.texts.len() as u64));
+        let mut bar = Progress::new(Some(args.texts.len() as u64));
         for chunk in args.texts.chunks(TEXTS_PER_ROUND) {
-            done += embed_round(&embedder, chunk, &mut writer, &bar)?;
+            embed_round(&embedder, chunk, &mut writer, &mut bar, &mut count)?;
         }
-        bar.finish_and_clear();
+        bar.finish();
     } else if let Some(path) = &args.input {
         let total = count_lines(path)?;
         let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         let lines = TextLines::new(BufReader::new(file), path.display().to_string());
-        done = stream(&embedder, lines, &mut writer, progress(Some(total)))?;
+        stream(&embedder, lines, &mut writer, Progress::new(Some(total)), &mut count)?;
     } else {
         let stdin = std::io::stdin();
-        if stdin.is_terminal() {
+        let typed = stdin.is_terminal();
+        if typed {
             eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
         }
-        let lines = TextLines::new(stdin.lock(), "stdin");
-        done = stream(&embedder, lines, &mut writer, progress(None))?;
+        // No bar over the lines someone is typing.
+        let bar = if typed { Progress::hidden() } else { Progress::new(None) };
+        stream(&embedder, TextLines::new(stdin.lock(), "stdin"), &mut writer, bar, &mut count)?;
     }
     let written = writer.finish().map_err(|e| e.to_string())?;
-    debug_assert_eq!(written, done);
+    debug_assert_eq!(written, count.texts);
+    if let Some(note) = truncation_note(count.truncated, count.texts, embedder.max_tokens()) {
+        eprintln!("{note}");
+    }
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "embedded {done} texts in {secs:.2} s ({:.1} texts/s; {}, {}, batch {})",
-        done as f64 / secs.max(1e-9),
+        "embedded {} texts in {secs:.2} s ({:.1} texts/s; {}, {}, batch {})",
+        count.texts,
+        count.texts as f64 / secs.max(1e-9),
         embedder.device(),
         embedder.options().dtype,
         embedder.options().batch_size
@@ -117,36 +124,88 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
 
 pub fn run_similarity(args: SimilarityArgs) -> Result<(), String> {
     let embedder = load(&args.model)?;
-    let v = embedder.embed(&[args.a.as_str(), args.b.as_str()]).map_err(|e| e.to_string())?;
+    let texts = [args.a.as_str(), args.b.as_str()];
+    let (ids, truncated) = embedder.tokenize_counting(&texts).map_err(|e| e.to_string())?;
+    let v = embedder.embed_ids(&ids).map_err(|e| e.to_string())?;
+    if let Some(note) = truncation_note(truncated as u64, 2, embedder.max_tokens()) {
+        eprintln!("{note}");
+    }
     println!("{:.6}", cosine(&v[0], &v[1]));
     Ok(())
+}
+
+/// The output format: `--format` if given, else what `--output`'s
+/// extension says, else JSON lines. A `--format` that contradicts the
+/// extension is an error rather than, say, JSON in a file named `.npy`.
+pub fn output_format(format: Option<&str>, output: Option<&Path>) -> Result<OutputFormat, String> {
+    let given = match format {
+        Some(f) => Some(OutputFormat::parse(f).ok_or_else(|| format!("--format '{f}': expected jsonl or npy"))?),
+        None => None,
+    };
+    let implied = output.and_then(OutputFormat::from_path);
+    match (given, implied) {
+        (Some(g), Some(i)) if g != i => Err(format!(
+            "--format {} conflicts with --output {}, whose extension means {}: drop --format or rename the file",
+            g.name(),
+            output.map(|p| p.display().to_string()).unwrap_or_default(),
+            i.name()
+        )),
+        (Some(f), _) | (None, Some(f)) => Ok(f),
+        (None, None) => Ok(OutputFormat::Jsonl),
+    }
+}
+
+/// The one notice about texts cut to the model's limit, if any were.
+pub fn truncation_note(truncated: u64, texts: u64, max_tokens: usize) -> Option<String> {
+    let were = if truncated == 1 { "was" } else { "were" };
+    (truncated > 0).then(|| {
+        format!(
+            "note: {truncated} of {texts} texts {were} longer than the model's limit of {max_tokens} tokens and \
+             truncated to it (a vector then describes only the start of its text)"
+        )
+    })
+}
+
+#[derive(Default)]
+struct Counts {
+    texts: u64,
+    truncated: u64,
 }
 
 fn stream<R: BufRead>(
     embedder: &SentenceEmbedder,
     mut lines: TextLines<R>,
     writer: &mut EmbeddingWriter,
-    bar: ProgressBar,
-) -> Result<u64, String> {
-    let mut done = 0;
+    mut bar: Progress,
+    count: &mut Counts,
+) -> Result<(), String> {
     loop {
         let texts = lines.next_batch(TEXTS_PER_ROUND).map_err(|e| e.to_string())?;
         if texts.is_empty() {
             break;
         }
-        done += embed_round(embedder, &texts, writer, &bar)?;
+        embed_round(embedder, &texts, writer, &mut bar, count)?;
     }
-    bar.finish_and_clear();
-    Ok(done)
+    bar.finish();
+    Ok(())
 }
 
-fn embed_round(embedder: &SentenceEmbedder, texts: &[String], writer: &mut EmbeddingWriter, bar: &ProgressBar) -> Result<u64, String> {
+fn embed_round(
+    embedder: &SentenceEmbedder,
+    texts: &[String],
+    writer: &mut EmbeddingWriter,
+    bar: &mut Progress,
+    count: &mut Counts,
+) -> Result<(), String> {
     let refs: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
-    let vectors = embedder.embed_with_progress(&refs, &mut |n| bar.inc(n as u64)).map_err(|e| e.to_string())?;
+    let (ids, truncated) = embedder.tokenize_counting(&refs).map_err(|e| e.to_string())?;
+    let vectors = embedder.embed_ids_with_progress(&ids, &mut |n| bar.advance(n as u64)).map_err(|e| e.to_string())?;
     for v in &vectors {
         writer.write(v).map_err(|e| e.to_string())?;
     }
-    Ok(vectors.len() as u64)
+    count.texts += vectors.len() as u64;
+    count.truncated += truncated as u64;
+    Ok(())
 }
 
 fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
@@ -158,54 +217,18 @@ fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
     if m.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
+    let env = Env::process();
     let dir = match &m.model {
         Some(d) => {
             if !d.is_dir() {
-                return Err(format!("model directory {} does not exist{}", d.display(), fetch_hint()));
+                return Err(format!("model directory {} does not exist; {}", d.display(), fetch_hint(&env)));
             }
             d.clone()
         }
-        None => default_model_dir()?,
+        None => default_model_dir(&env)?,
     };
     SentenceEmbedder::load_with(&dir, device, EmbedderOptions { dtype, batch_size: m.batch_size, approximate_gelu: m.approximate_gelu })
         .map_err(|e| e.to_string())
-}
-
-fn fetch_hint() -> String {
-    format!(" (fetch the default model with scripts/fetch-models, which writes {DEFAULT_MODEL}/)")
-}
-
-/// $RLX_MODEL_DIR, else models/all-MiniLM-L6-v2 in the current directory,
-/// the executable's directory, or any of their parents.
-pub fn default_model_dir() -> Result<PathBuf, String> {
-    if let Some(d) = std::env::var_os("RLX_MODEL_DIR") {
-        let d = PathBuf::from(d);
-        if d.is_dir() {
-            return Ok(d);
-        }
-        return Err(format!("RLX_MODEL_DIR is {}, which is not a directory{}", d.display(), fetch_hint()));
-    }
-    let mut bases = vec![];
-    if let Ok(cwd) = std::env::current_dir() {
-        bases.push(cwd);
-    }
-    if let Some(dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
-        bases.push(dir);
-    }
-    for base in &bases {
-        for anc in base.ancestors() {
-            let c = anc.join(DEFAULT_MODEL);
-            if c.join("config.json").is_file() {
-                return Ok(c);
-            }
-        }
-    }
-    let looked: Vec<String> = bases.iter().map(|b| b.display().to_string()).collect();
-    Err(format!(
-        "no model found: RLX_MODEL_DIR is not set and {DEFAULT_MODEL}/ is not under {} or their parents. \
-         Run scripts/fetch-models in the RLX repository to fetch it, or pass --model DIR",
-        looked.join(" or ")
-    ))
 }
 
 fn count_lines(path: &Path) -> Result<u64, String> {
@@ -223,26 +246,86 @@ fn count_lines(path: &Path) -> Result<u64, String> {
     Ok(n + (last != b'\n') as u64)
 }
 
-fn progress(total: Option<u64>) -> ProgressBar {
-    let show = total.is_none_or(|t| t > PROGRESS_ABOVE);
-    if !show {
-        return ProgressBar::hidden();
+/// A progress bar that stays hidden unless stderr is a terminal and the work
+/// has already taken [`PROGRESS_AFTER`]: short runs print nothing, long ones
+/// (a big file, a slow device, a cold kernel cache) show how far they are.
+struct Progress {
+    bar: ProgressBar,
+    start: Instant,
+    terminal: bool,
+    shown: bool,
+}
+
+impl Progress {
+    fn new(total: Option<u64>) -> Progress {
+        let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::hidden());
+        let template = match total {
+            Some(_) => "{bar:40} {pos}/{len} texts {per_sec} eta {eta}",
+            None => "{spinner} {pos} texts {per_sec}",
+        };
+        if let Ok(style) = ProgressStyle::with_template(template) {
+            bar.set_style(style);
+        }
+        Progress { bar, start: Instant::now(), terminal: std::io::stderr().is_terminal(), shown: false }
     }
-    // indicatif draws nothing when stderr is not a terminal.
-    match total {
-        Some(t) => {
-            let bar = ProgressBar::with_draw_target(Some(t), ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} texts {per_sec} eta {eta}") {
-                bar.set_style(style);
-            }
-            bar
+
+    fn hidden() -> Progress {
+        Progress { terminal: false, ..Progress::new(None) }
+    }
+
+    fn advance(&mut self, n: u64) {
+        self.bar.inc(n);
+        if !self.shown && show_progress(self.start.elapsed(), self.terminal) {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+            self.shown = true;
         }
-        None => {
-            let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{spinner} {pos} texts {per_sec}") {
-                bar.set_style(style);
-            }
-            bar
-        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Whether a bar belongs on screen after `elapsed` of work.
+fn show_progress(elapsed: Duration, stderr_is_terminal: bool) -> bool {
+    stderr_is_terminal && elapsed >= PROGRESS_AFTER
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_follows_the_extension_unless_told_and_conflicts_are_errors() {
+        let f = |format: Option<&str>, out: Option<&str>| output_format(format, out.map(Path::new));
+        assert_eq!(f(None, None), Ok(OutputFormat::Jsonl));
+        assert_eq!(f(None, Some("x.npy")), Ok(OutputFormat::Npy));
+        assert_eq!(f(None, Some("x.NPY")), Ok(OutputFormat::Npy));
+        assert_eq!(f(None, Some("x.jsonl")), Ok(OutputFormat::Jsonl));
+        assert_eq!(f(None, Some("x.json")), Ok(OutputFormat::Jsonl));
+        assert_eq!(f(None, Some("vectors.bin")), Ok(OutputFormat::Jsonl));
+        assert_eq!(f(Some("npy"), Some("vectors.bin")), Ok(OutputFormat::Npy));
+        assert_eq!(f(Some("npy"), None), Ok(OutputFormat::Npy));
+        assert_eq!(f(Some("npy"), Some("x.npy")), Ok(OutputFormat::Npy));
+        let e = f(Some("jsonl"), Some("x.npy")).err().unwrap_or_default();
+        assert!(e.contains("conflicts") && e.contains("x.npy") && e.contains("npy"), "{e}");
+        assert!(f(Some("npy"), Some("x.jsonl")).is_err());
+        let e = f(Some("csv"), None).err().unwrap_or_default();
+        assert!(e.contains("--format 'csv'"), "{e}");
+    }
+
+    #[test]
+    fn truncation_note_counts_and_stays_quiet_otherwise() {
+        assert_eq!(truncation_note(0, 10, 256), None);
+        let n = truncation_note(3, 10, 256).unwrap_or_default();
+        assert!(n.contains("3 of 10 texts were longer") && n.contains("256 tokens") && n.contains("truncated"), "{n}");
+        assert!(truncation_note(1, 1, 128).unwrap_or_default().contains("1 of 1 texts was longer"));
+    }
+
+    #[test]
+    fn progress_shows_only_on_a_terminal_after_two_seconds() {
+        assert!(!show_progress(Duration::from_millis(1999), true));
+        assert!(show_progress(Duration::from_secs(2), true));
+        assert!(!show_progress(Duration::from_secs(60), false));
     }
 }

