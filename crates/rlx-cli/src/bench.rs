@@ -189,7 +189,6 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         peer: peer_desc,
         notes,
         gpu,
-        approximate_gelu: args.approximate_gelu,
     };
     let md = report::markdown(&ctx, &rows);
     println!("{md}");
@@ -212,15 +211,21 @@ fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: 
     let mut row =
         Row { model: spec.name.to_string(), dtype: dtype.name().to_string(), batch: inputs.batch, seq: inputs.seq, ..Row::default() };
     let mut measure = |replay: bool| -> Option<Timing> {
-        let mode = if replay { "replay" } else { "eager" };
+        let mode = match (device, replay) {
+            (Device::Cpu, _) => "run",
+            (_, true) => "replay",
+            (_, false) => "eager",
+        };
         eprintln!("{label}: RLX {mode}...");
         let attempt =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| measure_mode(spec, store, device, dtype, &inputs, replay, args)));
         let result = attempt.unwrap_or_else(|panic| Err(format!("panicked: {}", panic_message(&panic))));
         result.map_err(|e| row.notes.push(format!("RLX {mode} failed: {e}"))).ok()
     };
+    let gpu = matches!(device, Device::Cuda(_));
     let replay = measure(true);
-    let eager = measure(false);
+    // The CPU backend has no replay: a second, "eager" executable would time the same thing.
+    let eager = if gpu { measure(false) } else { None };
 
     if let Some(r) = &replay {
         row.rlx_replay_us = Some(r.wall_us);
@@ -232,8 +237,12 @@ fn bench_rlx(spec: &ModelSpec, store: &Arc<WeightStore>, device: Device, dtype: 
             None => {}
         }
         row.kernels = Some(r.kernels);
-        eprintln!("{label}: replay {:.1} µs ({}), submit {:.2} µs, {} kernels", r.wall_us, r.mode, r.submit_us, r.kernels);
-        if matches!(device, Device::Cuda(_)) && !r.mode.contains("replay") {
+        if gpu {
+            eprintln!("{label}: replay {:.1} µs ({}), submit {:.2} µs, {} kernels", r.wall_us, r.mode, r.submit_us, r.kernels);
+        } else {
+            eprintln!("{label}: {:.1} µs ({}), {} thunks", r.wall_us, r.mode, r.kernels);
+        }
+        if gpu && !r.mode.contains("replay") {
             row.notes.push(format!("the replay executable ran in mode '{}' (is RLX_REPLAY=0 set?)", r.mode));
         }
     }
