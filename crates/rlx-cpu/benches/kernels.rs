@@ -348,6 +348,7 @@ fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, h
         mask: None,
         mask_dtype: DType::I32,
         valid_len: None,
+        valid_len_per_batch: false,
         out,
     });
     let reps = 4;

@@ -149,6 +149,7 @@ fn run(seed: u64, c: &Case, fused: bool) {
         mask,
         mask_dtype: c.mask.as_ref().map(|m| m.0).unwrap_or(DType::I32),
         valid_len,
+        valid_len_per_batch: false,
         out,
     }));
     let want = reference(c, &qv, &kv, &vv);
