@@ -5,7 +5,7 @@
 //! a time; 4 query rows share every K or V vector loaded). A task holds at
 //! most a [128, kv_len] block of one head's scores; the full
 //! [B, H, Sq, Skv] matrix is never built. This replaced two small gemm
-//! calls per task: 3% faster on MiniLM at 1×128 and 8×128 (bench/cpu-perf.md).
+//! calls per task: 3% faster on MiniLM at 1×128 and 8×128 (bench/LOG.md).
 //!
 //! Masking: keys at or past `valid_len` (default kv_len), keys whose
 //! key-padding mask is zero, and with `causal` keys after the query's

@@ -8,7 +8,7 @@
 //!   that stay in L1 for every tile of a task. One group (and up to 192
 //!   rows) per task, so cores stream disjoint weight groups. 15% less
 //!   matmul time than the dot kernel on MiniLM at 1×128, and 4-5% less
-//!   forward time than gemm at 8×128 (bench/cpu-perf.md).
+//!   forward time than gemm at 8×128 (bench/LOG.md).
 //! - b anything else: dot products with nothing packed. gemm would pack b
 //!   into panels on every call, and with a handful of rows that copy costs
 //!   about as much as the multiply. A tile of MR a rows × NR b rows
@@ -26,7 +26,7 @@ use crate::memory::{Dst, Src};
 
 /// Most rows (batch × m) the dot kernel (b read in place) takes: MiniLM at
 /// 1×128 ran 4% faster there than through gemm, at 8×128 gemm's packed
-/// microkernel won (see bench/cpu-perf.md). The packed kernel for weights
+/// microkernel won (bench/LOG.md). The packed kernel for weights
 /// has no limit.
 pub const MAX_ROWS: usize = 128;
 
@@ -60,7 +60,7 @@ pub fn applies(mm: &MatMulThunk) -> bool {
 
 /// Whether the packed kernel can run `mm` given b in the packed layout: as
 /// `applies` at any row count. With the weight blocked by k (`KC`) it beat
-/// gemm at 1024 rows too (bench/cpu-perf.md, session 3).
+/// gemm at 1024 rows too (bench/LOG.md).
 pub fn applies_packed(mm: &MatMulThunk) -> bool {
     let rows = mm.batch * mm.m;
     mm.b_trans && (mm.batch == 1 || mm.b_batch_stride == 0) && rows > 0 && mm.n > 0 && has_avx512()
