@@ -47,11 +47,14 @@ pub struct GeneratorOptions {
     /// Dequantise block-quantized weights to f32 at load (the reference
     /// path; 4–8× the memory and slower).
     pub dequantize: bool,
+    /// Sequences decoded side by side by the batch API
+    /// ([`Generator::add_sequence`], [`Generator::step_batch`]).
+    pub batch: usize,
 }
 
 impl Default for GeneratorOptions {
     fn default() -> Self {
-        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false }
+        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false, batch: 1 }
     }
 }
 
@@ -122,11 +125,21 @@ impl SamplingParams {
         Ok(())
     }
 
-    fn tensors(&self) -> Result<(Tensor, Tensor)> {
-        let f = Tensor::from_f32([1, 4], &[self.temperature, self.top_p, self.min_p, self.repeat_penalty])?;
-        let i = Tensor::from_i32([1, 4], &[self.top_k, self.repeat_last_n, self.seed as u32 as i32, (self.seed >> 32) as u32 as i32])?;
-        Ok((f, i))
+    fn f_row(&self) -> [f32; 4] {
+        [self.temperature, self.top_p, self.min_p, self.repeat_penalty]
     }
+
+    fn i_row(&self) -> [i32; 4] {
+        [self.top_k, self.repeat_last_n, self.seed as u32 as i32, (self.seed >> 32) as u32 as i32]
+    }
+}
+
+/// The `[B, 4]` sampling inputs, one row per slot (`None`: a free slot).
+fn sampling_tensors(rows: &[Option<&SamplingParams>]) -> Result<(Tensor, Tensor)> {
+    let off = SamplingParams::greedy();
+    let f: Vec<f32> = rows.iter().flat_map(|p| p.unwrap_or(&off).f_row()).collect();
+    let i: Vec<i32> = rows.iter().flat_map(|p| p.unwrap_or(&off).i_row()).collect();
+    Ok((Tensor::from_f32([rows.len(), 4], &f)?, Tensor::from_i32([rows.len(), 4], &i)?))
 }
 
 /// Why a generation ended.
@@ -193,8 +206,29 @@ pub struct Generator {
     opts: GeneratorOptions,
     prefill: BTreeMap<usize, CompiledGraph>,
     decode: Option<CompiledGraph>,
-    /// Tokens whose keys and values are in the cache, by position.
+    /// Slot 0's tokens whose keys and values are in the cache, by position
+    /// (the single-sequence API reuses them as a prompt prefix).
     cached: Vec<u32>,
+    /// Per slot: tokens in the cache (the position of its next token).
+    slot_pos: Vec<usize>,
+    /// Per slot: the batch API's sequence there, if any.
+    slots: Vec<Option<BatchSequence>>,
+}
+
+/// A sequence of the batch API.
+struct BatchSequence {
+    params: SamplingParams,
+    stream: TextStream,
+    ids: Vec<u32>,
+}
+
+/// What one slot produced in a batch step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchEvent {
+    pub slot: usize,
+    pub piece: Piece,
+    /// Set when the sequence ended with this token; its slot is free again.
+    pub finished: Option<StopReason>,
 }
 
 fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
@@ -296,6 +330,7 @@ impl Generator {
         }
         opts.ctx_size = opts.ctx_size.min(config.max_context);
         opts.pipeline = opts.pipeline.max(1);
+        opts.batch = opts.batch.clamp(1, 4096);
         opts.prefill_buckets.retain(|&b| b > 0);
         opts.prefill_buckets.sort_unstable();
         opts.prefill_buckets.dedup();
@@ -309,6 +344,7 @@ impl Generator {
         for (name, t) in weights.tensors {
             session.set_weight(&name, t)?;
         }
+        let opts_batch = opts.batch;
         let mut g = Generator {
             session,
             config,
@@ -321,6 +357,8 @@ impl Generator {
             prefill: BTreeMap::new(),
             decode: None,
             cached: vec![],
+            slot_pos: vec![0; opts_batch],
+            slots: (0..opts_batch).map(|_| None).collect(),
         };
         // Compile the decode step now: load errors show at load time.
         g.decode_exe()?;
@@ -366,7 +404,7 @@ impl Generator {
 
     fn decode_exe(&mut self) -> Result<&mut CompiledGraph> {
         if self.decode.is_none() {
-            let shape = StepShape { batch: 1, seq: 1, decode: true, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let shape = StepShape { batch: self.opts.batch, seq: 1, decode: true, ctx: self.opts.ctx_size, logits: self.opts.logits };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
             self.decode = Some(self.session.compile_shared(&graph, &self.states)?);
         }
@@ -375,7 +413,7 @@ impl Generator {
 
     fn prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
         if !self.prefill.contains_key(&bucket) {
-            let shape = StepShape { batch: 1, seq: bucket, decode: false, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let shape = StepShape { batch: self.opts.batch, seq: bucket, decode: false, ctx: self.opts.ctx_size, logits: self.opts.logits };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
             let exe = self.session.compile_shared(&graph, &self.states)?;
             self.prefill.insert(bucket, exe);
@@ -383,32 +421,54 @@ impl Generator {
         self.prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("prefill step missing".into()))
     }
 
-    /// Feeds `ids[from..]` (positions `from..`) through prefill chunks and
-    /// returns the first sampled token (and its logits).
-    fn prefill_from(&mut self, ids: &[u32], from: usize, f: &Tensor, i: &Tensor) -> Result<(u32, Option<Vec<f32>>)> {
+    /// Feeds `ids[from..]` (positions `from..`) of the sequence in `slot`
+    /// through prefill chunks and returns the first sampled token (and its
+    /// logits). The other slots' token and position are left alone: their
+    /// rows write past their own length (see `llama.rs`).
+    fn prefill_from(&mut self, slot: usize, ids: &[u32], from: usize, f: &Tensor, i: &Tensor) -> Result<(u32, Option<Vec<f32>>)> {
         let largest = *self.opts.prefill_buckets.last().unwrap_or(&16);
+        let b = self.opts.batch;
         let mut at = from;
         let mut last = None;
         while at < ids.len() {
             let remaining = ids.len() - at;
             let room = self.opts.ctx_size - at;
-            let bucket = self.opts.prefill_buckets.iter().copied().find(|&b| b >= remaining).unwrap_or(largest);
+            let bucket = self.opts.prefill_buckets.iter().copied().find(|&x| x >= remaining).unwrap_or(largest);
             // A bucket must fit the cache rows left; fall back to smaller ones.
-            let bucket = if bucket <= room {
-                bucket
-            } else {
-                self.opts.prefill_buckets.iter().copied().rev().find(|&b| b <= room).unwrap_or(1)
-            };
+            let bucket = if bucket <= room { bucket } else { self.opts.prefill_buckets.iter().copied().rev().find(|&x| x <= room).unwrap_or(1) };
             let n = remaining.min(bucket);
-            let mut chunk: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
-            chunk.resize(bucket, chunk.last().copied().unwrap_or(0));
-            let positions: Vec<i32> = (0..bucket).map(|j| (at + j) as i32).collect();
-            let ids_t = Tensor::from_i32([1, bucket], &chunk)?;
-            let pos_t = Tensor::from_i32([1, bucket], &positions)?;
-            let start = Tensor::from_i32([1], &[at as i32])?;
-            let valid = Tensor::from_i32([1], &[(at + bucket) as i32])?;
-            let last_row = Tensor::from_i32([1], &[(n - 1) as i32])?;
-            let next_pos = Tensor::from_i32([1], &[(at + n) as i32])?;
+            // Where the other rows write: past their length, inside the
+            // cache, leaving the row their sampled token's history entry
+            // goes to.
+            let dump = self.opts.ctx_size.saturating_sub(bucket + 1);
+            for (r, &p) in self.slot_pos.iter().enumerate() {
+                if r != slot && self.slots[r].is_some() && p > dump {
+                    return Err(ModelError::Input(format!(
+                        "cannot prefill slot {slot} while slot {r} holds {p} tokens, within {bucket} of the context's {} (raise --ctx-size)",
+                        self.opts.ctx_size
+                    )));
+                }
+            }
+            let (mut tok, mut pos, mut start, mut valid, mut last_row, mut next_pos, mut row) = (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+            for r in 0..b {
+                let (base, real, chunk): (usize, usize, Vec<i32>) = if r == slot {
+                    let mut c: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
+                    c.resize(bucket, c.last().copied().unwrap_or(0));
+                    (at, n, c)
+                } else {
+                    (dump, bucket, vec![0; bucket])
+                };
+                tok.extend(chunk);
+                pos.extend((0..bucket).map(|j| (base + j) as i32));
+                start.push(base as i32);
+                valid.push((base + bucket) as i32);
+                last_row.push((r * bucket + real - 1) as i32);
+                next_pos.push((base + real) as i32);
+                row.push(if r == slot { 0 } else { 1 });
+            }
+            let t = |shape: &[usize], v: &[i32]| Tensor::from_i32(shape.to_vec(), v);
+            let (ids_t, pos_t) = (t(&[b, bucket], &tok)?, t(&[b, bucket], &pos)?);
+            let (start, valid, last_row, next_pos, row) = (t(&[b], &start)?, t(&[b], &valid)?, t(&[b], &last_row)?, t(&[b], &next_pos)?, t(&[b], &row)?);
             let exe = self.prefill_exe(bucket)?;
             let out = exe.run(&[
                 (io::IDS, &ids_t),
@@ -417,6 +477,7 @@ impl Generator {
                 (io::VALID, &valid),
                 (io::LAST_ROW, &last_row),
                 (io::NEXT_POS, &next_pos),
+                (io::SLOT_ROW, &row),
                 (io::FPARAMS, f),
                 (io::IPARAMS, i),
             ])?;
@@ -424,8 +485,127 @@ impl Generator {
             at += n;
         }
         let out = last.ok_or_else(|| ModelError::Input("empty prompt".into()))?;
-        let token = out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
-        Ok((token as u32, out.get(1).map(|l| l.to_f32())))
+        let token = out.first().and_then(|t| t.to_i32().get(slot).copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
+        let v = self.config.vocab;
+        let logits = out.get(1).map(|l| l.to_f32()[slot * v..(slot + 1) * v].to_vec());
+        self.slot_pos[slot] = ids.len();
+        Ok((token as u32, logits))
+    }
+
+    fn check_prompt(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
+        params.check()?;
+        if prompt.is_empty() {
+            return Err(ModelError::Input("the prompt is empty (no tokens)".into()));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.config.vocab) {
+            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", self.config.vocab)));
+        }
+        if prompt.len() >= self.opts.ctx_size {
+            return Err(ModelError::Input(format!(
+                "the prompt has {} tokens; the context holds {} (raise --ctx-size, up to the model's {})",
+                prompt.len(),
+                self.opts.ctx_size,
+                self.config.max_context
+            )));
+        }
+        Ok(())
+    }
+
+    /// Prefills `prompt` into a free slot with its own sampling settings;
+    /// returns the slot and the first new token. Later tokens come from
+    /// [`step_batch`](Self::step_batch), which advances every sequence at
+    /// once; a sequence leaves when it ends or on
+    /// [`remove_sequence`](Self::remove_sequence), and its slot takes the
+    /// next one. Prefilling runs the whole batch's rows (the others write
+    /// where it is harmless), so it costs `batch` times one sequence's
+    /// prefill.
+    pub fn add_sequence(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<BatchEvent> {
+        self.check_prompt(prompt, params)?;
+        let slot = self.slots.iter().position(Option::is_none).ok_or_else(|| {
+            ModelError::Input(format!("all {} slots hold a sequence; remove one or wait for one to finish", self.opts.batch))
+        })?;
+        // The cache's slot 0 prefix no longer describes a kept conversation.
+        if slot == 0 {
+            self.cached.clear();
+        }
+        let rows: Vec<Option<&SamplingParams>> = (0..self.opts.batch).map(|r| (r == slot).then_some(params)).collect();
+        let (f, i) = sampling_tensors(&rows)?;
+        let (token, logits) = self.prefill_from(slot, prompt, 0, &f, &i)?;
+        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
+        self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
+        let (text, finished) = self.accept(slot, token)?;
+        Ok(BatchEvent { slot, piece: Piece { text, token, logits }, finished })
+    }
+
+    /// Records a slot's new token; ends the sequence when it should stop.
+    fn accept(&mut self, slot: usize, token: u32) -> Result<(String, Option<StopReason>)> {
+        let (ctx, eos) = (self.opts.ctx_size, self.eos.contains(&token));
+        let pos = self.slot_pos[slot];
+        let seq = self.slots[slot].as_mut().ok_or_else(|| ModelError::Input(format!("slot {slot} holds no sequence")))?;
+        seq.ids.push(token);
+        let err = |e: crate::text_stream::TextStreamError| ModelError::Input(e.to_string());
+        let (mut text, mut reason) = (String::new(), None);
+        if eos && !seq.params.ignore_eos {
+            reason = Some(StopReason::Eos);
+        } else {
+            match seq.stream.push(token).map_err(err)? {
+                StreamStep::Stopped { text: t, stop } => {
+                    text = t;
+                    reason = Some(StopReason::StopString(stop));
+                }
+                StreamStep::Text(t) => text = t,
+            }
+            if reason.is_none() && seq.ids.len() >= seq.params.max_tokens {
+                reason = Some(StopReason::MaxTokens);
+            } else if reason.is_none() && pos + 1 >= ctx {
+                reason = Some(StopReason::ContextFull);
+            }
+        }
+        if reason.is_some() {
+            if !matches!(reason, Some(StopReason::StopString(_))) {
+                text.push_str(seq.stream.finish().map_err(err)?.text());
+            }
+            self.slots[slot] = None;
+        }
+        Ok((text, reason))
+    }
+
+    /// One decode step for every sequence of the batch API; returns each
+    /// one's new token. Free slots ride along masked.
+    pub fn step_batch(&mut self) -> Result<Vec<BatchEvent>> {
+        let active: Vec<usize> = (0..self.opts.batch).filter(|&r| self.slots[r].is_some()).collect();
+        if active.is_empty() {
+            return Ok(vec![]);
+        }
+        let rows: Vec<Option<&SamplingParams>> = self.slots.iter().map(|s| s.as_ref().map(|x| &x.params)).collect();
+        let (f, i) = sampling_tensors(&rows)?;
+        let mask: Vec<i32> = self.slots.iter().map(|s| s.is_some() as i32).collect();
+        let step = Tensor::from_i32([self.opts.batch], &mask)?;
+        let v = self.config.vocab;
+        let out = self.decode_exe()?.run(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
+        let tokens = out.first().map(|t| t.to_i32()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
+        let logits = out.get(1).map(|l| l.to_f32());
+        let mut events = Vec::with_capacity(active.len());
+        for slot in active {
+            self.slot_pos[slot] += 1;
+            let token = tokens.get(slot).copied().unwrap_or(0) as u32;
+            let (text, finished) = self.accept(slot, token)?;
+            let logits = logits.as_ref().map(|l| l[slot * v..(slot + 1) * v].to_vec());
+            events.push(BatchEvent { slot, piece: Piece { text, token, logits }, finished });
+        }
+        Ok(events)
+    }
+
+    /// Ends the sequence in `slot` (e.g. its client went away).
+    pub fn remove_sequence(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            *s = None;
+        }
+    }
+
+    /// Sequences of the batch API now running.
+    pub fn active_sequences(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
     }
 
     /// Starts generating after raw text `prompt` (no chat template).
@@ -457,29 +637,20 @@ impl Generator {
     }
 
     /// Starts generating after the given prompt token ids.
+    /// Runs in slot 0; the batch API must hold no sequences meanwhile.
     pub fn generate_ids(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<Generation<'_>> {
-        params.check()?;
-        if prompt.is_empty() {
-            return Err(ModelError::Input("the prompt is empty (no tokens)".into()));
+        self.check_prompt(prompt, params)?;
+        if self.active_sequences() > 0 {
+            return Err(ModelError::Input(format!("{} batch sequences are running; finish or remove them first", self.active_sequences())));
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.config.vocab) {
-            return Err(ModelError::Input(format!("token id {bad} is outside the vocabulary of {}", self.config.vocab)));
-        }
-        if prompt.len() >= self.opts.ctx_size {
-            return Err(ModelError::Input(format!(
-                "the prompt has {} tokens; the context holds {} (raise --ctx-size, up to the model's {})",
-                prompt.len(),
-                self.opts.ctx_size,
-                self.config.max_context
-            )));
-        }
-        let (f, i) = params.tensors()?;
+        let rows: Vec<Option<&SamplingParams>> = (0..self.opts.batch).map(|r| (r == 0).then_some(params)).collect();
+        let (f, i) = sampling_tensors(&rows)?;
         // Reuse the cached prefix; at least the last prompt token is fed
         // again, since its logits give the first new token.
         let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         let t0 = Instant::now();
         self.cached.truncate(common);
-        let first = self.prefill_from(prompt, common, &f, &i);
+        let first = self.prefill_from(0, prompt, common, &f, &i);
         let (first, logits) = match first {
             Ok(x) => x,
             Err(e) => {
@@ -490,7 +661,8 @@ impl Generator {
         self.cached = prompt.to_vec();
         let prefill_time = t0.elapsed();
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
-        let step = Tensor::from_i32([1], &[1])?;
+        let mask: Vec<i32> = (0..self.opts.batch).map(|r| (r == 0) as i32).collect();
+        let step = Tensor::from_i32([self.opts.batch], &mask)?;
         Ok(Generation {
             stats: GenerationStats { prompt_tokens: prompt.len(), cached_tokens: common, prefill_time, ..Default::default() },
             gen: self,
@@ -615,7 +787,8 @@ impl Generation<'_> {
                 };
                 let out = self.gen.decode_exe()?.wait(t)?;
                 let token = out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
-                (token as u32, out.get(1).map(|l| l.to_f32()))
+                let v = self.gen.config.vocab;
+                (token as u32, out.get(1).map(|l| l.to_f32()[..v].to_vec()))
             }
         };
         if self.decode_start.is_none() {

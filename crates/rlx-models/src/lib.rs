@@ -31,7 +31,7 @@ pub use config::{BertConfig, Pooling, SentenceConfig};
 pub use embedder::{cosine, l2_normalize, EmbedderOptions, SentenceEmbedder, SEQ_BUCKETS};
 pub use embedding_writer::{EmbeddingWriter, OutputFormat};
 pub use error::{ModelError, Result};
-pub use generator::{gguf_text, Generation, GenerationStats, Generator, GeneratorOptions, Piece, SamplingParams, StopReason};
+pub use generator::{gguf_text, BatchEvent, Generation, GenerationStats, Generator, GeneratorOptions, Piece, SamplingParams, StopReason};
 pub use chat_template::Message;
 pub use text_lines::TextLines;
 pub use tokenizer::TextTokenizer;

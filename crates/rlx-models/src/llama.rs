@@ -14,8 +14,14 @@
 //! over state shared by every step executable of a generator:
 //! - `k_cache.L`, `v_cache.L`: f32 `[batch, ctx, kv_heads*head_dim]`;
 //! - `history`: i32 `[batch, ctx, 1]`, every sequence's tokens by position;
-//! - `token`: i32 `[batch, 1, 1]`, the next token to feed;
-//! - `pos`: i32 `[batch, 1, 1]`, its position (= tokens in the cache).
+//! - `token`: i32 `[batch, 2, 1]`, row 0 the next token to feed;
+//! - `pos`: i32 `[batch, 2, 1]`, row 0 its position (= tokens in the cache).
+//!
+//! Row 1 of `token` and `pos` is a dump: a prefill step writes a sequence's
+//! new token and position to row 0 (`slot_row` 0) or, for the batch rows it
+//! is not prefilling, to row 1, so one sequence can join while the others
+//! keep theirs. Those rows' cache and history writes land past their
+//! current length, where nothing is read before decode overwrites it.
 //!
 //! A prefill step (`seq` > 1, or a decode-less first chunk) takes the prompt
 //! chunk as inputs; a decode step (`decode`) reads its token and position
@@ -374,6 +380,9 @@ pub mod io {
     pub const LAST_ROW: &str = "last_row";
     /// i32 `[B]` (prefill): tokens in the cache after the chunk (start + real length).
     pub const NEXT_POS: &str = "next_pos";
+    /// i32 `[B]` (prefill): 0 for a sequence being prefilled, 1 for the
+    /// others (their token and position are left as they are).
+    pub const SLOT_ROW: &str = "slot_row";
     /// i32 `[B]` (decode): 1 for a sequence that advances, 0 for a free slot.
     pub const STEP: &str = "step";
     /// f32 `[B, 4]`: temperature, top_p, min_p, repeat_penalty.
@@ -439,32 +448,39 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
     }
     let mut bl = Builder { g: Graph::new(), kinds, shapes: c.weight_shapes().into_iter().collect() };
     let (h, qw, kvw) = (c.hidden, c.q_width(), c.kv_width());
-    let token_state = bl.g.state(state::TOKEN, [b, 1, 1], DType::I32)?;
-    let pos_state = bl.g.state(state::POS, [b, 1, 1], DType::I32)?;
+    let token_state = bl.g.state(state::TOKEN, [b, 2, 1], DType::I32)?;
+    let pos_state = bl.g.state(state::POS, [b, 2, 1], DType::I32)?;
     let history = bl.g.state(state::HISTORY, [b, s.ctx, 1], DType::I32)?;
     let fparams = bl.g.input(io::FPARAMS, [b, 4], DType::F32)?;
     let iparams = bl.g.input(io::IPARAMS, [b, 4], DType::I32)?;
 
     // ids [B, S]; positions [B, S]; write position, valid keys, the row to
     // sample from, and the position of the token sampled next, all [B].
-    let (ids, positions, start, valid, next_pos, history) = if s.decode {
-        let ids = bl.g.reshape(token_state, [b, 1])?;
-        let pos = bl.g.reshape(pos_state, [b])?;
-        let positions = bl.g.reshape(pos_state, [b, 1])?;
+    let (ids, positions, start, valid, next_pos, history, sample_pos, write_row) = if s.decode {
+        let tok = bl.g.narrow(token_state, 1, 0, 1)?;
+        let ids = bl.g.reshape(tok, [b, 1])?;
+        let pos = bl.g.narrow(pos_state, 1, 0, 1)?;
+        let positions = bl.g.reshape(pos, [b, 1])?;
+        let pos = bl.g.reshape(pos, [b])?;
         let step = bl.g.input(io::STEP, [b], DType::I32)?;
-        let valid = bl.g.add(pos, step)?;
+        let next = bl.g.add(pos, step)?;
         let one = bl.g.constant_i32([b], &vec![1; b])?;
         let valid_keys = bl.g.add(pos, one)?;
-        (ids, positions, pos, valid_keys, valid, history)
+        let row0 = bl.g.constant_i32([b], &vec![0; b])?;
+        (ids, positions, pos, valid_keys, next, history, pos, row0)
     } else {
         let ids = bl.g.input(io::IDS, [b, sq], DType::I32)?;
         let positions = bl.g.input(io::POSITIONS, [b, sq], DType::I32)?;
         let start = bl.g.input(io::START, [b], DType::I32)?;
         let valid = bl.g.input(io::VALID, [b], DType::I32)?;
         let next_pos = bl.g.input(io::NEXT_POS, [b], DType::I32)?;
+        let slot_row = bl.g.input(io::SLOT_ROW, [b], DType::I32)?;
         let ids3 = bl.g.reshape(ids, [b, sq, 1])?;
         let history = bl.g.write_state(history, ids3, start)?;
-        (ids, positions, start, valid, next_pos, history)
+        // The history entry of the last token consumed: its position.
+        let one = bl.g.constant_i32([b], &vec![1; b])?;
+        let sample_pos = bl.g.sub(next_pos, one)?;
+        (ids, positions, start, valid, next_pos, history, sample_pos, slot_row)
     };
 
     let embd_kind = bl.kind("token_embd.weight")?;
@@ -532,17 +548,13 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
     } else {
         bl.linear(last, head)?
     };
-    // The history entry of the last token consumed: its position.
-    let one = bl.g.constant_i32([b], &vec![1; b])?;
-    let sample_pos = if s.decode { bl.g.reshape(pos_state, [b])? } else { bl.g.sub(next_pos, one)? };
     let hist2 = bl.g.reshape(history, [b, s.ctx])?;
     let token = bl.g.sample(logits, fparams, iparams, hist2, sample_pos)?;
     // Feed it back: the token, its position, its history entry.
-    let zero = bl.g.constant_i32([1], &[0])?;
     let tok3 = bl.g.reshape(token, [b, 1, 1])?;
-    bl.g.write_state(token_state, tok3, zero)?;
+    bl.g.write_state(token_state, tok3, write_row)?;
     let np3 = bl.g.reshape(next_pos, [b, 1, 1])?;
-    bl.g.write_state(pos_state, np3, zero)?;
+    bl.g.write_state(pos_state, np3, write_row)?;
     bl.g.write_state(history, tok3, next_pos)?;
     bl.g.output(token)?;
     bl.g.set_name(token, io::TOKEN_OUT);
