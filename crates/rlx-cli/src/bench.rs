@@ -191,7 +191,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         gpu,
     };
     let md = report::markdown(&ctx, &rows);
-    println!("{md}");
+    crate::stdout::print(&md)?;
     if let Some(path) = &args.output {
         std::fs::write(path, &md).map_err(|e| format!("--output {}: {e}", path.display()))?;
         eprintln!("wrote {}", path.display());
@@ -522,7 +522,10 @@ mod tests {
 
     #[test]
     fn thread_cpu_time_advances_with_work() {
-        let Some(a) = thread_cpu_ns() else { return };
+        let Some(a) = thread_cpu_ns() else {
+            eprintln!("SKIPPED thread_cpu_time_advances_with_work: no per-thread CPU clock on this platform");
+            return;
+        };
         let mut x = 0u64;
         for i in 0..2_000_000u64 {
             x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));

@@ -66,7 +66,9 @@ pub struct EmbedArgs {
 pub struct SimilarityArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// The first text.
     pub a: String,
+    /// The second text.
     pub b: String,
 }
 
@@ -130,8 +132,7 @@ pub fn run_similarity(args: SimilarityArgs) -> Result<(), String> {
     if let Some(note) = truncation_note(truncated as u64, 2, embedder.max_tokens()) {
         eprintln!("{note}");
     }
-    println!("{:.6}", cosine(&v[0], &v[1]));
-    Ok(())
+    crate::stdout::print(&format!("{:.6}", cosine(&v[0], &v[1])))
 }
 
 /// The output format: `--format` if given, else what `--output`'s

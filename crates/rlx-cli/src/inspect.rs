@@ -3,6 +3,8 @@
 use clap::Args;
 use rlx::{AttentionSpec, CompileOptions, DType, Graph, Result as RlxResult};
 
+use crate::stdout::print;
+
 #[derive(Args)]
 pub struct InspectArgs {
     /// Storage precision: f32, f16 or bf16.
@@ -99,19 +101,20 @@ pub fn run(args: InspectArgs) -> Result<(), String> {
     let compiled = rlx::compile(&graph, &opts).map_err(|e| e.to_string())?;
     if args.json {
         let s = serde_json::to_string_pretty(&compiled.schedule).map_err(|e| e.to_string())?;
-        println!("{s}");
-        return Ok(());
+        return print(&s);
     }
-    println!("== graph before passes ({} nodes)\n{}", compiled.before.len(), compiled.before);
-    println!("== graph after passes ({} nodes)\n{}", compiled.after.len(), compiled.after);
-    println!("== schedule\n{}", compiled.schedule);
     let a = &compiled.schedule.arena;
     let saved = if a.naive_bytes > 0 { 100.0 * (1.0 - a.planned_bytes as f64 / a.naive_bytes as f64) } else { 0.0 };
-    println!(
-        "== arena: {} bytes planned vs {} bytes naive ({saved:.1}% saved), {} buffers",
+    print(&format!(
+        "== graph before passes ({} nodes)\n{}\n== graph after passes ({} nodes)\n{}\n== schedule\n{}\n\
+         == arena: {} bytes planned vs {} bytes naive ({saved:.1}% saved), {} buffers",
+        compiled.before.len(),
+        compiled.before,
+        compiled.after.len(),
+        compiled.after,
+        compiled.schedule,
         a.planned_bytes,
         a.naive_bytes,
         a.buffers.len()
-    );
-    Ok(())
+    ))
 }

@@ -6,6 +6,7 @@ mod embed;
 mod fetch;
 mod inspect;
 mod model_dir;
+mod stdout;
 
 use clap::{Parser, Subcommand};
 

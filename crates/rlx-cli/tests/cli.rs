@@ -144,3 +144,19 @@ fn fetch_leaves_a_verified_model_alone() {
     assert!(out.contains("present and verified"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_reader_that_goes_away_ends_the_output_quietly() {
+    // `rlx inspect | head -1`: the pipe closes before rlx writes (here: at
+    // once), so every write fails with a broken pipe.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rlx"))
+        .arg("inspect")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run rlx: {e}"));
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    let e = stderr(&o);
+    assert!(o.status.success() && !e.contains("panicked"), "{:?}: {e}", o.status);
+}
