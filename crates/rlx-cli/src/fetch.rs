@@ -1,4 +1,4 @@
-//! `rlx fetch`: puts the default model in the per-user data directory. The
+//! `rlx fetch`: puts the default models in the per-user data directory. The
 //! download and its sha256 checks are scripts/fetch-models, compiled into the
 //! binary and run with `RLX_MODELS_ROOT` pointing there, so the repository's
 //! script and an installed `rlx` share one implementation.
@@ -35,9 +35,9 @@ pub fn run(args: FetchArgs) -> Result<(), String> {
     if args.f16 {
         cmd.arg("--f16");
     }
-    let status = cmd.status().map_err(|e| format!("cannot start bash to fetch the model: {e} (rlx fetch needs bash, python3 and pip)"))?;
+    let status = cmd.status().map_err(|e| format!("cannot start bash to fetch the models: {e} (rlx fetch needs bash, python3 and pip)"))?;
     if !status.success() {
-        return Err(format!("fetching the model into {} failed ({status})", dir.display()));
+        return Err(format!("fetching the models into {} failed ({status})", dir.display()));
     }
     Ok(())
 }

