@@ -384,7 +384,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             arity(name, ins.len(), 2..=2)?;
             int(name, ins[1].1, "ids")?;
             let t = ins[0].0;
-            if ins[0].1 != DType::U8 || t.rank() != 2 || t.0[1] % format.block_bytes() != 0 {
+            if ins[0].1 != DType::U8 || t.rank() != 2 || !t.0[1].is_multiple_of(format.block_bytes()) {
                 return Err(IrError::dtype(
                     name,
                     format!("table must be u8 [V, n*{}] ({format} blocks), found {t} {}", format.block_bytes(), ins[0].1),

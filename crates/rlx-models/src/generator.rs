@@ -50,11 +50,14 @@ pub struct GeneratorOptions {
     /// Sequences decoded side by side by the batch API
     /// ([`Generator::add_sequence`], [`Generator::step_batch`]).
     pub batch: usize,
+    /// Replay each step from its recorded device graph (CUDA); false
+    /// launches every kernel one by one (debugging; the same bits).
+    pub replay: bool,
 }
 
 impl Default for GeneratorOptions {
     fn default() -> Self {
-        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false, batch: 1 }
+        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false, batch: 1, replay: true }
     }
 }
 
@@ -116,7 +119,7 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(&format!("min_p must be in 0..=1, found {}", self.min_p));
         }
-        if !(self.repeat_penalty > 0.0) {
+        if self.repeat_penalty.is_nan() || self.repeat_penalty <= 0.0 {
             return bad(&format!("repeat_penalty must be positive, found {}", self.repeat_penalty));
         }
         if self.top_k < 0 || self.repeat_last_n < 0 {
@@ -340,6 +343,7 @@ impl Generator {
         let mut session = Session::new(device)?;
         let mut po = session.prepare_options().clone();
         po.slots = opts.pipeline;
+        po.replay = opts.replay;
         session.set_prepare_options(po);
         for (name, t) in weights.tensors {
             session.set_weight(&name, t)?;

@@ -94,13 +94,13 @@ fn check_config(c: &LlamaConfig, path: &Path) -> Result<()> {
     bad("attention heads", c.heads, 1024)?;
     bad("key/value heads", c.kv_heads, 1024)?;
     bad("context length", c.max_context, 1 << 24)?;
-    if c.heads % c.kv_heads != 0 {
+    if !c.heads.is_multiple_of(c.kv_heads) {
         return Err(fmt_err(path, format!("{} attention heads are not a multiple of {} key/value heads", c.heads, c.kv_heads)));
     }
-    if c.head_dim == 0 || c.head_dim % 2 != 0 || c.head_dim > 1024 {
+    if c.head_dim == 0 || !c.head_dim.is_multiple_of(2) || c.head_dim > 1024 {
         return Err(fmt_err(path, format!("head dimension {} must be even and in 2..=1024", c.head_dim)));
     }
-    if !(c.rope_theta > 0.0) || !(c.rms_eps >= 0.0) {
+    if c.rope_theta.is_nan() || c.rope_theta <= 0.0 || c.rms_eps.is_nan() || c.rms_eps < 0.0 {
         return Err(fmt_err(path, format!("rope theta {} and RMSNorm eps {} must be positive", c.rope_theta, c.rms_eps)));
     }
     Ok(())

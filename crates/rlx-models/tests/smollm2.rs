@@ -166,7 +166,7 @@ fn batched_decode_matches_single_runs() {
     let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 3, ..Default::default() }).expect("load");
     let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
     let mut slot_of = vec![usize::MAX; 3];
-    let mut record = |ev: rlx_models::BatchEvent, slot_of: &[usize], got: &mut Vec<Vec<u32>>| {
+    let record = |ev: rlx_models::BatchEvent, slot_of: &[usize], got: &mut Vec<Vec<u32>>| {
         let k = slot_of.iter().position(|&s| s == ev.slot).expect("known slot");
         got[k].push(ev.piece.token);
     };

@@ -72,7 +72,8 @@ pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position
         }
         best
     };
-    if !(p.temperature > 0.0) {
+    // Greedy at temperature <= 0, and for NaN.
+    if p.temperature.is_nan() || p.temperature <= 0.0 {
         return argmax();
     }
     let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
