@@ -11,10 +11,16 @@ fn main() {
         eprintln!("check_kernels: expected an architecture like sm_90, found {arch:?}");
         std::process::exit(2);
     };
+    let opts = match rlx_cuda::CudaOptions::from_env() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("check_kernels: {e}");
+            std::process::exit(2);
+        }
+    };
     // A fresh cache directory per run, so every file really compiles.
     let dir = std::env::temp_dir().join(format!("rlx-check-kernels-{}", std::process::id()));
-    std::env::set_var("RLX_CUDA_CACHE", &dir);
-    let res = rlx_cuda::check_kernels(cc);
+    let res = rlx_cuda::check_kernels(cc, &rlx_cuda::CudaOptions { kernel_cache: dir.clone(), ..opts });
     let _ = std::fs::remove_dir_all(&dir);
     match res {
         Ok(files) => {

@@ -175,6 +175,7 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
             mask: Some(mask),
             mask_dtype: DType::I32,
             valid_len: None,
+            valid_len_per_batch: false,
             out: att,
         }));
         let wo = b.weight(&p("wo"), &[h, h], ws);
@@ -296,45 +297,31 @@ fn inputs_for(batch: usize, seq: usize) -> (Tensor, Tensor) {
 /// time per phase (check, stage, launch, record) of a submit issued right
 /// after the previous wait, after that wait plus 3 ms of CPU spinning or of
 /// sleeping, and with the previous call still in flight; for the full
-/// hidden state and a one-row output and for a 3-kernel graph, with the
-/// staging copies inside the graph or not (RLX_GRAPH_IO), with a polling
-/// wait (RLX_WAIT_POLL).
+/// hidden state and a one-row output and for a 3-kernel graph.
 fn host_experiment(g: &CudaBackend, runs: usize) {
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let bert = Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 };
     // layers 0: no encoder layer (gather, position add, LayerNorm: 3 kernels).
     let tiny = Model { name: "embeddings only", h: 768, heads: 12, layers: 0, ffn: 3072 };
-    println!("| shape | graph, output | variant | condition | check | stage | launch | record | total (us) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| shape | graph, output | condition | check | stage | launch | record | total (us) |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (batch, seq) in [(1usize, 128usize), (32, 128)] {
         let (ids, mask) = inputs_for(batch, seq);
         let inputs = [("ids", &ids), ("mask", &mask)];
         for (model, small) in [(&bert, false), (&bert, true), (&tiny, true)] {
             let (s, w) = build(model, batch, seq, small);
-            for (variant, io, poll) in [("default", "1", "0"), ("io outside graph", "0", "0"), ("polling wait", "1", "1")] {
-                std::env::set_var("RLX_GRAPH_IO", io);
-                std::env::set_var("RLX_WAIT_POLL", poll);
-                let mut e = g
-                    .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false })
-                    .unwrap_or_else(|e| fail(&e.to_string()));
-                for _ in 0..10 {
-                    e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
-                }
-                for cond in ["after wait", "after wait + 3 ms spin", "after wait + 3 ms sleep", "previous in flight"] {
-                    let ph = timed_submits(&mut e, &inputs, runs, cond);
-                    let m: Vec<String> = ph.into_iter().take(5).map(|v| format!("{:.1}", us(median(v)))).collect();
-                    println!(
-                        "| {batch}x{seq} | {} {} | {variant} | {cond} | {} |",
-                        model.name,
-                        if small { "1 row" } else { "hidden" },
-                        m.join(" | ")
-                    );
-                }
+            let mut e = g
+                .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false })
+                .unwrap_or_else(|e| fail(&e.to_string()));
+            for _ in 0..10 {
+                e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
+            }
+            for cond in ["after wait", "after wait + 3 ms spin", "after wait + 3 ms sleep", "previous in flight"] {
+                let ph = timed_submits(&mut e, &inputs, runs, cond);
+                let m: Vec<String> = ph.into_iter().take(5).map(|v| format!("{:.1}", us(median(v)))).collect();
+                println!("| {batch}x{seq} | {} {} | {cond} | {} |", model.name, if small { "1 row" } else { "hidden" }, m.join(" | "));
             }
         }
-    }
-    for v in ["RLX_GRAPH_IO", "RLX_WAIT_POLL"] {
-        std::env::remove_var(v);
     }
 }
 
@@ -393,9 +380,7 @@ fn timed_submits(e: &mut rlx_cuda::CudaExecutable, inputs: &[(&str, &Tensor)], r
 
 /// Median submit wall time and thread CPU time (equal: the host is busy,
 /// not blocked) and the launch phase, bert-base at 1x128 and 32x128, right
-/// after the previous wait and with the previous call in flight. Run with
-/// and without RLX_COPY_NODES=1 for the memset/memcpy-node A/B of
-/// bench/gpu-perf.md (session 3).
+/// after the previous wait and with the previous call in flight.
 fn scale_experiment(g: &CudaBackend, runs: usize) {
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let bert = Model { name: "bert-base shape", h: 768, heads: 12, layers: 12, ffn: 3072 };

@@ -149,9 +149,9 @@ __device__ __forceinline__ i64 attn_key_end(const AttnP& p, const AttnView& a, i
 
 // Row copies into shared memory (row pitch KP) as 16-byte cp.async: thread
 // tid of NT copies chunk tid % CH of rows tid / CH, tid / CH + NT / CH, ...,
-// so each copy costs one pointer step (ncu, session 9: the general index
-// loop with a division and 64-bit products per copy was a quarter of the
-// short-range kernel's instructions, issued before its first load landed).
+// so each copy costs one pointer step (a general index loop with a division
+// and 64-bit products per copy was a quarter of the short-range kernel's
+// instructions, issued before its first load landed).
 // Rows at or past `valid` and chunks past `hd` are zero-filled; their source
 // reads as `base`, which is never dereferenced (copy size 0). Head dim 96
 // (NT not a multiple of CH) keeps the index loop.
@@ -395,7 +395,7 @@ __device__ void attention_mma_body(const AttnP& p) {
             // coalesced global reads, conflict-free shared stores. (Unrolled
             // 4 deep: 8 copies of head dim 128 at once cost registers. The
             // loop has a fixed trip count here; attn_copy_rows measured
-            // slower in this kernel at 8x512, session 9.)
+            // slower in this kernel at 8x512.)
 #pragma unroll 4
             for (int it = 0; it < TK * CH / NT; ++it) {
                 int e = threadIdx.x + it * NT;
@@ -527,10 +527,9 @@ __device__ void attention_mma_body(const AttnP& p) {
 // of 8 warps share an SM (attention_mma_w8: 128 registers, 2 blocks): at 12
 // heads x 32 sequences the 384 blocks are one wave.
 //
-// ncu (session 8) found the first version issue-bound at ~2900 instructions
-// per warp, 190 per 16-key chunk, a third of them rescaling O and reducing
-// maxima and sums across the quad every chunk. Here the softmax is lazy
-// (softmax_pv_lazy): the base a row's probabilities are taken against moves
+// An eager online softmax is issue-bound here: a third of the instructions
+// per 16-key chunk rescale O and reduce maxima and sums across the quad
+// every chunk. So the softmax is lazy (softmax_pv_lazy): the base a row's probabilities are taken against moves
 // only when a score passes it by more than LAZY_SLACK (log2 units), so after
 // the first chunk a warp normally neither shuffles nor rescales; sums stay
 // per lane until the end; the scale is folded into the exponent's FMA; the
@@ -570,7 +569,7 @@ __device__ void attention_short_body(const AttnP& p) {
     const int nrows = nchunks * TC;  // K/V rows loaded (zero past kv_len)
 
     // All of K, then all of V (two copy groups, waited for together: a
-    // per-group pipeline measured slower, bench/gpu-perf.md session 7);
+    // per-group pipeline measured slower);
     // every load is issued before the wait. Keys at or past key_end read as
     // masked without a load.
     if (vec) {
@@ -711,8 +710,8 @@ template <int HDP> struct AttnSplit {
 //
 // attention_split_item: one 16-row query block `rblk` of (batch b, head h), by the block's first
 // 4 warps. `first`: the one thread that reports a bad valid_len. Every
-// thread of the 4 warps returns from here (the layer program, kernels/layer.cu,
-// runs items back to back); `smem` may be reused once they have.
+// thread of the 4 warps returns from here; `smem` may be reused once they
+// have.
 template <typename T, int HDP>
 __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, unsigned char* smem, bool first) {
     constexpr int TKS = AttnSplit<HDP>::TKS;

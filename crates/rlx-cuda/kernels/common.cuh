@@ -1,6 +1,7 @@
 // Shared helpers for every RLX kernel. Kernels take ONE parameter struct
-// whose fields are all 8 bytes wide (pointers, long long, double), so the
-// Rust side (src/launch.rs, `Args`) can build it as a plain array of words.
+// whose fields are all 8 bytes wide (pointers, long long, double) or arrays
+// of them; each struct has a #[repr(C)] twin in src/params.rs, and checks
+// appended to every file at compile time compare the two layouts.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -81,9 +82,8 @@ __device__ __forceinline__ float ex2(float x) {
 // f32 (checked on 200k points against erfc in f64), far below f16 (4.9e-4)
 // and bf16 (3.9e-3) rounding, so results round faithfully (tests/thunks.rs
 // against f64). Past a = 13.6, Phi(-a) reads 0: |GELU| < 2.7e-41 there,
-// below half a bf16 subnormal step. One exp2 and 11 FMAs: the erfc fit it
-// replaced (a reciprocal, an exp2 and 12 FMAs) made the 32x128 erf-GELU
-// epilogue arithmetic-bound (bench/gpu-perf.md, session 5). f32 keeps erff
+// below half a bf16 subnormal step. One exp2 and 11 FMAs, so the erf-GELU
+// epilogue stays memory-bound at large row counts. f32 keeps erff
 // (act_apply).
 //
 // f16 (the specialization below) needs far less: where |x| > 6 its GELU
@@ -233,7 +233,6 @@ template <> struct Vec16<__nv_bfloat16> {
 // results here, first thing, before any memory access; right after, it lets
 // its own successor start launching (the successor waits the same way, so
 // at most one grid runs ahead). Without the attribute the wait returns at once.
-// Shared by the tensor-core kernels (attention_mma.cu, gemm.cu, gemm_wgmma.cu).
 
 // 16 bytes global -> shared without passing through registers; `full`
 // false writes 16 zero bytes (src-size 0: nothing is read).
@@ -257,14 +256,8 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, fl
     return *reinterpret_cast<unsigned*>(&h);
 }
 
-// The activation as a real call, so an epilogue loop stays small.
-template <typename T>
-__device__ __noinline__ float act_call(i64 act, float v) {
-    return act_t<T>(act, v);
-}
-
-// Tensor-core helpers (sm_80+ instructions; shared by attention_mma.cu,
-// gemm.cu and ffn.cu): mma.sync m16n8k16 with f32 accumulation, and
+// Tensor-core helpers (sm_80+ instructions; shared by attention_mma.cu
+// and ffn.cu): mma.sync m16n8k16 with f32 accumulation, and
 // ldmatrix of four 8x8 b16 matrices.
 template <typename T> struct Mma;
 template <> struct Mma<__half> {
@@ -353,11 +346,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// As cluster_sync without ordering memory (no fence): only that every
-// thread of the cluster got here.
-__device__ __forceinline__ void cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
 // A shared::cta address of this block -> the same offset in block `rank` of the cluster.
 __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
     unsigned r;
@@ -372,8 +360,9 @@ __device__ __forceinline__ float ld_cluster_f32(unsigned addr) {
 __device__ __forceinline__ void st_cluster_u32(unsigned addr, unsigned v) {
     asm volatile("st.shared::cluster.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
-// cluster_sync_relaxed in two halves: arrive once this block's last read of
-// another block's shared memory has returned, wait before leaving.
+// A relaxed cluster barrier (no memory ordering) in two halves: arrive once
+// this block's last read of another block's shared memory has returned,
+// wait before leaving.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr) {
@@ -398,7 +387,7 @@ __device__ __forceinline__ void pdl_enter() {
     extern "C" __global__ void NAME##_bf16(const P p) { pdl_enter(); NAME##_body<__nv_bfloat16>(p); }
 
 // LayerNorm / RmsNorm of one row by one warp (norm_warp and embed_norm in
-// rows.cu, the layer program's NORM in layer.cu): NV 16-byte vectors per lane, `nvec` in
+// rows.cu): NV 16-byte vectors per lane, `nvec` in
 // the row; gamma and beta come in registers (`norm_warp_params`). Every load
 // of the row is issued before the first use; out may alias x or res (the
 // warp has read its whole row before the first store).

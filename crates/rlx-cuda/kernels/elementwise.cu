@@ -6,7 +6,7 @@
 struct BinaryP {
     const void* a; const void* b; void* out;
     i64 n; i64 rank; i64 op;
-    i64 shape[MAX_RANK]; i64 as[MAX_RANK]; i64 bs[MAX_RANK];
+    i64 shape[MAX_RANK]; i64 sa[MAX_RANK]; i64 sb[MAX_RANK];
 };
 
 template <typename T>
@@ -17,8 +17,8 @@ __device__ void binary_body(const BinaryP& p) {
         for (int d = (int)p.rank - 1; d >= 0; --d) {
             i64 c = rem % p.shape[d];
             rem /= p.shape[d];
-            ai += c * p.as[d];
-            bi += c * p.bs[d];
+            ai += c * p.sa[d];
+            bi += c * p.sb[d];
         }
         float x = ld(a, ai), y = ld(b, bi), r;
         switch (p.op) {
@@ -42,11 +42,11 @@ __device__ __forceinline__ void bcast_offsets(const BinaryP& p, unsigned i, unsi
         unsigned s = (unsigned)p.shape[d];
         unsigned c = rem % s;
         rem /= s;
-        ai += c * (unsigned)p.as[d];
-        bi += c * (unsigned)p.bs[d];
+        ai += c * (unsigned)p.sa[d];
+        bi += c * (unsigned)p.sb[d];
     }
-    ai += rem * (unsigned)p.as[0];
-    bi += rem * (unsigned)p.bs[0];
+    ai += rem * (unsigned)p.sa[0];
+    bi += rem * (unsigned)p.sb[0];
 }
 
 // The same op with 32-bit index math, for calls whose element count and
@@ -214,9 +214,9 @@ extern "C" __global__ void copy_strided(const CopyP p) {
 
 // A memset as a kernel: height rows of width elements of esize bytes (1, 2
 // or 4) set to the low bytes of value, rows pitch bytes apart. In a CUDA
-// graph each memset node cost ~1 us of host time at every launch on the
-// H200 machine, a kernel node next to nothing (bench/gpu-perf.md), so
-// recorded graphs carry this instead (ours and cuBLASLt's memsets).
+// graph a memset node costs about a microsecond of host time at every
+// launch, a kernel node next to nothing, so recorded graphs carry this
+// instead (ours and cuBLASLt's memsets).
 struct FillP { void* dst; i64 pitch; i64 width; i64 height; i64 value; i64 esize; };
 
 extern "C" __global__ void fill_pitched(const FillP p) {
@@ -233,20 +233,14 @@ extern "C" __global__ void fill_pitched(const FillP p) {
     }
 }
 
-// Does nothing: RLX_EMPTY (src/exec.rs, a timing diagnostic) launches it in
-// place of a kernel, with that kernel's grid and parameters (only the first
-// 8 bytes of which are declared here).
-struct EmptyP { i64 unused; };
-extern "C" __global__ void empty_kernel(const EmptyP p) { pdl_enter(); }
-
 // Prefetches [ptr, ptr + bytes) into L2, one `prefetch.global.L2` per
 // 128-byte line, grid-strided: a hint that completes nothing, so the kernel
 // ends as soon as its prefetches are issued. Recorded graphs run it beside
 // the forward, on a second branch, for the weights of the next matmul
 // (src/exec.rs `record`): it reads only weights, which no kernel writes, so
 // it neither waits for nor holds up the forward's kernels. Bulk prefetches
-// through the copy engine measured slower (bench/gpu-perf.md, session 9;
-// not profiled: possibly queued ahead of that SM's tensor copies).
+// through the copy engine measured slower (possibly queued ahead of the
+// SMs' tensor copies).
 struct PrefetchP { const unsigned char* ptr; i64 bytes; };
 extern "C" __global__ void prefetch_l2(const PrefetchP p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the host records it on sm_90+ only

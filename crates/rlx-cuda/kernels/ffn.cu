@@ -1,62 +1,14 @@
-// A transformer's whole feed-forward block for at most 128 rows in one
-// kernel (sm_90: thread-block clusters), and the LayerNorm after it:
+// A transformer's feed-forward block for at most 128 rows and the norm
+// after it in one kernel (sm_90: thread-block clusters):
 //
-//   Y = erf-GELU(X·W1ᵀ + b1)·W2ᵀ          (ffn_<KB>_<IC>_<dtype>)
-//   out = norm(Y + b2 + residuals)        (ffn_norm_<dtype>)
+//   out = norm(erf-GELU(X·W1ᵀ + b1)·W2ᵀ + b2 + residuals)
 //
 // X is [M, H] (row pitch lda), W1 [I, H] and W2 [H, I] as a Linear layer
-// stores them, M <= 128. At batch 1 a library runs FFN1, the GELU and FFN2
-// as three launches whose weight fetches each wait for the kernel before;
-// here the weights of the whole block load while the previous kernel
-// drains, and the [M, I] intermediate never leaves the chip.
-//
-// Work split. The grid is C = I / IC clusters of 8 blocks. Cluster c owns
-// intermediate columns [c·IC, (c+1)·IC); block r of it owns the K slice
-// [r·KB, (r+1)·KB) of H (KB = H / 8):
-//   1. every block multiplies X[:, slice] by W1[cluster cols, slice]ᵀ into a
-//      partial [128, IC] f32 tile in its shared memory;
-//   2. after a cluster barrier, block r sums its IC/8 columns of the 8
-//      partials in rank order (DSMEM), adds b1, applies erf-GELU, rounds to
-//      the storage type (where the unfused graph rounds the FFN1 output) and
-//      writes the values into every block's copy of the cluster's [128, IC]
-//      intermediate (DSMEM stores);
-//   3. after a second barrier, block r multiplies that intermediate by
-//      W2[slice rows, cluster cols]ᵀ: output columns [r·KB, (r+1)·KB) of
-//      cluster c's share of Y, stored as f32 to ws[c][M][H].
-// ffn_norm then sums the C shares in order c = 0..C-1, adds b2 and the
-// residual(s) and normalises the row: no atomics, the same bits on every
-// call, so replay equals eager.
-//
-// Weights (W1, W2, b1) are requested before griddepcontrol.wait; X only
-// after it. Shared memory (u16 = the storage type): X [128][KB+8] and
-// W1 [IC][KB+8] (which the intermediate [128][IC+8] reuses after step 1),
-// W2 [KB][IC+8], the f32 partial [128][IC+8], b1 [IC]. The +8 / +8 pitches
-// keep ldmatrix reads and the partial's float2 stores free of bank
-// conflicts. Rows past M read as zeros and are never stored.
+// stores them. At batch 1 a library runs FFN1, the GELU, FFN2 and the norm
+// as separate launches whose weight fetches each wait for the kernel
+// before; here the weights of the whole block load while the previous
+// kernel drains, and the [M, I] intermediate never leaves the chip.
 #include "common.cuh"
-
-struct FfnP {
-    const void* x; const void* w1; const void* b1; const void* w2; float* ws;
-    i64 m; i64 h; i64 i; i64 lda; i64 skip;
-};
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void st_cluster_u2(unsigned addr, unsigned lo, unsigned hi) {
-    asm volatile("st.shared::cluster.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(lo), "r"(hi) : "memory");
-}
-#endif
-
-__host__ __device__ constexpr int ffn_max(int a, int b) { return a > b ? a : b; }
-
-// Bytes of dynamic shared memory of ffn_<KB>_<IC> (src/ffn.rs computes the same).
-template <int KB, int IC>
-struct FfnSmem {
-    static constexpr int XP = KB + 8, HP = IC + 8;
-    static constexpr int U = ffn_max((128 + IC) * XP * 2, 128 * HP * 2);
-    static constexpr int W2 = KB * HP * 2;
-    static constexpr int PART = 128 * HP * 4;
-    static constexpr int TOTAL = U + W2 + PART + IC * 2;
-};
 
 // `rows` rows of COLS elements (a multiple of 8) from src (row stride ld
 // elements) into shared dst (pitch DP) by 16-byte cp.async, NT threads;
@@ -88,203 +40,12 @@ __device__ __forceinline__ void ffn_warp_tile(float (&acc)[MF][NF][4], const uns
     mma_warp_steps<T, MF, NF, KS, AP, BP, true>(acc, ca, cb);
 }
 
-// W warps; phase 1 warps own WM1 rows (of 128) by IC / (W·WM1/128) columns,
-// phase 2 warps WM2 rows by KB / (W·WM2/128) columns.
-template <typename T, int KB, int IC, int W, int WM1, int WM2>
-__device__ __forceinline__ void ffn_body(const FfnP& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    typedef unsigned short u16;
-    typedef FfnSmem<KB, IC> L;
-    constexpr int BM = 128, NT = W * 32, XP = L::XP, HP = L::HP, RW = IC / 8;
-    constexpr int WARPS_M1 = BM / WM1, WC1 = IC / (W / WARPS_M1), MF1 = WM1 / 16, NF1 = WC1 / 8;
-    constexpr int WARPS_M2 = BM / WM2, WC2 = KB / (W / WARPS_M2), MF2 = WM2 / 16, NF2 = WC2 / 8;
-    static_assert(KB % 16 == 0 && IC % 32 == 0 && RW % 4 == 0, "slice sizes");
-    static_assert(L::TOTAL <= 227 * 1024, "shared memory of one block");
-    static_assert(NF1 % 2 == 0 && NF2 % 2 == 0 && WC1 * (W / WARPS_M1) == IC && WC2 * (W / WARPS_M2) == KB, "warp tiling");
-    extern __shared__ __align__(16) unsigned char ffn_smem[];
-    u16* const xs = (u16*)ffn_smem;
-    u16* const w1s = xs + BM * XP;
-    u16* const hs = (u16*)ffn_smem;  // after phase 1, over xs and w1s
-    u16* const w2s = (u16*)(ffn_smem + L::U);
-    float* const part = (float*)(ffn_smem + L::U + L::W2);
-    u16* const b1s = (u16*)(ffn_smem + L::U + L::W2 + L::PART);
-
-    const int rank = (int)cluster_rank();
-    const i64 i0 = (i64)(blockIdx.x / 8) * IC, k0 = (i64)rank * KB;
-    const int m = (int)p.m;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const u16* const W1 = (const u16*)p.w1;
-    const u16* const W2 = (const u16*)p.w2;
-    const u16* const X = (const u16*)p.x;
-
-    // The weights: W1 rows i0.. (KB columns from k0), W2 rows k0.. (IC
-    // columns from i0), the bias slice (zeros when there is none).
-    if (!(p.skip & 8)) {
-        ffn_copy_rows<KB, XP, NT>(w1s, W1 + i0 * p.h + k0, p.h, IC, IC);
-        ffn_copy_rows<IC, HP, NT>(w2s, W2 + k0 * p.i + i0, p.i, KB, KB);
-    }
-    if (tid < IC / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
-    cp_async_commit();
-    pdl_enter();
-    ffn_copy_rows<KB, XP, NT>(xs, X + k0, p.lda, BM, m);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-
-    // 1. The partial X[:, slice]·W1[cols, slice]ᵀ.
-    {
-        const int wm = warp % WARPS_M1, wn = warp / WARPS_M1;
-        float acc[MF1][NF1][4];
-        ffn_warp_tile<T, MF1, NF1, KB / 16, XP, XP>(acc, xs, wm * WM1, w1s, wn * WC1, wm * WM1 < m && !(p.skip & 2));
-#pragma unroll
-        for (int mf = 0; mf < MF1; ++mf)
-#pragma unroll
-            for (int nf = 0; nf < NF1; ++nf)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = wm * WM1 + mf * 16 + g + h * 8, col = wn * WC1 + nf * 8 + 2 * t;
-                    *(float2*)(part + row * HP + col) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
-                }
-    }
-    if (!(p.skip & 16)) cluster_sync();  // every block's partial is complete; every block is done with xs and w1s
-
-    // 2. This block's RW columns of the cluster's intermediate, four per step.
-    {
-        const unsigned part_addr = (unsigned)__cvta_generic_to_shared(part);
-        const unsigned hs_addr = (unsigned)__cvta_generic_to_shared(hs);
-        unsigned part_at[8], hs_at[8];
-#pragma unroll
-        for (int z = 0; z < 8; ++z) {
-            part_at[z] = cluster_map(part_addr, (unsigned)z);
-            hs_at[z] = cluster_map(hs_addr, (unsigned)z);
-        }
-        const T* bs = (const T*)b1s;
-        constexpr int U4 = RW / 4;
-        const int count = (p.skip & 1) ? 0 : m * U4;
-        for (int i = tid; i < count; i += NT) {
-            const int row = i / U4, col = rank * RW + 4 * (i % U4);
-            const unsigned off = (unsigned)((row * HP + col) * 4);
-            float4 pz[8];
-#pragma unroll
-            for (int z = 0; z < 8; ++z) pz[z] = (p.skip & 64) ? *(const float4*)((const char*)part + off) : ld_cluster_f4(part_at[z] + off);
-            float v[4] = {pz[0].x, pz[0].y, pz[0].z, pz[0].w};
-#pragma unroll
-            for (int z = 1; z < 8; ++z) {
-                v[0] += pz[z].x;
-                v[1] += pz[z].y;
-                v[2] += pz[z].z;
-                v[3] += pz[z].w;
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) v[j] = act_t<T>(ACT_GELU, v[j] + ld(bs, col + j));
-            const unsigned lo = pack2<T>(v[0], v[1]), hi = pack2<T>(v[2], v[3]);
-            const unsigned hoff = (unsigned)((row * HP + col) * 2);
-            if (p.skip & 32) *(uint2*)((char*)hs + hoff) = make_uint2(lo, hi);
-            else
-#pragma unroll
-            for (int z = 0; z < 8; ++z) st_cluster_u2(hs_at[z] + hoff, lo, hi);
-        }
-    }
-    if (!(p.skip & 16)) cluster_sync();  // every block holds the whole intermediate; no DSMEM access after this
-
-    // 3. This block's KB output columns of the cluster's share of Y.
-    {
-        const int wm = warp % WARPS_M2, wn = warp / WARPS_M2;
-        if (wm * WM2 >= m || (p.skip & 4)) return;
-        float acc[MF2][NF2][4];
-        ffn_warp_tile<T, MF2, NF2, IC / 16, HP, HP>(acc, hs, wm * WM2, w2s, wn * WC2, true);
-        float* const ws = p.ws + (i64)(blockIdx.x / 8) * p.m * p.h + k0;
-#pragma unroll
-        for (int mf = 0; mf < MF2; ++mf)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wm * WM2 + mf * 16 + g + h * 8;
-                if (row >= m || (p.skip & 128)) continue;
-#pragma unroll
-                for (int nf = 0; nf < NF2; ++nf) {
-                    const int col = wn * WC2 + nf * 8 + 2 * t;
-                    *(float2*)(ws + (i64)row * p.h + col) = make_float2(acc[mf][nf][2 * h], acc[mf][nf][2 * h + 1]);
-                }
-            }
-    }
-#endif
-}
-
-// ffn_<KB>_<IC>_<dtype>: H = 8·KB; W warps.
-#define RLX_FFN(KB, IC, W, WM1, WM2)                                                                        \
-    extern "C" __global__ void __launch_bounds__(W * 32) ffn_##KB##_##IC##_f16(const FfnP p) {              \
-        ffn_body<__half, KB, IC, W, WM1, WM2>(p);                                                           \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(W * 32) ffn_##KB##_##IC##_bf16(const FfnP p) {             \
-        ffn_body<__nv_bfloat16, KB, IC, W, WM1, WM2>(p);                                                    \
-    }
-// bert-base (H 768, I 3072: 16 clusters) and MiniLM (H 384, I 1536: 16 clusters).
-RLX_FFN(96, 192, 16, 32, 16)
-RLX_FFN(48, 96, 8, 32, 16)
-
-// out = norm(sum of the `parts` f32 shares + b2 + res1 + res2): one block
-// of H/4 threads per row (H a multiple of 128), four columns per thread;
-// the shares are added in order 0..parts-1. `rms` != 0: RmsNorm (no mean,
-// no beta). b2, res1, res2 and beta may be null.
-struct FfnNormP {
-    const float* ws; const void* b2; const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
-    i64 m; i64 h; i64 parts; i64 rms; double eps;
-};
-
 template <typename T>
 __device__ __forceinline__ float4 ffn_ld4(const void* p, i64 i) {
     const T* q = (const T*)p + i;
     return make_float4(ld(q, 0), ld(q, 1), ld(q, 2), ld(q, 3));
 }
 
-template <typename T>
-__device__ __forceinline__ void ffn_norm_body(const FfnNormP& p) {
-    __shared__ float scratch[32];
-    const i64 row = blockIdx.x, c = 4 * (i64)threadIdx.x;
-    const float4* ws = (const float4*)p.ws + (row * p.h + c) / 4;
-    const i64 share = p.m * p.h / 4;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int z0 = 0; z0 < (int)p.parts; z0 += 8) {
-        float4 q[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-            if (z0 + u < p.parts) q[u] = ws[(z0 + u) * share];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-            if (z0 + u < p.parts) {
-                v[0] += q[u].x;
-                v[1] += q[u].y;
-                v[2] += q[u].z;
-                v[3] += q[u].w;
-            }
-    }
-    const void* adds[3] = {p.b2, p.res1, p.res2};
-#pragma unroll
-    for (int a = 0; a < 3; ++a) {
-        if (!adds[a]) continue;
-        const float4 q = ffn_ld4<T>(adds[a], a == 0 ? c : row * p.h + c);
-        v[0] += q.x;
-        v[1] += q.y;
-        v[2] += q.z;
-        v[3] += q.w;
-    }
-    const float inv_n = 1.0f / (float)p.h;
-    const float mean = p.rms ? 0.0f : block_sum(v[0] + v[1] + v[2] + v[3], scratch) * inv_n;
-    float s2 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s2 += (v[j] - mean) * (v[j] - mean);
-    const float rstd = rsqrtf(block_sum(s2, scratch) * inv_n + (float)p.eps);
-    const float4 gm = ffn_ld4<T>(p.gamma, c);
-    const float4 bt = p.beta ? ffn_ld4<T>(p.beta, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float o0 = (v[0] - mean) * rstd * gm.x + bt.x, o1 = (v[1] - mean) * rstd * gm.y + bt.y;
-    const float o2 = (v[2] - mean) * rstd * gm.z + bt.z, o3 = (v[3] - mean) * rstd * gm.w + bt.w;
-    *(uint2*)((T*)p.out + row * p.h + c) = make_uint2(pack2<T>(o0, o1), pack2<T>(o2, o3));
-}
-
-extern "C" __global__ void ffn_norm_f16(const FfnNormP p) { pdl_enter(); ffn_norm_body<__half>(p); }
-extern "C" __global__ void ffn_norm_bf16(const FfnNormP p) { pdl_enter(); ffn_norm_body<__nv_bfloat16>(p); }
-
-// ---------------------------------------------------------------------------
 // Row split (ffn_rows_<H>_<I>_<dtype>): for feed-forward blocks whose
 // weights are small enough to be read once per group of rows. The grid is
 // G clusters of 16 blocks (non-portable cluster size); cluster g owns rows
@@ -306,14 +67,14 @@ extern "C" __global__ void ffn_norm_bf16(const FfnNormP p) { pdl_enter(); ffn_no
 // b1 slice [IS], the row statistics [2][32] f32, per-thread sums [32][8],
 // and the second K half of step 1 [4][16][IS/2+4] f32.
 // Copies: W1 and b1 before griddepcontrol.wait, then X, then W2, which
-// lands while step 1 runs (skip bit 32: W2 before the wait instead).
+// lands while step 1 runs.
 // Step 1 splits K in two halves over 8 warps. The norm's statistics take
 // one exchange: each block's (mean, M2) over its columns, combined in rank
 // order (M2 = Σ M2_z + OC·Σ (mean_z − mean)²).
 struct FfnRowsP {
     const void* x; const void* w1; const void* b1; const void* w2; const void* b2;
     const void* res1; const void* res2; const void* gamma; const void* beta; void* out;
-    i64 m; i64 lda; i64 rows; i64 rms; double eps; i64 skip;
+    i64 m; i64 lda; i64 rows; i64 rms; double eps;
     // The tail kernel's output projection and first norm (null / 0 otherwise):
     // X = norm1(round(XA·WOᵀ + bo + res0a) + res0), written to out1 (= x).
     const void* xa; const void* wo; const void* bo; const void* res0a; const void* res0;
@@ -337,10 +98,9 @@ struct FfnRowsSmem {
 // The norm statistics of a row split: every block's (mean, M2) of each row
 // over its OC columns in stat[row] / stat[RT + row] (after a cluster
 // barrier) -> the row's mean and 1/sqrt(var + eps) in part[row·8 + 6] and
-// part[row·8 + 7], by threads 0..nrows-1, summed in rank order. `local`
-// (timing only): this block's statistics stand in for the others'.
+// part[row·8 + 7], by threads 0..nrows-1, summed in rank order.
 template <int RT, int OC, int H>
-__device__ __forceinline__ void rows_combine_stats(float* stat, float* part, int nrows, float eps, bool local) {
+__device__ __forceinline__ void rows_combine_stats(float* stat, float* part, int nrows, float eps) {
     const int tid = threadIdx.x;
     if (tid >= nrows) return;
     const unsigned a = (unsigned)__cvta_generic_to_shared(stat + tid);
@@ -348,8 +108,8 @@ __device__ __forceinline__ void rows_combine_stats(float* stat, float* part, int
 #pragma unroll
     for (int z = 0; z < 16; ++z) {
         const unsigned at = cluster_map(a, (unsigned)z);
-        mz[z] = local ? stat[tid] : ld_cluster_f32(at);
-        m2 += local ? stat[RT + tid] : ld_cluster_f32(at + RT * 4);
+        mz[z] = ld_cluster_f32(at);
+        m2 += ld_cluster_f32(at + RT * 4);
     }
 #pragma unroll
     for (int z = 0; z < 16; ++z) mean += mz[z];
@@ -403,16 +163,12 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     const u16* const W2 = (const u16*)p.w2;
     const u16* const X = (const u16*)p.x;
 
-    const bool w2_early = !TAIL && (p.skip & 32);
     // TAIL: the residuals of norm1 [2][RT][OC] and bo, g1, be1 [3][OC]
     // (this block's columns) in hs, which step 1 fills only later.
     u16* const t_res = hs;
     u16* const t_vec = hs + 2 * RT * OC;
-    if (!(p.skip & 4)) {
-        ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
-        if (w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
-        if (TAIL) ffn_copy_rows<H, XP, NT>(wos, (const u16*)p.wo + (i64)r * OC * H, H, 32, OC);
-    }
+    ffn_copy_rows<H, XP, NT>(w1s, W1 + i0 * H, H, IS, IS);
+    if (TAIL) ffn_copy_rows<H, XP, NT>(wos, (const u16*)p.wo + (i64)r * OC * H, H, 32, OC);
     if (tid < IS / 8) cp_async16(b1s + tid * 8, p.b1 ? (const u16*)p.b1 + i0 + tid * 8 : W1, p.b1 != nullptr);
     if (TAIL && tid < 3 * (OC / 8)) {
         const int v = tid / (OC / 8), c = tid % (OC / 8) * 8;
@@ -433,7 +189,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         ffn_copy_rows<H, XP, NT>(xs, X + (i64)row0 * p.lda, p.lda, RT, nrows);
     }
     cp_async_commit();
-    if (!TAIL && !(p.skip & 4) && !w2_early) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+    if (!TAIL) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
     cp_async_commit();
     cp_async_wait<1>();  // W1, b1 and X (W2 may still be on its way)
     __syncthreads();
@@ -470,7 +226,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
             pre[row * OC + c] = round_t<T>(s) + ld(tr, (RT + row) * OC + c);
         }
         __syncthreads();  // the partials are read: W2 may land over them
-        if (!(p.skip & 4)) ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
+        ffn_copy_rows<IS, HP, NT>(w2s, W2 + i0, I, H, H);
         cp_async_commit();
         if (tid < nrows) {
             float sum = 0.0f;
@@ -484,7 +240,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
             stat[RT + tid] = d2;
         }
         cluster_sync();  // every block's norm1 statistics are visible; every block is done with XA in xs
-        rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps1, p.skip & 2);
+        rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps1);
         __syncthreads();
         // Norm1's output: stored (it is the thunk's output) and written into
         // every block's xs, where step 1 reads whole rows of it.
@@ -514,7 +270,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         const int wm = warp & 1, wn = (warp >> 1) & 1, kh = warp >> 2;
         float* const kp = khalf + (warp & 3) * 16 * KP;
         float acc[1][NF1][4];
-        const bool run = wm * 16 < nrows && !(p.skip & 8);
+        const bool run = wm * 16 < nrows;
         ffn_warp_tile<T, 1, NF1, H / 32, XP, XP>(acc, xs + kh * (H / 2), wm * 16, w1s + kh * (H / 2), wn * (IS / 2), run);
         if (kh == 1) {
 #pragma unroll
@@ -545,7 +301,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     {
         const int wm = warp & 1, wn = warp >> 1;
         float acc[1][NF2][4];
-        ffn_warp_tile<T, 1, NF2, IS / 16, HP, HP>(acc, hs, wm * 16, w2s, wn * (H / 4), wm * 16 < nrows && !(p.skip & 16));
+        ffn_warp_tile<T, 1, NF2, IS / 16, HP, HP>(acc, hs, wm * 16, w2s, wn * (H / 4), wm * 16 < nrows);
 #pragma unroll
         for (int nf = 0; nf < NF2; ++nf)
 #pragma unroll
@@ -565,7 +321,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         const unsigned off = (unsigned)__cvta_generic_to_shared(yp + row * XP + col);
         float4 q[16];
 #pragma unroll
-        for (int z = 0; z < 16; ++z) q[z] = (p.skip & 1) ? *(const float4*)(yp + row * XP + col) : ld_cluster_f4(cluster_map(off, (unsigned)z));
+        for (int z = 0; z < 16; ++z) q[z] = ld_cluster_f4(cluster_map(off, (unsigned)z));
 #pragma unroll
         for (int z = 0; z < 16; ++z) {
             v[0] += q[z].x;
@@ -606,7 +362,7 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
         stat[RT + tid] = s;
     }
     cluster_sync();  // every block's statistics are visible to the cluster
-    rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps, p.skip & 2);
+    rows_combine_stats<RT, OC, H>(stat, part, nrows, (float)p.eps);
     // This block reads no other block's shared memory after this point.
     cluster_arrive_relaxed();
     __syncthreads();

@@ -307,14 +307,11 @@ impl MatMulPlan {
     /// first, then the heuristic's next answers, then split-K variants of
     /// the first three (no split, or 2..4 parts summed in the compute type
     /// by a separate kernel), each accepted by `cublasLtMatmulAlgoCheck`.
-    /// `inplace` adds cuBLASLt's in-place reduction scheme (sequential
-    /// through counters, summed in the output type), off by default. On the
-    /// H200 (2026-11-30) 6 or 8 parts and the output-type scheme never
-    /// timed faster than these, so they are not tried.
-    pub fn candidates(&self, blas: &Blas, count: usize, inplace: bool) -> Vec<LtAlgo> {
-        let mask = if inplace { SAFE_REDUCTIONS | INPLACE } else { SAFE_REDUCTIONS };
+    /// More parts, and the in-place (sequential, output-type) reduction,
+    /// never timed faster than these on the H200.
+    pub fn candidates(&self, blas: &Blas, count: usize) -> Vec<LtAlgo> {
         let mut out = vec![self.algo];
-        let heur = self.heuristics(blas, count, mask).unwrap_or_default();
+        let heur = self.heuristics(blas, count, SAFE_REDUCTIONS).unwrap_or_default();
         let push = |a: LtAlgo, out: &mut Vec<LtAlgo>| {
             if !out.iter().any(|o| o.algo == a.algo) {
                 out.push(a);
@@ -323,13 +320,10 @@ impl MatMulPlan {
         for h in &heur {
             push(*h, &mut out);
         }
-        let schemes: &[u32] = if inplace { &[2, 1] } else { &[2] };
         for base in heur.iter().take(3) {
             let mut variants = vec![base.with_split(1, 0)];
             for split in [2u32, 3, 4] {
-                for &r in schemes {
-                    variants.push(base.with_split(split, r));
-                }
+                variants.push(base.with_split(split, 2));
             }
             for v in variants.into_iter().flatten() {
                 if self.accepts(blas, &v.algo) {
@@ -344,7 +338,6 @@ impl MatMulPlan {
 /// Reduction schemes that sum split-K parts in a separate, fixed-order pass
 /// (bits do not change run to run): compute type (2) and output type (4).
 pub(crate) const SAFE_REDUCTIONS: u32 = 0x6;
-const INPLACE: u32 = 0x1;
 
 /// One cuBLASLt algorithm and its configuration (for traces).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

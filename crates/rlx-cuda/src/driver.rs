@@ -12,6 +12,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUresult};
 use rlx_runtime::{Result, RuntimeError};
 
+use crate::params::{FillP, Params};
+
 pub(crate) fn err(detail: impl Into<String>) -> RuntimeError {
     RuntimeError::backend("cuda", detail)
 }
@@ -308,16 +310,6 @@ impl Event {
         // SAFETY: live event.
         check(unsafe { sys::cuEventSynchronize(self.0) }, "cuEventSynchronize")
     }
-    /// Waits by polling cuEventQuery in a spin loop (never yields the CPU).
-    pub fn spin_wait(&self) -> Result<()> {
-        loop {
-            // SAFETY: live event.
-            match unsafe { sys::cuEventQuery(self.0) } {
-                CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
-                r => return check(r, "cuEventQuery"),
-            }
-        }
-    }
     /// Milliseconds between two recorded timing events.
     pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f32> {
         let mut ms = 0.0f32;
@@ -356,15 +348,17 @@ impl GraphExec {
     /// Records whatever `body` enqueues on `s` into a graph. Thread-local
     /// capture mode: other threads' allocations and syncs stay legal.
     /// With `fill` (the `fill_pitched` kernel), memset nodes (cuBLASLt
-    /// records some) become kernel nodes: each memset node cost ~1 µs of
-    /// host time at every launch (bench/gpu-perf.md, session 3).
+    /// records some) become kernel nodes: a memset node costs about a
+    /// microsecond of host time at every graph launch, a kernel node less.
     ///
     /// With `window` (ptr, bytes, hit ratio), every kernel node gets that L2
     /// access policy window: accesses to it persist in L2's set-aside.
+    /// `dump` prints every node on stderr (`CudaOptions::graph_dump`).
     pub fn capture(
         s: &Stream,
         fill: Option<Func>,
         window: Option<(u64, usize, f32)>,
+        dump: bool,
         body: impl FnOnce() -> Result<()>,
     ) -> Result<GraphExec> {
         // SAFETY: live stream; capture is always ended below, even if body fails.
@@ -397,7 +391,7 @@ impl GraphExec {
                 }
             };
             let nodes = kinds.len();
-            if std::env::var("RLX_GRAPH_DUMP").as_deref() == Ok("1") {
+            if dump {
                 // A diagnostic: a failure to describe a node is only reported.
                 if let Err(e) = dump_graph(graph) {
                     eprintln!("rlx-cuda: graph dump: {e}");
@@ -479,10 +473,18 @@ unsafe fn memsets_to_kernels(graph: sys::CUgraph, fill: Func) -> Result<usize> {
         let (ins, in_data) = edges(false)?;
         let (outs, out_data) = edges(true)?;
         let elems = (mp.width as u64) * (mp.height as u64);
-        let args: [u64; 6] = [mp.dst, mp.pitch as u64, mp.width as u64, mp.height as u64, mp.value as u64, mp.elementSize as u64];
+        let args = Params::new(&FillP {
+            dst: mp.dst,
+            pitch: mp.pitch as i64,
+            width: mp.width as i64,
+            height: mp.height as i64,
+            value: mp.value as i64,
+            esize: mp.elementSize as i64,
+        });
+        fill.check(&args)?;
         let mut kparams = [args.as_ptr() as *mut c_void];
         let mut kp: sys::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
-        kp.func = fill.0;
+        kp.func = fill.handle;
         kp.gridDimX = elems.div_ceil(256).clamp(1, 1024) as u32;
         kp.gridDimY = 1;
         kp.gridDimZ = 1;
@@ -529,8 +531,7 @@ unsafe fn set_window(graph: sys::CUgraph, (ptr, bytes, hit): (u64, usize, f32)) 
 
 /// Diagnostic (`RLX_GRAPH_DUMP=1`): one line per node of a recorded graph on
 /// stderr: its type, or for a kernel its grid, block, dynamic shared memory,
-/// parameter bytes, cluster shape and name. It showed cuBLASLt's memset
-/// nodes behind the slow launches at 32×128 (bench/gpu-perf.md, session 3).
+/// parameter bytes, cluster shape and name.
 unsafe fn dump_graph(graph: sys::CUgraph) -> Result<()> {
     for (i, (nd, ty)) in graph_nodes(graph)?.into_iter().zip(node_types(graph)?).enumerate() {
         if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
@@ -545,14 +546,7 @@ unsafe fn dump_graph(graph: sys::CUgraph) -> Result<()> {
         } else {
             "?".to_string()
         };
-        let mut bytes = 0usize;
-        for k in 0..256 {
-            let (mut off, mut sz) = (0usize, 0usize);
-            if sys::cuFuncGetParamInfo(p.func, k, &mut off, &mut sz) != CUresult::CUDA_SUCCESS {
-                break;
-            }
-            bytes = off + sz;
-        }
+        let bytes = param_bytes(p.func).unwrap_or(0);
         let mut v: sys::CUkernelNodeAttrValue = std::mem::zeroed();
         sys::cuGraphKernelNodeGetAttribute(nd, sys::CUkernelNodeAttrID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, &mut v);
         let c = v.clusterDim;
@@ -613,8 +607,9 @@ impl Module {
         Ok(Module(m))
     }
     /// Every kernel in the module with its name (names pasted together by
-    /// macros in the .cu files included).
+    /// macros in the .cu files included) and parameter size.
     pub fn functions(&self) -> Result<Vec<(String, Func)>> {
+        let info = param_info_available();
         let mut n = 0u32;
         // SAFETY: live module; out-pointers sized from the count.
         unsafe {
@@ -626,7 +621,8 @@ impl Module {
                 let mut name: *const std::ffi::c_char = std::ptr::null();
                 check(sys::cuFuncGetName(&mut name, f), "cuFuncGetName")?;
                 if !name.is_null() {
-                    out.push((CStr::from_ptr(name).to_string_lossy().into_owned(), Func(f)));
+                    let params = if info { param_bytes(f) } else { None };
+                    out.push((CStr::from_ptr(name).to_string_lossy().into_owned(), Func { handle: f, params }));
                 }
             }
             Ok(out)
@@ -634,19 +630,56 @@ impl Module {
     }
 }
 
+/// Whether the driver has `cuFuncGetParamInfo` (CUDA 12.4 and later);
+/// cudarc would panic on a missing symbol.
+fn param_info_available() -> bool {
+    driver_version().is_ok_and(|v| v >= 12040)
+}
+
+/// Bytes of a kernel's parameters (the end of the last one), or None when
+/// the driver does not say. RLX kernels have one parameter, the struct.
+unsafe fn param_bytes(f: sys::CUfunction) -> Option<usize> {
+    let mut bytes = None;
+    for k in 0..256 {
+        let (mut off, mut sz) = (0usize, 0usize);
+        if sys::cuFuncGetParamInfo(f, k, &mut off, &mut sz) != CUresult::CUDA_SUCCESS {
+            break;
+        }
+        bytes = Some(off + sz);
+    }
+    bytes
+}
+
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Func(pub sys::CUfunction);
+pub(crate) struct Func {
+    handle: sys::CUfunction,
+    /// Its parameter bytes as the driver reports them (None: not reported).
+    params: Option<usize>,
+}
 // SAFETY: function handles are immutable once loaded.
 unsafe impl Send for Func {}
 unsafe impl Sync for Func {}
 
 impl Func {
+    /// An error unless `p` is as large as this kernel's parameters (where
+    /// the driver reports them): a launch reads that many bytes from it.
+    pub fn check(&self, p: &Params) -> Result<()> {
+        match self.params {
+            Some(n) if n != p.bytes() => Err(err(format!(
+                "a kernel takes {n} bytes of parameters, but it is launched with {}, {} bytes: kernels/*.cu and src/params.rs disagree",
+                p.name,
+                p.bytes()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Lets launches of this function ask for up to `bytes` of dynamic
     /// shared memory (above 48 KB needs this opt-in).
     pub fn set_max_dynamic_smem(&self, bytes: u32) -> Result<()> {
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         // SAFETY: live function handle; a plain integer attribute.
-        check(unsafe { sys::cuFuncSetAttribute(self.0, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
+        check(unsafe { sys::cuFuncSetAttribute(self.handle, attr, bytes as i32) }, "cuFuncSetAttribute(max dynamic shared memory)")
     }
 
     /// Lets launches of this function use clusters of more than 8 blocks
@@ -654,33 +687,7 @@ impl Func {
     pub fn allow_non_portable_clusters(&self) -> Result<()> {
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
         // SAFETY: live function handle; a plain integer attribute.
-        check(unsafe { sys::cuFuncSetAttribute(self.0, attr, 1) }, "cuFuncSetAttribute(non-portable cluster size)")
-    }
-
-    /// Registers per thread and local (spill) bytes per thread.
-    pub fn regs_and_local_bytes(&self) -> Result<(i32, i32)> {
-        let get = |a: sys::CUfunction_attribute| -> Result<i32> {
-            let mut v: std::ffi::c_int = 0;
-            // SAFETY: live function handle; v is written by the call.
-            check(unsafe { sys::cuFuncGetAttribute(&mut v, a, self.0) }, "cuFuncGetAttribute")?;
-            Ok(v)
-        };
-        Ok((
-            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
-            get(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
-        ))
-    }
-
-    /// How many blocks of `block` threads and `smem` dynamic shared bytes
-    /// fit on one SM at once (registers, shared memory, warps).
-    pub fn max_blocks_per_sm(&self, block: u32, smem: u32) -> Result<u32> {
-        let mut n: std::ffi::c_int = 0;
-        // SAFETY: live function handle; n is written by the call.
-        check(
-            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, self.0, block as i32, smem as usize) },
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        )?;
-        Ok(n.max(0) as u32)
+        check(unsafe { sys::cuFuncSetAttribute(self.handle, attr, 1) }, "cuFuncSetAttribute(non-portable cluster size)")
     }
 
     /// How many clusters of `cluster` blocks (x) of `block` threads and
@@ -704,50 +711,36 @@ impl Func {
         };
         let mut n: std::ffi::c_int = 0;
         // SAFETY: live function handle; cfg and attr are live locals; n is written by the call.
-        check(unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, self.0, &cfg) }, "cuOccupancyMaxActiveClusters")?;
+        check(unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, self.handle, &cfg) }, "cuOccupancyMaxActiveClusters")?;
         Ok(n.max(0) as u32)
     }
 
-    /// Launches with a single by-value parameter struct made of 8-byte words.
-    /// `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
+    /// Launches with its by-value parameter struct, a twin of the kernel's C
+    /// struct (src/params.rs; `check` compares their sizes when the step is
+    /// built). `pdl`: programmatic dependent launch (sm_90+), so the kernel may start
     /// while the previous kernel on the stream drains; every RLX kernel waits
     /// for its predecessor first (`pdl_enter` in kernels/common.cuh). Stream
     /// capture records it as a programmatic graph edge. `cluster` other than
     /// [1, 1, 1]: blocks run in thread-block clusters of those dimensions (sm_90+).
     #[allow(clippy::too_many_arguments)]
-    pub fn launch(
-        &self,
-        s: &Stream,
-        grid: [u32; 3],
-        block: u32,
-        smem: u32,
-        cluster: [u32; 3],
-        args: &[u64],
-        pdl: bool,
-        cooperative: bool,
-    ) -> Result<()> {
+    pub fn launch(&self, s: &Stream, grid: [u32; 3], block: u32, smem: u32, cluster: [u32; 3], args: &Params, pdl: bool) -> Result<()> {
         let clustered = cluster != [1, 1, 1];
         // The kernel's one parameter is the struct: kernelParams[0] points at it.
         let mut params = [args.as_ptr() as *mut c_void];
-        if !pdl && !clustered && !cooperative {
+        if !pdl && !clustered {
             // SAFETY: args outlives the call (the driver copies parameters at launch).
             let r = unsafe {
-                sys::cuLaunchKernel(self.0, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
+                sys::cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
             };
             return check(r, "cuLaunchKernel");
         }
         // SAFETY: an all-zero attribute is a valid value of the C union; the
         // id and the one field it selects are set right after.
-        let mut attrs: [sys::CUlaunchAttribute; 3] = unsafe { std::mem::zeroed() };
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0;
         if pdl {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if cooperative {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-            attrs[n].value.cooperative = 1;
             n += 1;
         }
         if clustered {
@@ -769,7 +762,7 @@ impl Func {
             numAttrs: n as u32,
         };
         // SAFETY: cfg and attrs are live locals; args as above.
-        let r = unsafe { sys::cuLaunchKernelEx(&cfg, self.0, params.as_mut_ptr(), std::ptr::null_mut()) };
+        let r = unsafe { sys::cuLaunchKernelEx(&cfg, self.handle, params.as_mut_ptr(), std::ptr::null_mut()) };
         check(r, "cuLaunchKernelEx (programmatic dependent launch / cluster)")
     }
 }
@@ -802,9 +795,4 @@ pub(crate) fn memcpy_htod_async(dst: u64, src: *const u8, bytes: usize, s: &Stre
 pub(crate) fn memcpy_dtoh_async(dst: *mut u8, src: u64, bytes: usize, s: &Stream) -> Result<()> {
     // SAFETY: dst is pinned memory owned by the slot.
     check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, bytes, s.0) }, "cuMemcpyDtoHAsync")
-}
-
-pub(crate) fn memset_d32_async(dst: u64, value: u32, n: usize, s: &Stream) -> Result<()> {
-    // SAFETY: dst points to n device words owned by the executable.
-    check(unsafe { sys::cuMemsetD32Async(dst, value, n, s.0) }, "cuMemsetD32Async")
 }

@@ -6,7 +6,7 @@
 //! which is what state (KV caches) needs; the host never waits in `submit`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +19,7 @@ use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
 use crate::launch::{self, Bases, Kernels, Op, Step};
-use crate::layer;
+use crate::options::CudaOptions;
 use crate::weights::DeviceWeights;
 
 /// A maximal run of steps: recorded once (replay) or a host-side run.
@@ -44,8 +44,6 @@ struct Slot {
     // The flag is only referenced through the steps' pointers; it is held
     // here so it lives exactly as long as those steps.
     _err: DeviceBuffer,
-    /// Instructions and scratch of the layer programs (src/layer.rs).
-    _layer: Vec<DeviceBuffer>,
     pin_in: PinnedBuffer,
     pin_out: PinnedBuffer,
     steps: Vec<Step>,
@@ -66,15 +64,8 @@ pub struct CudaExecutable {
     _consts: Vec<DeviceBuffer>,
     _plans: Vec<Option<Arc<MatMulPlan>>>,
     _blas: Arc<Blas>,
-    /// MatMul thunks that run our own kernel instead of cuBLASLt.
-    own_matmuls: usize,
-    /// Thunks run inside layer programs, and those programs' instructions.
-    layer_thunks: usize,
-    layer_instructions: usize,
-    /// Feed-forward blocks (FFN1, FFN2, norm) run by the fused kernels (src/ffn.rs).
+    /// Feed-forward blocks (FFN1, FFN2, norm) run by the fused kernel (src/ffn.rs).
     fused_ffns: usize,
-    /// Their f32 workspace, shared by every fused block and slot.
-    _ffn_ws: Option<DeviceBuffer>,
     /// Per MatMul thunk: what runs it and how many cuBLASLt candidates were timed.
     matmul_choices: Vec<(String, usize)>,
     // Drop synchronises the stream before any of these buffers are freed.
@@ -90,8 +81,6 @@ pub struct CudaExecutable {
     /// Where the copied-back error flag sits in pin_out.
     flag_off: usize,
     replay: bool,
-    /// RLX_WAIT_POLL=1: `wait` polls the completion event (diagnostic).
-    spin_wait: bool,
     trace: bool,
     profile: bool,
     next_id: u64,
@@ -99,40 +88,6 @@ pub struct CudaExecutable {
     stats: ExecStats,
     /// Host time of the last submit's phases: check, stage, launch, record.
     phases: [Duration; 4],
-}
-
-/// 0: `RLX_L2_PERSIST` decides; 1: off; 2: on.
-static L2_PERSIST: AtomicU8 = AtomicU8::new(0);
-
-/// Turns on (or off) for executables prepared from now on, process-wide and
-/// over `RLX_L2_PERSIST`, the L2 access policy window over the activation
-/// arena: the device's largest L2 set-aside (a context-wide limit) is
-/// given to the arena's accesses in recorded graphs (sm_80+). Off by
-/// default: while an executable's lines hold the set-aside, every other
-/// kernel of the process has a quarter of L2 (bench/gpu-perf.md, session 10).
-pub fn set_l2_persist(on: bool) {
-    L2_PERSIST.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
-
-fn l2_persist_enabled() -> bool {
-    match L2_PERSIST.load(Ordering::Relaxed) {
-        0 => env_flag("RLX_L2_PERSIST") == Some(true),
-        v => v == 2,
-    }
-}
-
-/// A comma-separated list in an environment variable (RLX_SKIP, RLX_EMPTY):
-/// its items trimmed, empty ones dropped.
-fn env_list(name: &str) -> Vec<String> {
-    std::env::var(name).map(|v| split_list(&v)).unwrap_or_default()
-}
-
-fn split_list(v: &str) -> Vec<String> {
-    v.split(',').map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect()
-}
-
-fn env_flag(name: &str) -> Option<bool> {
-    std::env::var(name).ok().map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no"))
 }
 
 fn layout(sizes: impl Iterator<Item = usize>) -> (Vec<(usize, usize)>, usize) {
@@ -174,42 +129,20 @@ impl CudaExecutable {
         schedule: Arc<Schedule>,
         store: Arc<WeightStore>,
         opts: &PrepareOptions,
+        cuda: &CudaOptions,
     ) -> Result<CudaExecutable> {
         dev.bind()?;
-        let replay = opts.replay && env_flag("RLX_REPLAY") != Some(false);
-        let trace = env_flag("RLX_TRACE") == Some(true);
-        let profile = env_flag("RLX_PROFILE") == Some(true);
+        let replay = opts.replay && cuda.replay;
+        let (trace, profile) = (cuda.trace, cuda.profile);
         let nslots = opts.slots.max(1);
-        // Diagnostic for the host cost of a replayed submit (bench/gpu-perf.md):
-        // RLX_GRAPH_IO=0 enqueues the staging copies outside the recorded graphs.
-        let graph_io = env_flag("RLX_GRAPH_IO") != Some(false);
-        // RLX_COPY_NODES=1: memset and memcpy operations for the error flag
-        // and staging, and cuBLASLt's memsets kept, as before session 3 (A/B).
-        let copy_nodes = env_flag("RLX_COPY_NODES") == Some(true);
-        let fill = if copy_nodes { None } else { Some(kernels.get("fill_pitched")?) };
+        // Memset nodes that cuBLASLt records become kernel nodes.
+        let fill = Some(kernels.get("fill_pitched")?);
         // Programmatic dependent launch between consecutive kernels (Hopper
-        // and later); RLX_PDL=0 turns it off (diagnostic, A/B timing).
-        let pdl = dev.cc.0 >= 9 && env_flag("RLX_PDL") != Some(false);
+        // and later).
+        let pdl = dev.cc.0 >= 9;
         // Recorded graphs prefetch the weight of each matmul of at most
-        // PREFETCH_MAX_ROWS rows into L2 beside the forward (`record`);
-        // RLX_L2_PREFETCH=0 turns it off (A/B timing).
-        let l2_prefetch = dev.cc.0 >= 9 && env_flag("RLX_L2_PREFETCH") != Some(false);
-        // RLX_SKIP=kind,kind (diagnostic): leave out every step of these kinds
-        // ("attention", "layer_norm", "matmul", "matmul_epilogue", ...). The
-        // results are wrong; the forward's time without them tells what those
-        // kernels cost inside the replayed graph.
-        let skip = env_list("RLX_SKIP");
-        if !skip.is_empty() {
-            eprintln!("rlx-cuda: RLX_SKIP={} leaves those kernels out: results are wrong (timing diagnostic)", skip.join(","));
-        }
-        // RLX_EMPTY=kind,kind (diagnostic): as RLX_SKIP, but those kernels
-        // stay in the graph with their grid, block and shared memory and do
-        // nothing (`empty_kernel`): the time of their work apart from their
-        // launch and the dependency they add.
-        let empty = env_list("RLX_EMPTY");
-        if !empty.is_empty() {
-            eprintln!("rlx-cuda: RLX_EMPTY={} runs those kernels empty: results are wrong (timing diagnostic)", empty.join(","));
-        }
+        // PREFETCH_MAX_ROWS rows into L2 beside the forward (`record`).
+        let l2_prefetch = dev.cc.0 >= 9;
         for t in &schedule.thunks {
             if let Some(why) = launch::unsupported(t) {
                 return Err(RuntimeError::Unsupported { backend: "cuda".into(), thunk: t.kind().into(), detail: why });
@@ -258,45 +191,28 @@ impl CudaExecutable {
         let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
         let stream = Stream::new(&dev)?;
         let mut slots = Vec::with_capacity(nslots);
-        let mut own_matmuls = 0;
         let mut matmul_choices = Vec::new();
-        // Runs of thunks that one persistent kernel executes (src/layer.rs).
-        let layer_runs = if dev.cc.0 >= 9 { layer::runs(&schedule.thunks, layer::Policy::current()) } else { Vec::new() };
-        let (mut layer_thunks, mut layer_instructions) = (0, 0);
-        // Feed-forward blocks of at most 128 rows as fused kernels (src/ffn.rs;
-        // the row split at MiniLM's widths by default), outside the layer
-        // programs' runs.
+        // Feed-forward blocks of at most 128 rows as one fused kernel each (src/ffn.rs).
         let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
-        let fusions: Vec<ffn::Fusion> = ffn::find(&schedule.thunks, &outputs, dev.cc.0)
-            .into_iter()
-            .filter(|f| !layer_runs.iter().any(|r| r.start < f.start + f.thunks() && f.start < r.end))
-            .collect();
-        let ffn_ws = match ffn::workspace_bytes(&schedule.thunks, &fusions) {
-            0 => None,
-            bytes => Some(DeviceBuffer::alloc(&dev, bytes)?),
-        };
+        let fusions = if cuda.ffn_fusion { ffn::find(&schedule.thunks, &outputs, dev.cc.0) } else { Vec::new() };
         let mut fused_ffns = 0;
         // One activation arena for every slot: all calls run on the
         // executable's one stream, so a call's kernels start only after the
         // previous call's last kernel, its copy-out included, has finished;
         // only the staging buffers and the error flag, which the host reads
         // and writes, need a copy per slot. An arena per slot took `slots`
-        // times the memory and was no faster, replayed or pipelined
-        // (bench/gpu-perf.md, session 10).
+        // times the memory and was no faster, replayed or pipelined.
         let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
-        // Opt-in (`set_l2_persist`, RLX_L2_PERSIST=1; replay, sm_80+): the
-        // arena's accesses persist in L2: the device's largest set-aside and
-        // an access policy window over the arena on every recorded kernel,
-        // so activations a kernel writes are still in L2 when the next one
+        // Opt-in (`CudaOptions::l2_persist`; replay, sm_80+): the arena's
+        // accesses persist in L2: the device's largest set-aside and an
+        // access policy window over the arena on every recorded kernel, so
+        // activations a kernel writes are still in L2 when the next one
         // reads them. A larger arena than the set-aside persists that
-        // fraction of its lines. H200 (bench/gpu-perf.md, session 10):
-        // bert-base 32×128 1654 → 1624 µs replayed, 1711 → 1669 pipelined,
-        // no change at 1×128. Not the default: the set-aside is
-        // context-wide, and while this executable's lines hold it every
-        // other kernel of the process gets a quarter of L2 (bert-base
-        // 32×128 in eager mode beside a persisting executable: 2333 µs
-        // against ~1800).
-        let l2_persist = replay && dev.cc.0 >= 8 && l2_persist_enabled();
+        // fraction of its lines. It helps large batches a little; it is not
+        // the default because the set-aside is context-wide, and while this
+        // executable's lines hold it every other kernel of the process gets
+        // a quarter of L2.
+        let l2_persist = replay && dev.cc.0 >= 8 && cuda.l2_persist;
         let window = match (l2_persist, dev.l2_persist_max, dev.l2_window_max) {
             (true, set, most) if set > 0 && most > 0 && dev.set_l2_persist(set).is_ok() => {
                 let bytes = (arena_bytes as usize).clamp(1, most);
@@ -316,10 +232,10 @@ impl CudaExecutable {
                 err: errbuf.ptr,
             };
             // The error flag is cleared and the staging copies run as kernels
-            // (mapped pinned memory) unless RLX_COPY_NODES=1: in a recorded
-            // graph every memset or memcpy node costs host time at each launch.
-            // As kernels, the flag and every input go in one launch (copy_many).
-            let (pin_in_dev, pin_out_dev) = if copy_nodes { (None, None) } else { (pin_in.device_ptr(), pin_out.device_ptr()) };
+            // (mapped pinned memory): in a recorded graph every memset or
+            // memcpy node costs host time at each launch. As kernels, the
+            // flag and every input go in one launch (copy_many).
+            let (pin_in_dev, pin_out_dev) = (pin_in.device_ptr(), pin_out.device_ptr());
             let mut steps = Vec::new();
             if let Some(d) = pin_in_dev {
                 let copies = schedule
@@ -329,36 +245,17 @@ impl CudaExecutable {
                     .map(|(s, (off, bytes))| Ok((bases.ptr(&s.buf)?, d + *off as u64, *bytes as u64)));
                 steps.extend(kernels.copy_many(Some((errbuf.ptr, 0)), &copies.collect::<Result<Vec<_>>>()?, "io")?);
             } else {
-                steps.push(if copy_nodes {
-                    Step::new(Op::Memset32 { ptr: errbuf.ptr, value: 0, n: 1 }, "io")
-                } else {
-                    kernels.fill32(errbuf.ptr, 0, 1, "io")?
-                });
+                steps.push(kernels.fill32(errbuf.ptr, 0, 1, "io")?);
                 for (s, (off, bytes)) in schedule.inputs.iter().zip(&in_layout) {
                     // SAFETY: off + bytes lies inside pin_in (layout above).
                     let src = unsafe { pin_in.as_ptr().add(*off) };
                     steps.push(Step::new(Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, "io"));
                 }
             }
-            let mut layer_bufs = Vec::new();
             let mut i = 0;
             while i < schedule.thunks.len() {
-                if let Some(run) = layer_runs.iter().find(|r| r.start == i) {
-                    if let Some(p) = layer::build(&dev, kernels, &schedule.thunks, run.clone(), &bases)? {
-                        if slots.is_empty() {
-                            layer_thunks += run.len();
-                            layer_instructions += p.instructions;
-                        }
-                        steps.push(p.step);
-                        layer_bufs.extend(p.buffers);
-                        i = run.end;
-                        continue;
-                    }
-                }
                 if let Some(f) = fusions.iter().find(|f| f.start == i) {
-                    // The workspace exists when a cluster-kernel fusion needs it (0: none).
-                    let ws = ffn_ws.as_ref().map_or(0, |w| w.ptr);
-                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, ws)? {
+                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, trace && slots.is_empty())? {
                         if slots.is_empty() {
                             fused_ffns += 1;
                         }
@@ -372,27 +269,16 @@ impl CudaExecutable {
                 let host = HostTask::for_thunk(&dev, t)?;
                 let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[ti].as_ref(), host)?;
                 if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[ti]) {
-                    let (choice, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &bases, &blas, plan, &lowered)?;
+                    let (algo, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &blas, plan, &lowered, cuda)?;
                     if slots.is_empty() {
-                        matmul_choices.push((choice.label(), n_lt));
+                        matmul_choices.push((format!("cublasLt {}", algo.label()), n_lt));
                     }
                     let weight = if matches!(m.b.space, Space::Weight(_)) && m.batch * m.m <= PREFETCH_MAX_ROWS {
                         Some((bases.ptr(&m.b)?, m.b.bytes))
                     } else {
                         None
                     };
-                    match choice {
-                        gemm::Choice::Own(cfg) => {
-                            let mut st = gemm::step(kernels, m, &bases, cfg)?;
-                            st.weight = weight;
-                            steps.push(st);
-                            if slots.is_empty() {
-                                own_matmuls += 1;
-                            }
-                            continue;
-                        }
-                        gemm::Choice::Lt(a) => gemm::set_algo(&mut lowered, &a),
-                    }
+                    gemm::set_algo(&mut lowered, &algo);
                     if let Some(first) = lowered.first_mut() {
                         first.weight = weight;
                     }
@@ -414,23 +300,6 @@ impl CudaExecutable {
                     }
                 }
             }
-            if !skip.is_empty() {
-                steps.retain(|s| s.kind == "io" || !skip.iter().any(|k| k == s.kind));
-            }
-            if !empty.is_empty() {
-                let nothing = kernels.get("empty_kernel")?;
-                for st in steps.iter_mut().filter(|s| s.kind != "io" && empty.iter().any(|k| k == s.kind)) {
-                    if let Op::Kernel { func, smem, cluster, .. } = &mut st.op {
-                        *func = nothing;
-                        if *smem > 48 * 1024 {
-                            nothing.set_max_dynamic_smem(*smem)?;
-                        }
-                        if cluster.iter().product::<u32>() > 8 {
-                            nothing.allow_non_portable_clusters()?;
-                        }
-                    }
-                }
-            }
             if pdl {
                 launch::mark_pdl(&mut steps);
             }
@@ -439,11 +308,10 @@ impl CudaExecutable {
             } else {
                 None
             };
-            let segments = if replay { record(&stream, &steps, graph_io, fill, window, prefetch.as_ref())? } else { Vec::new() };
+            let segments = if replay { record(&stream, &steps, fill, window, cuda.graph_dump, prefetch.as_ref())? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot {
                 _err: errbuf,
-                _layer: layer_bufs,
                 pin_in,
                 pin_out,
                 steps,
@@ -472,11 +340,7 @@ impl CudaExecutable {
             _consts: consts,
             _plans: plans,
             _blas: blas,
-            own_matmuls,
-            layer_thunks,
-            layer_instructions,
             fused_ffns,
-            _ffn_ws: ffn_ws,
             matmul_choices,
             slots,
             _arena: arena,
@@ -486,7 +350,6 @@ impl CudaExecutable {
             out_layout,
             flag_off: out_bytes,
             replay,
-            spin_wait: env_flag("RLX_WAIT_POLL") == Some(true),
             trace,
             profile,
             next_id: 1,
@@ -559,7 +422,8 @@ impl CudaExecutable {
     }
 
     /// The L2 access policy window over the arena, if the recorded graphs
-    /// carry one: (bytes, hit ratio) (opt-in: `set_l2_persist`; sm_80+, replay).
+    /// carry one: (bytes, hit ratio) (opt-in: `CudaOptions::l2_persist`;
+    /// sm_80+, replay).
     pub fn l2_window(&self) -> Option<(usize, f32)> {
         self.l2_window
     }
@@ -577,29 +441,16 @@ impl CudaExecutable {
             .sum()
     }
 
-    /// How many MatMul thunks run our own kernel (kernels/gemm.cu) rather
-    /// than cuBLASLt: chosen per shape at prepare (see `set_gemm_policy`).
-    pub fn own_matmul_count(&self) -> usize {
-        self.own_matmuls
-    }
-
-    /// Thunks that run inside layer programs (one persistent kernel per run
-    /// of matmuls, attention and norms; src/layer.rs), and their instruction
-    /// count. (0, 0) when none does.
-    pub fn layer_program_thunks(&self) -> (usize, usize) {
-        (self.layer_thunks, self.layer_instructions)
-    }
-
     /// Feed-forward blocks (FFN1 with erf-GELU, FFN2, the norm after them)
-    /// that run as the fused kernels of kernels/ffn.cu (see `set_ffn_fusion`).
+    /// that run as the fused kernel of kernels/ffn.cu (`CudaOptions::ffn_fusion`).
     pub fn fused_ffn_count(&self) -> usize {
         self.fused_ffns
     }
 
     /// Per MatMul thunk, in schedule order: the kernel that runs it
-    /// ("cublasLt a<algo>t<tile>s<split>r<reduction>" or "own <cols>x<split>")
-    /// and how many cuBLASLt candidates were considered for it at this
-    /// prepare (0 when the choice was cached or nothing was timed).
+    /// ("cublasLt a<algo>t<tile>s<split>r<reduction>") and how many cuBLASLt
+    /// candidates were considered for it at this prepare (0 when the choice
+    /// was cached or nothing was timed).
     pub fn matmul_choices(&self) -> &[(String, usize)] {
         &self.matmul_choices
     }
@@ -677,11 +528,10 @@ impl CudaExecutable {
 }
 
 /// Matmuls of at most this many rows get their weight prefetched into L2
-/// while the matmul before them runs. At batch 1 bert-base reads 170 MB of
-/// weights per forward, more than the L2 holds: 401 → 370 µs at 1×128 on
-/// the H200. At 256 rows it measured +3 µs, at 512 rows +17 µs (bench/
-/// gpu-perf.md, session 9; not profiled: the prefetch blocks likely take
-/// SMs the larger matmuls would use).
+/// while the matmul before them runs: at batch 1 bert-base reads 170 MB of
+/// weights per forward, more than the L2 holds, and the prefetch saved
+/// about 8 % at 1×128 on the H200. At 256 rows and more it measured slower
+/// (the prefetch blocks likely take SMs the larger matmuls would use).
 const PREFETCH_MAX_ROWS: usize = 128;
 
 /// A second stream that recorded graphs fork to for L2 weight prefetches.
@@ -693,25 +543,24 @@ struct Prefetcher<'a> {
 }
 
 /// Splits steps into segments and records each replayable one as a graph.
-/// With `graph_io` false, staging copies are enqueued directly, like host steps.
 /// `fill` (the fill kernel) turns memset nodes into kernel nodes; with
 /// `prefetch`, marked matmuls' weights are prefetched into L2 on a second
-/// branch of the graph, joined at the segment's end.
+/// branch of the graph, joined at the segment's end; `dump` prints each
+/// graph's nodes.
 fn record(
     stream: &Stream,
     steps: &[Step],
-    graph_io: bool,
     fill: Option<Func>,
     window: Option<(u64, usize, f32)>,
+    dump: bool,
     prefetch: Option<&Prefetcher>,
 ) -> Result<Vec<Segment>> {
-    let direct = |s: &Step| s.host || (!graph_io && s.kind == "io");
     let mut segs = Vec::new();
     let mut i = 0;
     while i < steps.len() {
-        let host = direct(&steps[i]);
+        let host = steps[i].host;
         let mut j = i;
-        while j < steps.len() && direct(&steps[j]) == host {
+        while j < steps.len() && steps[j].host == host {
             j += 1;
         }
         if host {
@@ -724,7 +573,7 @@ fn record(
                 steps.iter().enumerate().take(j).skip(i).filter_map(|(s, st)| st.weight.map(|w| (s, w))).collect();
             let forks: Vec<(usize, (u64, u64))> =
                 mms.iter().enumerate().map(|(k, &(_, w))| (if k > 0 { mms[k - 1].0 } else { i }, w)).collect();
-            let graph = GraphExec::capture(stream, fill, window, || {
+            let graph = GraphExec::capture(stream, fill, window, dump, || {
                 for (s, st) in steps.iter().enumerate().take(j).skip(i) {
                     if let Some(p) = prefetch {
                         let mut forked = false;
@@ -776,6 +625,9 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
             [table, ids].into_iter().chain(addends.iter().map(|(a, _)| a)).chain([gamma, beta, out]).collect()
         }
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
+        Thunk::QMatMul { a, w, out, .. } => vec![a, w, out],
+        Thunk::QGather { table, ids, out, .. } => vec![table, ids, out],
+        Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => vec![logits, fparams, iparams, history, position, out],
     }
 }
 
@@ -840,7 +692,7 @@ impl Executable for CudaExecutable {
         let t0 = Instant::now();
         self.dev.bind()?;
         let slot = &mut self.slots[si];
-        let synced = if self.spin_wait { slot.done.spin_wait() } else { slot.done.synchronize() };
+        let synced = slot.done.synchronize();
         slot.pending = None;
         synced?;
         let t1 = Instant::now();
@@ -915,17 +767,5 @@ impl Drop for CudaExecutable {
         if self.l2_window.is_some() {
             let _ = self.dev.reset_l2_persisting();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::split_list;
-
-    #[test]
-    fn env_lists_are_trimmed_and_skip_empty_items() {
-        assert_eq!(split_list(" layer_norm, attention ,,matmul_epilogue,"), ["layer_norm", "attention", "matmul_epilogue"]);
-        assert!(split_list(" , ").is_empty());
-        assert_eq!(split_list("matmul"), ["matmul"]);
     }
 }

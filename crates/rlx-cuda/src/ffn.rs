@@ -1,82 +1,38 @@
 //! The fused feed-forward block (kernels/ffn.cu) for at most 128 rows:
-//! FFN1 (+bias, erf-GELU), FFN2 (+bias) and the norm after them as fused
-//! kernels instead of cuBLASLt, the GELU epilogue, cuBLASLt and the norm.
+//! FFN1 (+bias, erf-GELU), FFN2 (+bias) and the norm after them as one
+//! kernel instead of cuBLASLt, the GELU epilogue, cuBLASLt and the norm.
 //!
 //! `find` picks the triples it can run: MatMul → MatMul → Norm where the
 //! first matmul's output feeds only the second, the second's only the norm
 //! (neither is read again before it is overwritten, nor is an output), the
 //! weights are stored `[out, in]` and (H, I) has a compiled kernel. `build`
-//! lowers one triple for a slot. Two kernels exist:
-//! - the cluster kernel (`ffn_<KB>_<IC>` + `ffn_norm`; bert-base's and
-//!   MiniLM's widths): 8-block clusters split I, sum FFN1's split-K and
-//!   exchange the intermediate through DSMEM, and write f32 shares of FFN2
-//!   to a workspace (shared by every fused block of an executable: they run
-//!   one after another on its stream) that the norm kernel sums;
-//! - the row split (`ffn_rows_<H>_<I>`, MiniLM's widths): 16-block clusters
-//!   over groups of at most 32 rows run the whole block and the norm, each
-//!   block 1/16 of I, FFN2's partials and the norm's statistics summed over
-//!   DSMEM. Where the block follows the attention's output projection and
-//!   its norm (MatMul [H, H] → Norm → triple), `ffn_rows_tail_<H>_<I>` runs
-//!   those two as well (five thunks): each block OC = H/16 columns of the
-//!   projection, norm1's statistics combined over DSMEM, and norm1's output
-//!   stored and pushed into every block of the cluster.
+//! lowers one for a slot.
 //!
-//! The row split with its tail is the default where it is compiled (sm_90+):
-//! on the H200 (bench/gpu-perf.md, session 12) MiniLM reads 112 / 122 / 129
-//! / 131 / 149 µs at 1×16 / 1×32 / 1×48 / 1×64 / 1×128 against 133 / 133 /
-//! 139 / 138 / 150 with cuBLASLt's kernels (20 kernels per forward instead
-//! of 50), and never measured slower. RLX_FFN_TAIL=0 leaves the tail out.
-//! The cluster kernel is opt-in: 197–203 µs against 150–154 at MiniLM 1×128,
-//! bert-base 625–642 against 370–374 (session 11). Its data movement is the
-//! cost: DSMEM exchanges (~10 KB per µs per block measured), the cluster
-//! barriers, the f32 shares through L2 (6.3 MB at bert-base) and two waves of
-//! clusters at bert-base (15 of its 16 fit at once). `set_ffn_fusion` or
-//! RLX_FFN (`0` none, `rows` the default, `1` = all, `clusters`) chooses;
-//! each loads kernels/ffn.cu on first use. Diagnostics: RLX_FFN_INFO=1
-//! prints the resident clusters at prepare; RLX_FFN_SKIP=bits leaves parts
-//! of the kernels out (wrong results, timing only; see `skip_bits`).
+//! The kernel is a row split (`ffn_rows_<H>_<I>`): 16-block clusters over
+//! groups of at most 32 rows run the whole block and the norm, each block
+//! 1/16 of I, FFN2's partials and the norm's statistics summed over DSMEM.
+//! Where the block follows the attention's output projection and its norm
+//! (MatMul [H, H] → Norm → triple), `ffn_rows_tail_<H>_<I>` runs those two
+//! as well (five thunks): each block OC = H/16 columns of the projection,
+//! norm1's statistics combined over DSMEM, and norm1's output stored and
+//! pushed into every block of the cluster. On sm_90+ it is the default
+//! (`CudaOptions::ffn_fusion`): at MiniLM's widths it measured faster than
+//! cuBLASLt's kernels at every row count up to 128 (20 kernels per 1×128
+//! forward instead of 50).
 
 use rlx_compile::operands::operands;
 use rlx_compile::{BufRef, MatMulThunk, Thunk};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
 
-use crate::launch::{suffix, Args, Bases, Kernels, Op, Step};
+use crate::launch::{suffix, Bases, Kernels, Op, Step};
+use crate::params::{i, FfnRowsP};
 
-/// Rows one fused block handles (one 128-row tile per cluster).
+/// Rows one fused block handles.
 const MAX_ROWS: usize = 128;
-/// Blocks per cluster: the K slices of FFN1 and the column slices of FFN2.
-const CLUSTER: usize = 8;
 
-/// A compiled variant of kernels/ffn.cu: hidden width H, intermediate I,
-/// intermediate columns per cluster and warps per block.
-struct Variant {
-    h: usize,
-    i: usize,
-    ic: usize,
-    warps: u32,
-}
-
-const VARIANTS: [Variant; 2] = [Variant { h: 768, i: 3072, ic: 192, warps: 16 }, Variant { h: 384, i: 1536, ic: 96, warps: 8 }];
-
-impl Variant {
-    fn kb(&self) -> usize {
-        self.h / CLUSTER
-    }
-    fn clusters(&self) -> usize {
-        self.i / self.ic
-    }
-    /// kernels/ffn.cu's FfnSmem::TOTAL.
-    fn smem(&self) -> u32 {
-        let (kb, ic) = (self.kb(), self.ic);
-        let (xp, hp) = (kb + 8, ic + 8);
-        let u = ((128 + ic) * xp * 2).max(128 * hp * 2);
-        (u + kb * hp * 2 + 128 * hp * 4 + ic * 2) as u32
-    }
-}
-
-/// A compiled width of the row-split kernel (kernels/ffn.cu `ffn_rows_*`):
-/// (H, I).
+/// The compiled widths of the row-split kernel (kernels/ffn.cu
+/// `ffn_rows_*`): (H, I).
 const ROW_VARIANTS: [(usize, usize); 1] = [(384, 1536)];
 /// Blocks per cluster of the row split (a non-portable size).
 const ROW_CLUSTER: usize = 16;
@@ -84,10 +40,8 @@ const ROW_CLUSTER: usize = 16;
 const ROW_TILE: usize = 32;
 /// Rows per row-split group to aim for (as many groups as that takes, up to
 /// the clusters that fit at once): a cluster's DSMEM partials and epilogue
-/// grow with its rows. H200, MiniLM replay µs at 1×16 / 1×32 / 1×48 / 1×64
-/// (bench/gpu-perf.md, session 12): 8 rows 122 / 124 / 131 / 136–137, 12
-/// rows 122–123 / 125–126 / 128 / 134, 16 rows 125 / 128 / 130 / 136; 24 and
-/// 32 were slower still (1×64: 141 and 146).
+/// grow with its rows; 12 measured best on the H200 between 1×16 and 1×64
+/// (8 to 32 were tried).
 const GROUP_ROWS: usize = 12;
 
 /// kernels/ffn.cu's FfnRowsSmem::TOTAL.
@@ -104,64 +58,9 @@ fn tail_smem(h: usize) -> u32 {
     (32 * (h + 8) * 2) as u32
 }
 
-/// Which feed-forward blocks run as fused kernels (`set_ffn_fusion`, RLX_FFN).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FfnFusion {
-    /// None (RLX_FFN=0).
-    Off,
-    /// The row split where it is compiled (H 384, I 1536), nothing else (the
-    /// default; RLX_FFN=rows).
-    Rows,
-    /// The row split where it is compiled, the cluster kernel elsewhere (RLX_FFN=1).
-    All,
-    /// The cluster kernel only (RLX_FFN=clusters; A/B measurements).
-    Clusters,
-}
-
-static MODE: std::sync::Mutex<Option<FfnFusion>> = std::sync::Mutex::new(None);
-
-/// Sets which feed-forward blocks later prepares fuse (overrides `RLX_FFN`).
-pub fn set_ffn_fusion(mode: FfnFusion) {
-    if let Ok(mut g) = MODE.lock() {
-        *g = Some(mode);
-    }
-}
-
-fn mode() -> FfnFusion {
-    if let Some(m) = MODE.lock().ok().and_then(|g| *g) {
-        return m;
-    }
-    match std::env::var("RLX_FFN").ok().as_deref().map(str::trim) {
-        Some("1" | "on" | "true" | "yes" | "all") => FfnFusion::All,
-        Some("rows") => FfnFusion::Rows,
-        Some("clusters") => FfnFusion::Clusters,
-        Some("0" | "off" | "false" | "no") => FfnFusion::Off,
-        None | Some("") => FfnFusion::Rows,
-        Some(other) => {
-            // A typo must not silently measure something else.
-            eprintln!("rlx-cuda: RLX_FFN={other:?} is not one of 0, rows, 1, clusters; using the default (rows)");
-            FfnFusion::Rows
-        }
-    }
-}
-
-/// RLX_FFN_SKIP=bits (timing diagnostic, wrong results): parts of the
-/// fused kernels left out. Cluster kernel: 1 the cluster reduction, 2
-/// FFN1's multiply, 4 FFN2, 8 the weight loads, 16 the cluster barriers, 32
-/// the reduction's remote stores, 64 its remote loads, 128 the workspace
-/// stores. Row split: 1 the remote loads of FFN2's partials, 2 those of the
-/// norm's statistics, 4 the weight loads, 8 FFN1's multiply, 16 FFN2's; 32
-/// (results unchanged) copies W2 before the programmatic-launch wait rather
-/// than after X.
-fn skip_bits() -> i64 {
-    std::env::var("RLX_FFN_SKIP").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0)
-}
-
 /// The kernel a fused block runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {
-    /// `ffn_<KB>_<IC>` + `ffn_norm`: VARIANTS[i].
-    Clusters(usize),
     /// `ffn_rows_<H>_<I>`: the feed-forward block and the norm in one kernel.
     Rows,
     /// `ffn_rows_tail_<H>_<I>`: also the attention's output projection and
@@ -186,12 +85,6 @@ impl Fusion {
             3
         }
     }
-}
-
-/// RLX_FFN_TAIL=0 (A/B): the row split without the output projection and
-/// its norm.
-fn tail_enabled() -> bool {
-    std::env::var("RLX_FFN_TAIL").map(|v| v.trim() != "0").unwrap_or(true)
 }
 
 /// `w` may be written (by the block that owns its rows and columns, after
@@ -242,16 +135,6 @@ fn tail(thunks: &[Thunk], i: usize, ffn: &MatMulThunk, norm2_out: &BufRef, outpu
         && matches!((&thunks[i + 3], &thunks[i + 4]), (Thunk::MatMul(f2), Thunk::Norm { residual: r2, .. })
             if same_or_apart(out, f2.residual.as_ref()) && same_or_apart(out, r2.as_ref()))
         && (*out == o.out || dead_after(thunks, i + 1, &o.out, outputs))
-}
-
-fn kernel_for(m: &MatMulThunk, mode: FfnFusion) -> Option<Kernel> {
-    let rows = ROW_VARIANTS.contains(&(m.k, m.n)) && matches!(mode, FfnFusion::Rows | FfnFusion::All);
-    let clusters = VARIANTS.iter().position(|v| v.h == m.k && v.i == m.n).filter(|_| matches!(mode, FfnFusion::All | FfnFusion::Clusters));
-    if rows {
-        Some(Kernel::Rows)
-    } else {
-        clusters.map(Kernel::Clusters)
-    }
 }
 
 /// The first matmul: [rows, H] · W1ᵀ + b1, erf-GELU, rows contiguous.
@@ -308,18 +191,14 @@ fn dead_after(thunks: &[Thunk], after: usize, buf: &BufRef, outputs: &[BufRef]) 
     !outputs.iter().any(|o| read(&live, o, o.bytes))
 }
 
-/// The triples the fused kernels can run (none when turned off or before
-/// sm_90, which the clusters need).
+/// The blocks the fused kernel can run (none before sm_90, which the
+/// clusters need).
 pub(crate) fn find(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32) -> Vec<Fusion> {
-    find_with(thunks, outputs, cc_major, mode())
-}
-
-fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusion) -> Vec<Fusion> {
-    if cc_major < 9 || mode == FfnFusion::Off {
+    if cc_major < 9 {
         return Vec::new();
     }
-    // The feed-forward triple at i, and the kernel that runs it.
-    let triple = |i: usize| -> Option<(Kernel, &MatMulThunk, &BufRef)> {
+    // The feed-forward triple at i: its first matmul and the norm's output.
+    let triple = |i: usize| -> Option<(&MatMulThunk, &BufRef)> {
         let (Thunk::MatMul(a), Thunk::MatMul(b), Thunk::Norm { dtype, rows, cols, x, residual, out, .. }) =
             (thunks.get(i)?, thunks.get(i + 1)?, thunks.get(i + 2)?)
         else {
@@ -339,21 +218,20 @@ fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusio
             && same_or_apart(out, residual.as_ref())
             && dead_after(thunks, i + 1, &a.out, outputs)
             && dead_after(thunks, i + 2, &b.out, outputs);
-        ok.then(|| kernel_for(a, mode)).flatten().map(|k| (k, a, out))
+        (ok && ROW_VARIANTS.contains(&(a.k, a.n))).then_some((a, out))
     };
-    let tails = tail_enabled();
     let mut found = Vec::new();
     let mut i = 0;
     while i + 2 < thunks.len() {
-        if let (true, Some((Kernel::Rows, a, out))) = (tails, triple(i + 2)) {
+        if let Some((a, out)) = triple(i + 2) {
             if tail(thunks, i, a, out, outputs) {
                 found.push(Fusion { start: i, kernel: Kernel::RowsTail });
                 i += 5;
                 continue;
             }
         }
-        if let Some((kernel, ..)) = triple(i) {
-            found.push(Fusion { start: i, kernel });
+        if triple(i).is_some() {
+            found.push(Fusion { start: i, kernel: Kernel::Rows });
             i += 3;
             continue;
         }
@@ -362,23 +240,10 @@ fn find_with(thunks: &[Thunk], outputs: &[BufRef], cc_major: i32, mode: FfnFusio
     found
 }
 
-/// Bytes of the f32 workspace the fused blocks of `thunks` need (0 when none).
-pub(crate) fn workspace_bytes(thunks: &[Thunk], fusions: &[Fusion]) -> u64 {
-    fusions
-        .iter()
-        .map(|f| match (&thunks[f.start], f.kernel) {
-            (Thunk::MatMul(m), Kernel::Clusters(v)) => (VARIANTS[v].clusters() * m.batch * m.m * m.k * 4) as u64,
-            _ => 0,
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// The launch steps of one fused triple for a slot (the row split's one
-/// kernel, or the cluster kernel and its norm), or None when an operand is
-/// not aligned or the row groups do not fit at once (the thunks then lower
-/// as usual).
-pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64) -> Result<Option<Vec<Step>>> {
+/// The launch step of one fused block for a slot, or None when an operand
+/// is not aligned or the row groups do not fit at once (the thunks then
+/// lower as usual). `trace`: print the grouping.
+pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, trace: bool) -> Result<Option<Vec<Step>>> {
     let t0 = f.start + f.thunks() - 3;
     let (Thunk::MatMul(m1), Thunk::MatMul(m2), Thunk::Norm { rms, eps, x: _, residual, gamma, beta, out, .. }) =
         (&thunks[t0], &thunks[t0 + 1], &thunks[t0 + 2])
@@ -393,7 +258,7 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
     // Every pointer and row 16 bytes aligned (8 for the norm's 4-wide loads
     // of the residuals, b2, gamma, beta and out).
     let row_bytes = m1.lda * m1.dtype.size() as u64;
-    if !(x | w1 | w2 | b1 | ws | row_bytes).is_multiple_of(16) || !(b2 | res1 | res2 | g | bt | o).is_multiple_of(8) {
+    if !(x | w1 | w2 | b1 | row_bytes).is_multiple_of(16) || !(b2 | res1 | res2 | g | bt | o).is_multiple_of(8) {
         return Ok(None);
     }
     let rows = (m1.batch * m1.m) as u64;
@@ -408,105 +273,69 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, ws: u64
             return Ok(None);
         }
     };
-    let info = std::env::var("RLX_FFN_INFO").is_ok();
-    let v = match f.kernel {
-        Kernel::Clusters(_) if ws == 0 => return Ok(None),
-        Kernel::Clusters(v) => &VARIANTS[v],
-        Kernel::Rows | Kernel::RowsTail => {
-            let (h, i) = (m1.k, m1.n);
-            // The tail's output projection and norm1, or zeros.
-            let mut tail_args = Args::default();
-            let mut smem = row_smem(h, i);
-            let name = if f.kernel == Kernel::RowsTail {
-                let (Thunk::MatMul(mo), Thunk::Norm { rms: rms1, eps: eps1, residual: r1, gamma: g1, beta: be1, out: out1, .. }) =
-                    (&thunks[f.start], &thunks[f.start + 1])
-                else {
-                    return Ok(None);
-                };
-                let (xa, wo, bo) = (b.ptr(&mo.a)?, b.ptr(&mo.b)?, opt(mo.bias.as_ref())?);
-                let (r0a, r0, g1, be1, o1) = (opt(mo.residual.as_ref())?, opt(r1.as_ref())?, b.ptr(g1)?, opt(be1.as_ref())?, b.ptr(out1)?);
-                // 16-byte copies of every operand and of each block's 48-byte
-                // column slices; 4-byte stores of norm1's output.
-                let a_row = mo.lda * mo.dtype.size() as u64;
-                if !(xa | wo | bo | r0a | r0 | g1 | be1 | a_row).is_multiple_of(16) || !o1.is_multiple_of(4) {
-                    return Ok(None);
-                }
-                tail_args = tail_args.p(xa).p(wo).p(bo).p(r0a).p(r0).p(g1).p(be1).p(o1).p(mo.lda).i(*rms1 as i64).f(*eps1 as f64);
-                smem += tail_smem(h);
-                format!("ffn_rows_tail_{h}_{i}_{sfx}")
-            } else {
-                // Eleven words of null pointers and zeros (0.0 is all zero bits).
-                tail_args = Args(vec![0; 11]);
-                format!("ffn_rows_{h}_{i}_{sfx}")
-            };
-            let func = own.get(&name)?;
-            func.set_max_dynamic_smem(smem)?;
-            // Groups of about GROUP_ROWS rows (RLX_FFN_GROUP_ROWS for A/B), as
-            // many as fit at once (one wave), each at most ROW_TILE rows;
-            // else (or where 16-block clusters are refused) the thunks lower
-            // as usual.
-            let aim = std::env::var("RLX_FFN_GROUP_ROWS").ok().and_then(|v| v.trim().parse::<usize>().ok());
-            let aim = aim.unwrap_or(GROUP_ROWS).clamp(1, ROW_TILE);
-            let want = (rows as usize).div_ceil(aim);
-            let fit = match func.allow_non_portable_clusters() {
-                Ok(()) => func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32).unwrap_or(0) as usize,
-                Err(_) => 0,
-            };
-            let groups = want.min(fit);
-            let per = if groups == 0 { usize::MAX } else { (rows as usize).div_ceil(groups) };
-            if info {
-                eprintln!("rlx-cuda ffn rows {h}x{i}: {rows} rows, {fit} clusters of {ROW_CLUSTER} fit, {groups} groups of {per} rows");
-            }
-            if per > ROW_TILE {
-                return Ok(None);
-            }
-            let args = Args::default()
-                .p(x)
-                .p(w1)
-                .p(b1)
-                .p(w2)
-                .p(b2)
-                .p(res1)
-                .p(res2)
-                .p(g)
-                .p(bt)
-                .p(o)
-                .i(rows)
-                .p(m1.lda)
-                .i(per)
-                .i(*rms as i64)
-                .f(*eps as f64)
-                .i(skip_bits())
-                .extend(tail_args);
-            let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
-            let op = Op::Kernel { func, grid, block: 256, smem, cluster: [ROW_CLUSTER as u32, 1, 1], args: args.0 };
-            return Ok(Some(vec![Step::new(op, "ffn")]));
-        }
+    let (h, n_i) = (m1.k, m1.n);
+    let mut p = FfnRowsP {
+        x,
+        w1,
+        b1,
+        w2,
+        b2,
+        res1,
+        res2,
+        gamma: g,
+        beta: bt,
+        out: o,
+        m: rows as i64,
+        lda: m1.lda as i64,
+        rms: *rms as i64,
+        eps: *eps as f64,
+        // The tail's fields: zeros unless set below.
+        ..Default::default()
     };
-    let func = own.get(&format!("ffn_{}_{}_{sfx}", v.kb(), v.ic))?;
-    let smem = v.smem();
+    let mut smem = row_smem(h, n_i);
+    let name = if f.kernel == Kernel::RowsTail {
+        let (Thunk::MatMul(mo), Thunk::Norm { rms: rms1, eps: eps1, residual: r1, gamma: g1, beta: be1, out: out1, .. }) =
+            (&thunks[f.start], &thunks[f.start + 1])
+        else {
+            return Ok(None);
+        };
+        let (xa, wo, bo) = (b.ptr(&mo.a)?, b.ptr(&mo.b)?, opt(mo.bias.as_ref())?);
+        let (r0a, r0, g1, be1, o1) = (opt(mo.residual.as_ref())?, opt(r1.as_ref())?, b.ptr(g1)?, opt(be1.as_ref())?, b.ptr(out1)?);
+        // 16-byte copies of every operand and of each block's 48-byte
+        // column slices; 4-byte stores of norm1's output.
+        let a_row = mo.lda * mo.dtype.size() as u64;
+        if !(xa | wo | bo | r0a | r0 | g1 | be1 | a_row).is_multiple_of(16) || !o1.is_multiple_of(4) {
+            return Ok(None);
+        }
+        (p.xa, p.wo, p.bo, p.res0a, p.res0, p.g1, p.be1, p.out1) = (xa, wo, bo, r0a, r0, g1, be1, o1);
+        (p.lda_a, p.rms1, p.eps1) = (mo.lda as i64, *rms1 as i64, *eps1 as f64);
+        smem += tail_smem(h);
+        format!("ffn_rows_tail_{h}_{n_i}_{sfx}")
+    } else {
+        format!("ffn_rows_{h}_{n_i}_{sfx}")
+    };
+    let func = own.get(&name)?;
     func.set_max_dynamic_smem(smem)?;
-    let args = Args::default().p(x).p(w1).p(b1).p(w2).p(ws).i(rows).i(v.h).i(v.i).p(m1.lda).i(skip_bits());
-    let grid = [(v.clusters() * CLUSTER) as u32, 1, 1];
-    if info {
-        let active = func.max_active_clusters(grid[0], 32 * v.warps, smem, CLUSTER as u32)?;
-        eprintln!(
-            "rlx-cuda ffn {}x{}: {} clusters of {CLUSTER}, {} resident at once, {} blocks/SM",
-            v.h,
-            v.i,
-            v.clusters(),
-            active,
-            func.max_blocks_per_sm(32 * v.warps, smem)?,
-        );
+    // Groups of about GROUP_ROWS rows, as many as fit at once (one wave),
+    // each at most ROW_TILE rows; else (or where 16-block clusters are
+    // refused) the thunks lower as usual.
+    let want = (rows as usize).div_ceil(GROUP_ROWS);
+    let fit = match func.allow_non_portable_clusters() {
+        Ok(()) => func.max_active_clusters((ROW_CLUSTER * want) as u32, 256, smem, ROW_CLUSTER as u32).unwrap_or(0) as usize,
+        Err(_) => 0,
+    };
+    let groups = want.min(fit);
+    let per = if groups == 0 { usize::MAX } else { (rows as usize).div_ceil(groups) };
+    if trace {
+        eprintln!("rlx-cuda ffn rows {h}x{n_i}: {rows} rows, {fit} clusters of {ROW_CLUSTER} fit, {groups} groups of {per} rows");
     }
-    let fused = Step::new(Op::Kernel { func, grid, block: 32 * v.warps, smem, cluster: [CLUSTER as u32, 1, 1], args: args.0 }, "ffn");
-    let args = Args::default().p(ws).p(b2).p(res1).p(res2).p(g).p(bt).p(o).i(rows).i(v.h).i(v.clusters()).i(*rms as i64).f(*eps as f64);
-    let func = own.get(&format!("ffn_norm_{sfx}"))?;
-    let norm = Step::new(
-        Op::Kernel { func, grid: [rows as u32, 1, 1], block: (v.h / 4) as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
-        thunks[f.start + 2].kind(),
-    );
-    Ok(Some(vec![fused, norm]))
+    if per > ROW_TILE {
+        return Ok(None);
+    }
+    p.rows = i(per);
+    let grid = [(ROW_CLUSTER * groups) as u32, 1, 1];
+    let op = Op::kernel(func, grid, 256, smem, [ROW_CLUSTER as u32, 1, 1], &p)?;
+    Ok(Some(vec![Step::new(op, "ffn")]))
 }
 
 #[cfg(test)]
@@ -562,48 +391,36 @@ mod tests {
     }
 
     #[test]
-    fn finds_bert_and_minilm_blocks_and_nothing_else() {
-        for (h, i, variant) in [(768, 3072, 0), (384, 1536, 1)] {
-            let (t, [.., out]) = block(128, h, i, Some(Activation::Gelu));
-            assert_eq!(find_with(&t, &[out], 9, FfnFusion::Clusters), vec![Fusion { start: 0, kernel: Kernel::Clusters(variant) }]);
-            // Before sm_90 (no clusters): nothing.
-            assert!(find_with(&t, &[out], 8, FfnFusion::All).is_empty());
-        }
-        // 129 rows, the tanh GELU, a width without a compiled kernel.
-        for (rows, h, i, act) in
-            [(129, 384, 1536, Activation::Gelu), (64, 384, 1536, Activation::GeluTanh), (64, 256, 1024, Activation::Gelu)]
-        {
+    fn finds_minilm_blocks_and_nothing_else() {
+        let (t, [.., out]) = block(128, 384, 1536, Some(Activation::Gelu));
+        assert_eq!(find(&t, &[out], 9), vec![Fusion { start: 0, kernel: Kernel::Rows }]);
+        // Before sm_90 (no clusters): nothing.
+        assert!(find(&t, &[out], 8).is_empty());
+        // 129 rows, the tanh GELU, widths without a compiled kernel.
+        for (rows, h, i, act) in [
+            (129, 384, 1536, Activation::Gelu),
+            (64, 384, 1536, Activation::GeluTanh),
+            (64, 256, 1024, Activation::Gelu),
+            (128, 768, 3072, Activation::Gelu),
+        ] {
             let (t, [.., out]) = block(rows, h, i, Some(act));
-            assert!(find_with(&t, &[out], 9, FfnFusion::Clusters).is_empty(), "{rows} {h} {i} {act:?}");
+            assert!(find(&t, &[out], 9).is_empty(), "{rows} {h} {i} {act:?}");
         }
-    }
-
-    #[test]
-    fn modes_pick_the_kernels() {
-        let (mini, [.., out]) = block(128, 384, 1536, Some(Activation::Gelu));
-        let (bert, [.., bout]) = block(128, 768, 3072, Some(Activation::Gelu));
-        let kernels = |t: &[Thunk], o: BufRef, m| find_with(t, &[o], 9, m).iter().map(|f| f.kernel).collect::<Vec<_>>();
-        assert_eq!(kernels(&mini, out, FfnFusion::Off), []);
-        assert_eq!(kernels(&mini, out, FfnFusion::Rows), [Kernel::Rows]);
-        assert_eq!(kernels(&bert, bout, FfnFusion::Rows), []);
-        assert_eq!(kernels(&mini, out, FfnFusion::All), [Kernel::Rows]);
-        assert_eq!(kernels(&bert, bout, FfnFusion::All), [Kernel::Clusters(0)]);
-        assert_eq!(kernels(&mini, out, FfnFusion::Clusters), [Kernel::Clusters(1)]);
     }
 
     #[test]
     fn intermediates_read_later_or_returned_are_not_fused() {
         let (mut t, [x, hb, y, out]) = block(32, 384, 1536, Some(Activation::Gelu));
         // FFN1's output is a graph output, or FFN2's is read after the norm.
-        assert!(find_with(&t, &[out, hb], 9, FfnFusion::All).is_empty());
+        assert!(find(&t, &[out, hb], 9).is_empty());
         let later = Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: y, out: x };
         t.push(later.clone());
-        assert!(find_with(&t, &[out], 9, FfnFusion::Clusters).is_empty());
+        assert!(find(&t, &[out], 9).is_empty());
         // Overwritten first, then read: dead, so fused.
         let (mut t, [x, _, y, out]) = block(32, 384, 1536, Some(Activation::Gelu));
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: out, out: y });
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: y, out: x });
-        assert_eq!(find_with(&t, &[x], 9, FfnFusion::All).len(), 1);
+        assert_eq!(find(&t, &[x], 9).len(), 1);
         // A later tensor over part of FFN1's output, written then read (as
         // the arena planner reuses memory): still dead. Reading the part not
         // overwritten is not.
@@ -611,9 +428,9 @@ mod tests {
         let part = buf(hb.offset + 4096, 32 * 384 * 2);
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: out, out: part });
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 32 * 384, x: part, out: x });
-        assert_eq!(find_with(&t, &[x], 9, FfnFusion::All).len(), 1);
+        assert_eq!(find(&t, &[x], 9).len(), 1);
         t.push(Thunk::Activation { act: Activation::Relu, dtype: DType::F16, n: 1024, x: buf(hb.offset, 2048), out: x });
-        assert!(find_with(&t, &[x], 9, FfnFusion::All).is_empty());
+        assert!(find(&t, &[x], 9).is_empty());
     }
 
     #[test]
@@ -624,14 +441,10 @@ mod tests {
             serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
         // The row split takes each layer's output projection and its norm
-        // too (the norm writes over the projection's input here); the
-        // cluster kernel only the feed-forward block.
-        let found = find_with(&s.thunks, &outputs, 9, FfnFusion::All);
+        // too (the norm writes over the projection's input here).
+        let found = find(&s.thunks, &outputs, 9);
         assert_eq!(found.iter().map(|f| f.start).collect::<Vec<_>>(), [3, 10, 17, 24, 31, 38]);
         assert!(found.iter().all(|f| f.kernel == Kernel::RowsTail && f.thunks() == 5));
-        let clusters = find_with(&s.thunks, &outputs, 9, FfnFusion::Clusters);
-        assert_eq!(clusters.iter().map(|f| f.start).collect::<Vec<_>>(), [5, 12, 19, 26, 33, 40]);
-        assert!(clusters.iter().all(|f| f.kernel == Kernel::Clusters(1)));
     }
 
     /// The output projection and its norm before `block`'s triple: A (the
@@ -665,9 +478,9 @@ mod tests {
     #[test]
     fn the_row_split_takes_the_output_projection_and_its_norm() {
         let (t, [a, yo, x0, out]) = tail_block(64);
-        assert_eq!(find_with(&t, &[out], 9, FfnFusion::Rows), [Fusion { start: 0, kernel: Kernel::RowsTail }]);
+        assert_eq!(find(&t, &[out], 9), [Fusion { start: 0, kernel: Kernel::RowsTail }]);
         // The projection's output read later: only the triple.
-        assert_eq!(find_with(&t, &[out, yo], 9, FfnFusion::Rows), [Fusion { start: 2, kernel: Kernel::Rows }]);
+        assert_eq!(find(&t, &[out, yo], 9), [Fusion { start: 2, kernel: Kernel::Rows }]);
         // Norm1 in place over the projection's input or its residual: still the tail.
         for over in [a, x0] {
             let mut t2 = t.clone();
@@ -680,7 +493,7 @@ mod tests {
             if let Thunk::Norm { residual, .. } = &mut t2[4] {
                 *residual = Some(over);
             }
-            assert_eq!(find_with(&t2, &[out], 9, FfnFusion::Rows)[0].kernel, Kernel::RowsTail, "{over:?}");
+            assert_eq!(find(&t2, &[out], 9)[0].kernel, Kernel::RowsTail, "{over:?}");
         }
         // Norm1's output over part of the projection's input: not the tail.
         let shifted = buf(a.offset + 768, a.bytes as usize);
@@ -694,9 +507,7 @@ mod tests {
         if let Thunk::Norm { residual, .. } = &mut t3[4] {
             *residual = Some(shifted);
         }
-        assert!(find_with(&t3, &[out], 9, FfnFusion::Rows).iter().all(|f| f.kernel != Kernel::RowsTail));
-        // The cluster kernel has no tail.
-        assert_eq!(find_with(&t, &[out], 9, FfnFusion::Clusters), [Fusion { start: 2, kernel: Kernel::Clusters(1) }]);
+        assert!(find(&t3, &[out], 9).iter().all(|f| f.kernel != Kernel::RowsTail));
         // The block's second norm reading a residual that norm1's output
         // partly overwrites: neither the tail nor the triple.
         let mut t4 = t.clone();
@@ -709,7 +520,7 @@ mod tests {
         if let Thunk::MatMul(m) = &mut t4[2] {
             m.a = buf(x0.offset + 768, x0.bytes as usize);
         }
-        assert!(find_with(&t4, &[out], 9, FfnFusion::Rows).iter().all(|f| f.kernel != Kernel::RowsTail));
+        assert!(find(&t4, &[out], 9).iter().all(|f| f.kernel != Kernel::RowsTail));
     }
 
     #[test]
@@ -720,22 +531,18 @@ mod tests {
         if let Thunk::Norm { out: o, .. } = &mut same[2] {
             *o = x;
         }
-        assert_eq!(find_with(&same, &[x], 9, FfnFusion::Rows).len(), 1);
+        assert_eq!(find(&same, &[x], 9).len(), 1);
         // Shifted by one row: not fused.
         let mut shifted = t.clone();
         if let Thunk::Norm { out: o, .. } = &mut shifted[2] {
             *o = buf(x.offset + 768, x.bytes as usize);
         }
-        assert!(find_with(&shifted, &[out], 9, FfnFusion::Rows).is_empty());
+        assert!(find(&shifted, &[out], 9).is_empty());
     }
 
     #[test]
     fn shared_memory_matches_the_kernel_layout() {
-        // kernels/ffn.cu: X and W1 (reused by the intermediate), W2, the f32 partial, b1.
-        assert_eq!(VARIANTS[0].smem(), (128 + 192) * 104 * 2 + 96 * 200 * 2 + 128 * 200 * 4 + 192 * 2);
-        assert_eq!(VARIANTS[1].smem(), 128 * 104 * 2 + 48 * 104 * 2 + 128 * 104 * 4 + 96 * 2);
-        assert!(VARIANTS.iter().all(|v| v.smem() <= 227 * 1024 && v.i % v.ic == 0 && v.h % (8 * 16) == 0));
-        // The row split: X and W1 (the f32 partial reuses them), W2, H, b1,
+        // X and W1 (the f32 partial reuses them), W2, H, b1,
         // statistics, per-thread sums, FFN1's second K half.
         assert_eq!(
             row_smem(384, 1536),

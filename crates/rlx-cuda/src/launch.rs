@@ -14,8 +14,9 @@ use rlx_runtime::Result;
 use crate::blas::{Blas, MatMulCall, MatMulPlan};
 use crate::driver::{self, err, Device, Func, Module, Stream};
 use crate::hostops::HostTask;
+use crate::options::CudaOptions;
+use crate::params::{self, arr, i, KernelParams, Params, COPY_MANY, MAX_RANK};
 
-pub(crate) const MAX_RANK: usize = 8;
 const BLOCK: u32 = 256;
 
 pub(crate) fn dtype_code(d: DType) -> i64 {
@@ -25,6 +26,7 @@ pub(crate) fn dtype_code(d: DType) -> i64 {
         DType::BF16 => 2,
         DType::I32 => 3,
         DType::I64 => 4,
+        DType::U8 => 5,
     }
 }
 
@@ -47,37 +49,6 @@ pub(crate) fn suffix(d: DType) -> &'static str {
     }
 }
 
-/// A kernel's parameter struct as 8-byte words (see kernels/common.cuh).
-#[derive(Default)]
-pub(crate) struct Args(pub(crate) Vec<u64>);
-
-impl Args {
-    pub(crate) fn p(mut self, v: u64) -> Self {
-        self.0.push(v);
-        self
-    }
-    pub(crate) fn i(mut self, v: impl TryInto<i64>) -> Self {
-        self.0.push(v.try_into().unwrap_or(i64::MAX) as u64);
-        self
-    }
-    pub(crate) fn f(mut self, v: f64) -> Self {
-        self.0.push(v.to_bits());
-        self
-    }
-    /// `more`'s words after these.
-    pub(crate) fn extend(mut self, more: Args) -> Self {
-        self.0.extend(more.0);
-        self
-    }
-    /// A fixed `i64[MAX_RANK]` array, zero padded.
-    fn arr(mut self, v: impl IntoIterator<Item = u64>) -> Self {
-        let mut a: Vec<u64> = v.into_iter().take(MAX_RANK).collect();
-        a.resize(MAX_RANK, 0);
-        self.0.extend(a);
-        self
-    }
-}
-
 /// One thing to enqueue on the stream.
 pub(crate) enum Op {
     Kernel {
@@ -88,14 +59,9 @@ pub(crate) enum Op {
         smem: u32,
         /// Thread-block cluster dimensions ([1, 1, 1]: no cluster).
         cluster: [u32; 3],
-        args: Vec<u64>,
+        params: Params,
     },
     MatMul(MatMulCall),
-    Memset32 {
-        ptr: u64,
-        value: u32,
-        n: usize,
-    },
     HtoD {
         dst: u64,
         src: *const u8,
@@ -110,6 +76,16 @@ pub(crate) enum Op {
     Host(Box<HostTask>),
 }
 
+impl Op {
+    /// A launch of `func` with the twin `p` of its parameter struct; an
+    /// error when the driver reports another parameter size for `func`.
+    pub fn kernel<T: KernelParams>(func: Func, grid: [u32; 3], block: u32, smem: u32, cluster: [u32; 3], p: &T) -> Result<Op> {
+        let params = Params::new(p);
+        func.check(&params)?;
+        Ok(Op::Kernel { func, grid, block, smem, cluster, params })
+    }
+}
+
 pub(crate) struct Step {
     pub op: Op,
     /// Host-side steps split replay segments.
@@ -119,9 +95,6 @@ pub(crate) struct Step {
     /// Launch as a programmatic dependent of the previous kernel (set by
     /// `mark_pdl`; kernels only).
     pub pdl: bool,
-    /// Cooperative launch: the driver guarantees that every block is
-    /// resident at once (the layer program's grid barrier needs it).
-    pub cooperative: bool,
     /// The weight bytes (address, length) a matmul step reads: a recorded
     /// graph prefetches them into L2 beside the forward (exec.rs `record`).
     pub weight: Option<(u64, u64)>,
@@ -132,7 +105,7 @@ unsafe impl Send for Step {}
 
 impl Step {
     pub fn new(op: Op, kind: &'static str) -> Step {
-        Step { op, host: false, kind, pdl: false, cooperative: false, weight: None }
+        Step { op, host: false, kind, pdl: false, weight: None }
     }
     pub fn is_kernel(&self) -> bool {
         matches!(self.op, Op::Kernel { .. } | Op::MatMul(_))
@@ -144,11 +117,8 @@ impl Step {
     /// timing events between steps).
     pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, smem, cluster, args } => {
-                func.launch(s, *grid, *block, *smem, *cluster, args, pdl && self.pdl, self.cooperative)
-            }
+            Op::Kernel { func, grid, block, smem, cluster, params } => func.launch(s, *grid, *block, *smem, *cluster, params, pdl && self.pdl),
             Op::MatMul(call) => call.enqueue(s),
-            Op::Memset32 { ptr, value, n } => driver::memset_d32_async(*ptr, *value, *n, s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
             Op::DtoH { dst, src, bytes } => driver::memcpy_dtoh_async(*dst, *src, *bytes, s),
             Op::Host(task) => driver::launch_host(s, task.as_ref() as *const HostTask),
@@ -191,9 +161,9 @@ impl Bases {
 /// Compiles (or reads from the disk cache) the files, all at once, and
 /// loads them as modules on the device: their functions by name. Modules
 /// live for the process (every executable uses their functions).
-pub(crate) fn load_modules(dev: &Device, files: &[crate::nvrtc::Source]) -> Result<HashMap<String, Func>> {
+pub(crate) fn load_modules(dev: &Device, files: &[crate::nvrtc::Source], opts: &CudaOptions) -> Result<HashMap<String, Func>> {
     let mut funcs = HashMap::new();
-    for cubin in crate::nvrtc::compile_many(files)? {
+    for cubin in crate::nvrtc::compile_many(files, opts)? {
         let module: &'static Module = Box::leak(Box::new(Module::load(dev, &cubin)?));
         funcs.extend(module.functions()?);
     }
@@ -204,37 +174,30 @@ pub(crate) fn load_modules(dev: &Device, files: &[crate::nvrtc::Source]) -> Resu
 pub(crate) struct Kernels {
     funcs: HashMap<String, Func>,
     pub sm_count: u32,
-    /// Thread-block clusters (sm_90+): the own matmul needs them.
-    pub clusters: bool,
     dev: Arc<Device>,
-    /// The own matmul's functions, loaded on first use (`own_gemm`); a
+    /// How kernels compile (cache folder, headers): the options the device
+    /// was opened with.
+    compile: CudaOptions,
+    /// The fused feed-forward kernels, loaded on first use (`ffn`); a
     /// failure is kept as its message and repeated to every caller.
-    gemm: OnceLock<std::result::Result<OwnGemm, String>>,
-    /// The fused feed-forward kernels, loaded on first use (`ffn`), the same way.
-    ffn: OnceLock<std::result::Result<OwnGemm, String>>,
+    ffn: OnceLock<std::result::Result<LazyModule, String>>,
 }
 
-/// Kernels loaded on first use: the own matmul's (kernels/gemm.cu, and
-/// kernels/gemm_wgmma.cu on cc 9.0), or the fused feed-forward block's
-/// (kernels/ffn.cu).
-pub(crate) struct OwnGemm {
+/// Kernels compiled and loaded on first use: the fused feed-forward
+/// block's (kernels/ffn.cu), which only some schedules run.
+pub(crate) struct LazyModule {
     funcs: HashMap<String, Func>,
-    /// The sm_90a wgmma + TMA matmul was loaded.
-    pub wgmma: bool,
 }
 
-impl OwnGemm {
+impl LazyModule {
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
-        self.funcs
-            .get(name)
-            .copied()
-            .ok_or_else(|| err(format!("kernel {name} is not in the lazily loaded modules (own matmul or fused feed-forward)")))
+        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the fused feed-forward module")))
     }
 }
 
 impl Kernels {
-    pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>) -> Kernels {
-        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, clusters: dev.cc.0 >= 9, dev, gemm: OnceLock::new(), ffn: OnceLock::new() }
+    pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>, compile: CudaOptions) -> Kernels {
+        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, dev, compile, ffn: OnceLock::new() }
     }
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
@@ -247,25 +210,13 @@ impl Kernels {
         let lt = crate::blas::cublaslt_version().unwrap_or(0);
         format!("{} cc {}.{} sms {} driver {driver} cublasLt {lt}", d.name, d.cc.0, d.cc.1, d.sm_count)
     }
-    pub(crate) fn own_gemm_loaded(&self) -> bool {
-        matches!(self.gemm.get(), Some(Ok(_)))
-    }
-    /// The own matmul, compiled (or read from the disk cache) and loaded the
-    /// first time a matmul policy needs it (src/gemm.rs).
-    pub(crate) fn own_gemm(&self) -> Result<&OwnGemm> {
-        let loaded = self.gemm.get_or_init(|| {
-            let funcs = load_modules(&self.dev, &crate::nvrtc::gemm_sources_for(self.dev.cc)).map_err(|e| e.to_string())?;
-            let wgmma = funcs.contains_key("gemm_wg_64_f16");
-            Ok(OwnGemm { funcs, wgmma })
-        });
-        loaded.as_ref().map_err(|e| err(format!("loading the own matmul kernels: {e}")))
-    }
     /// The fused feed-forward kernels, compiled (or read from the disk cache)
     /// and loaded the first time a fusion needs them (src/ffn.rs).
-    pub(crate) fn ffn(&self) -> Result<&OwnGemm> {
+    pub(crate) fn ffn(&self) -> Result<&LazyModule> {
         let loaded = self.ffn.get_or_init(|| {
-            let funcs = load_modules(&self.dev, &crate::nvrtc::ffn_sources_for(self.dev.cc)).map_err(|e| e.to_string())?;
-            Ok(OwnGemm { funcs, wgmma: false })
+            let files = crate::nvrtc::ffn_sources_for(self.dev.cc);
+            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
+            Ok(LazyModule { funcs })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the fused feed-forward kernels: {e}")))
     }
@@ -280,20 +231,16 @@ impl Kernels {
     /// `n` u32 values set to `value`, as a kernel step (kernels/elementwise.cu
     /// `fill_pitched`; a memset node costs host time at every graph launch).
     pub(crate) fn fill32(&self, dst: u64, value: u32, n: u64, kind: &'static str) -> Result<Step> {
-        let args = Args::default().p(dst).p(4 * n).p(n).p(1).p(value as u64).p(4);
-        Ok(self.flat(self.get("fill_pitched")?, n, args, kind))
+        let p = params::FillP { dst, pitch: 4 * n as i64, width: n as i64, height: 1, value: value as i64, esize: 4 };
+        self.flat(self.get("fill_pitched")?, n, &p, kind)
     }
     /// An L2 prefetch of `bytes` at `ptr` (kernels/elementwise.cu
     /// `prefetch_l2`): a block of 256 threads per 512 KB, which measured
-    /// faster at bert-base 1×128 than 32 KB, 128 KB or 2 MB per block
-    /// (bench/gpu-perf.md, session 9).
+    /// faster at bert-base 1×128 than 32 KB, 128 KB or 2 MB per block.
     pub(crate) fn prefetch_l2(&self, ptr: u64, bytes: u64) -> Result<Step> {
         let grid = bytes.div_ceil(512 * 1024).clamp(1, 1024) as u32;
-        let args = Args::default().p(ptr).i(bytes);
-        Ok(Step::new(
-            Op::Kernel { func: self.get("prefetch_l2")?, grid: [grid, 1, 1], block: 256, smem: 0, cluster: [1, 1, 1], args: args.0 },
-            "prefetch",
-        ))
+        let p = params::PrefetchP { ptr, bytes: bytes as i64 };
+        Ok(Step::new(Op::kernel(self.get("prefetch_l2")?, [grid, 1, 1], 256, 0, [1, 1, 1], &p)?, "prefetch"))
     }
     /// Byte copies (dst, src, bytes) between device-accessible addresses,
     /// `COPY_MANY` per kernel step (kernels/elementwise.cu `copy_many`); the
@@ -303,39 +250,30 @@ impl Kernels {
         let mut steps = Vec::new();
         let groups: Vec<&[(u64, u64, u64)]> = if copies.is_empty() { vec![&[]] } else { copies.chunks(COPY_MANY).collect() };
         for (gi, group) in groups.into_iter().enumerate() {
-            let (fill_ptr, fill_value) = match fill {
-                Some((p, v)) if gi == 0 => (p, v as u64),
+            let (fill, fill_value) = match fill {
+                Some((p, v)) if gi == 0 => (p, v as i64),
                 _ => (0, 0),
             };
-            let pad = |v: Vec<u64>| {
-                let mut v = v;
-                v.resize(COPY_MANY, 0);
-                v
-            };
-            let mut args = Args::default().i(group.len()).p(fill_ptr).p(fill_value);
-            args.0.extend(pad(group.iter().map(|c| c.0).collect()));
-            args.0.extend(pad(group.iter().map(|c| c.1).collect()));
-            args.0.extend(pad(group.iter().map(|c| c.2).collect()));
+            let mut p = params::CopyManyP { n: i(group.len()), fill, fill_value, ..Default::default() };
+            for (k, &(dst, src, bytes)) in group.iter().enumerate() {
+                (p.dst[k], p.src[k], p.bytes[k]) = (dst, src, bytes as i64);
+            }
             let most = group.iter().map(|c| c.2).max().unwrap_or(0);
             let x = most.div_ceil(16 * BLOCK as u64).clamp(1, 64) as u32;
             let grid = [x, group.len().max(1) as u32, 1];
-            steps.push(Step::new(Op::Kernel { func, grid, block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind));
+            steps.push(Step::new(Op::kernel(func, grid, BLOCK, 0, [1, 1, 1], &p)?, kind));
         }
         Ok(steps)
     }
-    fn flat(&self, name: Func, n: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(Op::Kernel { func: name, grid: self.grid(n), block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 }, kind)
+    /// A grid-stride launch over `n` items.
+    fn flat<T: KernelParams>(&self, func: Func, n: u64, p: &T, kind: &'static str) -> Result<Step> {
+        Ok(Step::new(Op::kernel(func, self.grid(n), BLOCK, 0, [1, 1, 1], p)?, kind))
     }
-    fn rows(&self, name: Func, rows: u64, args: Args, kind: &'static str) -> Step {
-        Step::new(
-            Op::Kernel { func: name, grid: [rows.max(1) as u32, 1, 1], block: BLOCK, smem: 0, cluster: [1, 1, 1], args: args.0 },
-            kind,
-        )
+    /// One block per row.
+    fn rows<T: KernelParams>(&self, func: Func, rows: u64, p: &T, kind: &'static str) -> Result<Step> {
+        Ok(Step::new(Op::kernel(func, [rows.max(1) as u32, 1, 1], BLOCK, 0, [1, 1, 1], p)?, kind))
     }
 }
-
-/// Copies per `copy_many` kernel (kernels/elementwise.cu).
-const COPY_MANY: usize = 8;
 
 /// Rows (one warp each) per block of the `norm_warp` kernels.
 const NORM_WARP_ROWS: u64 = 4;
@@ -411,10 +349,6 @@ fn max_offset(shape: &[usize], strides: &[u64]) -> u64 {
     shape.iter().zip(strides).map(|(&n, &s)| (n.saturating_sub(1) as u64).saturating_mul(s)).fold(0u64, |a, x| a.saturating_add(x))
 }
 
-fn strides(v: &[u64]) -> impl Iterator<Item = u64> + '_ {
-    v.iter().copied()
-}
-
 /// The steps of one thunk for one slot. `plan` is the thunk's cuBLASLt plan
 /// (MatMul only); `host` the staging task (TopK only).
 pub(crate) fn lower(
@@ -450,12 +384,12 @@ pub(crate) fn lower(
                     (Some(r), true) => b.ptr(r)?,
                     _ => 0,
                 };
-                let args = Args::default().p(d).p(res).i(n).i(act_code(e.act));
+                let p = params::EpilogueP { out: d, res, n: n as i64, act: act_code(e.act) };
                 let width = (16 / m.dtype.size()) as u64;
                 if n.is_multiple_of(width) && (d | res).is_multiple_of(16) {
-                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, args, "matmul_epilogue"));
+                    steps.push(k.flat(k.typed("epilogue_vec", m.dtype)?, n / width, &p, "matmul_epilogue")?);
                 } else {
-                    steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, args, "matmul_epilogue"));
+                    steps.push(k.flat(k.typed("epilogue", m.dtype)?, n, &p, "matmul_epilogue")?);
                 }
             }
         }
@@ -468,50 +402,48 @@ pub(crate) fn lower(
                 BinaryOp::Div => 3,
             };
             let (shape, st) = collapse(out_shape, &[a_strides, b_strides]);
-            let args = Args::default()
-                .p(b.ptr(a)?)
-                .p(b.ptr(bb)?)
-                .p(b.ptr(out)?)
-                .i(n)
-                .i(shape.len())
-                .i(op)
-                .arr(shape.iter().map(|&d| d as u64))
-                .arr(strides(&st[0]))
-                .arr(strides(&st[1]));
+            let p = params::BinaryP {
+                a: b.ptr(a)?,
+                b: b.ptr(bb)?,
+                out: b.ptr(out)?,
+                n: i(n),
+                rank: i(shape.len()),
+                op,
+                shape: arr(shape.iter().map(|&d| d as u64)),
+                sa: arr(st[0].iter().copied()),
+                sb: arr(st[1].iter().copied()),
+            };
             let fits31 = |v: u64| v < (1u64 << 31);
             let small = fits31(n as u64) && st.iter().all(|s| fits31(max_offset(&shape, s)));
             let width = 16 / dtype.size().max(1);
             if small && binary_vec_ok(&shape, &st, width, &[b.ptr(a)?, b.ptr(bb)?, b.ptr(out)?]) {
-                steps.push(k.flat(k.typed("binary_vec", *dtype)?, (n / width) as u64, args, kind));
+                steps.push(k.flat(k.typed("binary_vec", *dtype)?, (n / width) as u64, &p, kind)?);
             } else {
                 let name = if small { "binary32" } else { "binary" };
-                steps.push(k.flat(k.typed(name, *dtype)?, n as u64, args, kind));
+                steps.push(k.flat(k.typed(name, *dtype)?, n as u64, &p, kind)?);
             }
         }
         Thunk::Activation { act, dtype, n, x, out } => {
-            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*n).i(act_code(Some(*act)));
-            steps.push(k.flat(k.typed("activation", *dtype)?, *n as u64, args, kind));
+            let p = params::ActP { x: b.ptr(x)?, out: b.ptr(out)?, n: i(*n), act: act_code(Some(*act)) };
+            steps.push(k.flat(k.typed("activation", *dtype)?, *n as u64, &p, kind)?);
         }
         Thunk::Norm { rms, dtype, rows, cols, eps, x, residual, gamma, beta, out } => {
             let res = residual.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
             let bet = beta.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
             let (xp, gp, op) = (b.ptr(x)?, b.ptr(gamma)?, b.ptr(out)?);
-            let args = Args::default().p(xp).p(res).p(gp).p(bet).p(op).i(*rows).i(*cols).i(*rms as i64).f(*eps as f64);
+            let p = params::NormP { x: xp, res, gamma: gp, beta: bet, out: op, rows: i(*rows), cols: i(*cols), rms: *rms as i64, eps: *eps as f64 };
             match norm_warp_nv(*dtype, *cols, &[xp, res, gp, bet, op]) {
                 Some(nv) => {
                     let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;
                     let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
-                    steps.push(Step::new(
-                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
-                        kind,
-                    ));
+                    steps.push(Step::new(Op::kernel(func, grid, 32 * NORM_WARP_ROWS as u32, 0, [1, 1, 1], &p)?, kind));
                 }
-                None => steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, args, kind)),
+                None => steps.push(k.rows(k.typed("norm", *dtype)?, *rows as u64, &p, kind)?),
             }
         }
         Thunk::Softmax { dtype, outer, len, inner, x, out } => {
-            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
-            steps.push(k.rows(k.typed("softmax", *dtype)?, (*outer * *inner) as u64, args, kind));
+            let p = params::AxisP { x: b.ptr(x)?, out: b.ptr(out)?, outer: i(*outer), len: i(*len), inner: i(*inner), op: 0 };
+            steps.push(k.rows(k.typed("softmax", *dtype)?, (*outer * *inner) as u64, &p, kind)?);
         }
         Thunk::Reduce { op, dtype, outer, len, inner, x, out } => {
             let op = match op {
@@ -519,32 +451,33 @@ pub(crate) fn lower(
                 ReduceOp::Mean => 1,
                 ReduceOp::Max => 2,
             };
-            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(op);
+            let p = params::AxisP { x: b.ptr(x)?, out: b.ptr(out)?, outer: i(*outer), len: i(*len), inner: i(*inner), op };
             if *inner >= 32 {
                 // Wide rows kept: 32 columns per block (kernels/rows.cu, reduce_cols).
                 let blocks = (*outer as u64) * (*inner as u64).div_ceil(32);
-                steps.push(k.rows(k.typed("reduce_cols", *dtype)?, blocks, args, kind));
+                steps.push(k.rows(k.typed("reduce_cols", *dtype)?, blocks, &p, kind)?);
             } else {
-                steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, args, kind));
+                steps.push(k.rows(k.typed("reduce", *dtype)?, (*outer * *inner) as u64, &p, kind)?);
             }
         }
         Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => {
             // 32 columns per block, 8 warps splitting the sequence (kernels/rows.cu).
-            let args = Args::default()
-                .p(b.ptr(x)?)
-                .p(b.ptr(mask)?)
-                .p(b.ptr(out)?)
-                .i(*batch)
-                .i(*seq)
-                .i(*dim)
-                .i(dtype_code(*mask_dtype))
-                .i(dtype_code(*out_dtype));
+            let p = params::MaskedMeanP {
+                x: b.ptr(x)?,
+                mask: b.ptr(mask)?,
+                out: b.ptr(out)?,
+                batch: i(*batch),
+                seq: i(*seq),
+                dim: i(*dim),
+                mask_dt: dtype_code(*mask_dtype),
+                out_dt: dtype_code(*out_dtype),
+            };
             let blocks = (*batch as u64) * (*dim as u64).div_ceil(32);
-            steps.push(k.rows(k.typed("masked_mean", *dtype)?, blocks, args, kind));
+            steps.push(k.rows(k.typed("masked_mean", *dtype)?, blocks, &p, kind)?);
         }
         Thunk::ArgMax { dtype, outer, len, inner, x, out } => {
-            let args = Args::default().p(b.ptr(x)?).p(b.ptr(out)?).i(*outer).i(*len).i(*inner).i(0);
-            steps.push(k.rows(k.typed("argmax", *dtype)?, (*outer * *inner) as u64, args, kind));
+            let p = params::AxisP { x: b.ptr(x)?, out: b.ptr(out)?, outer: i(*outer), len: i(*len), inner: i(*inner), op: 0 };
+            steps.push(k.rows(k.typed("argmax", *dtype)?, (*outer * *inner) as u64, &p, kind)?);
         }
         Thunk::TopK { x, values, indices, .. } => {
             let task = host.ok_or_else(|| err("topk without its host staging"))?;
@@ -567,22 +500,23 @@ pub(crate) fn lower(
             }
         }
         Thunk::Gather { dtype, id_dtype, n, dim, vocab, table, ids, out } => {
-            let args = Args::default()
-                .p(b.ptr(table)?)
-                .p(b.ptr(ids)?)
-                .p(b.ptr(out)?)
-                .p(b.err)
-                .i(*n)
-                .i(*dim)
-                .i(*vocab)
-                .i((*id_dtype == DType::I64) as i64)
-                .i(dtype.size());
+            let p = params::GatherP {
+                table: b.ptr(table)?,
+                ids: b.ptr(ids)?,
+                out: b.ptr(out)?,
+                err: b.err,
+                n: i(*n),
+                dim: i(*dim),
+                vocab: i(*vocab),
+                id64: (*id_dtype == DType::I64) as i64,
+                esize: i(dtype.size()),
+            };
             // Whole 16-byte chunks per row, aligned table and output: gather_vec.
             let row_bytes = (*dim * dtype.size()) as u64;
             if row_bytes.is_multiple_of(16) && (b.ptr(table)? | b.ptr(out)?).is_multiple_of(16) {
-                steps.push(k.flat(k.get("gather_vec")?, *n as u64 * (row_bytes / 16), args, kind));
+                steps.push(k.flat(k.get("gather_vec")?, *n as u64 * (row_bytes / 16), &p, kind)?);
             } else {
-                steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, args, kind));
+                steps.push(k.flat(k.get("gather")?, (*n * *dim) as u64, &p, kind)?);
             }
         }
         Thunk::EmbedNorm { dtype, id_dtype, rows, cols, vocab, eps, table, ids, addends, gamma, beta, out } => {
@@ -590,34 +524,30 @@ pub(crate) fn lower(
             for (a, _) in addends {
                 ptrs.push(b.ptr(a)?);
             }
-            // RLX_EMBED_NORM=0 (A/B): always the separate kernels below.
-            let fused = std::env::var("RLX_EMBED_NORM").map(|v| v.trim() != "0").unwrap_or(true);
-            match norm_warp_nv(*dtype, *cols, &ptrs).filter(|_| addends.len() <= 2 && fused) {
+            match norm_warp_nv(*dtype, *cols, &ptrs).filter(|_| addends.len() <= 2) {
                 Some(nv) => {
                     let add = |k: usize| -> Result<(u64, usize)> { addends.get(k).map(|(a, n)| Ok((b.ptr(a)?, *n))).unwrap_or(Ok((0, 1))) };
                     let ((a0, n0), (a1, n1)) = (add(0)?, add(1)?);
-                    let args = Args::default()
-                        .p(b.ptr(table)?)
-                        .p(b.ptr(ids)?)
-                        .p(a0)
-                        .p(a1)
-                        .p(b.ptr(gamma)?)
-                        .p(b.ptr(beta)?)
-                        .p(b.ptr(out)?)
-                        .p(b.err)
-                        .i(*rows)
-                        .i(*cols)
-                        .i(*vocab)
-                        .i((*id_dtype == DType::I64) as i64)
-                        .i(n0.max(1))
-                        .i(n1.max(1))
-                        .f(*eps as f64);
+                    let p = params::EmbedNormP {
+                        table: b.ptr(table)?,
+                        ids: b.ptr(ids)?,
+                        add0: a0,
+                        add1: a1,
+                        gamma: b.ptr(gamma)?,
+                        beta: b.ptr(beta)?,
+                        out: b.ptr(out)?,
+                        err: b.err,
+                        rows: i(*rows),
+                        cols: i(*cols),
+                        vocab: i(*vocab),
+                        id64: (*id_dtype == DType::I64) as i64,
+                        rows0: i(n0.max(1)),
+                        rows1: i(n1.max(1)),
+                        eps: *eps as f64,
+                    };
                     let func = k.get(&format!("embed_norm_{nv}_{}", suffix(*dtype)))?;
                     let grid = [(*rows as u64).div_ceil(NORM_WARP_ROWS).max(1) as u32, 1, 1];
-                    steps.push(Step::new(
-                        Op::Kernel { func, grid, block: 32 * NORM_WARP_ROWS as u32, smem: 0, cluster: [1, 1, 1], args: args.0 },
-                        kind,
-                    ));
+                    steps.push(Step::new(Op::kernel(func, grid, 32 * NORM_WARP_ROWS as u32, 0, [1, 1, 1], &p)?, kind));
                 }
                 // Rows too wide for one warp, or unaligned: the gather, one
                 // broadcast add per addend and the norm, in place in `out`.
@@ -668,20 +598,21 @@ pub(crate) fn lower(
         }
         Thunk::Copy { dtype, shape, src, src_strides, dst, dst_strides } => {
             let n: usize = shape.iter().product();
-            let args = Args::default()
-                .p(b.ptr(src)?)
-                .p(b.ptr(dst)?)
-                .i(n)
-                .i(shape.len())
-                .i(dtype.size())
-                .arr(shape.iter().map(|&d| d as u64))
-                .arr(strides(src_strides))
-                .arr(strides(dst_strides));
-            steps.push(k.flat(k.get("copy_strided")?, n as u64, args, kind));
+            let p = params::CopyP {
+                src: b.ptr(src)?,
+                dst: b.ptr(dst)?,
+                n: i(n),
+                rank: i(shape.len()),
+                esize: i(dtype.size()),
+                shape: arr(shape.iter().map(|&d| d as u64)),
+                ss: arr(src_strides.iter().copied()),
+                ds: arr(dst_strides.iter().copied()),
+            };
+            steps.push(k.flat(k.get("copy_strided")?, n as u64, &p, kind)?);
         }
         Thunk::Cast { from, to, n, src, dst } => {
-            let args = Args::default().p(b.ptr(src)?).p(b.ptr(dst)?).i(*n).i(dtype_code(*from)).i(dtype_code(*to));
-            steps.push(k.flat(k.get("cast_any")?, *n as u64, args, kind));
+            let p = params::CastP { src: b.ptr(src)?, dst: b.ptr(dst)?, n: i(*n), from: dtype_code(*from), to: dtype_code(*to) };
+            steps.push(k.flat(k.get("cast_any")?, *n as u64, &p, kind)?);
         }
         Thunk::Attention(a) => {
             // Head dim padded to a compiled variant; 4 rows per warp unless
@@ -689,19 +620,19 @@ pub(crate) fn lower(
             let hdp = a.head_dim.div_ceil(32) * 32;
             let blocks16 = (a.q_len as u64).div_ceil(16) * (a.heads * a.batch) as u64;
             let rpw: u64 = if blocks16 >= 2 * k.sm_count as u64 { 4 } else { 1 };
-            let args = attention_args(a, b)?;
+            let p = attention_params(a, b)?;
             // Tensor cores for f16/bf16 with head_dim a multiple of 16: blocks
             // of 128 or 64 query rows when they fill the GPU (`attention_mma_rows`),
             // else 16-row blocks whose 4 warps split the keys (batch 1: 12
             // heads x 128 tokens is 24 blocks of 64 rows but 96 of 16). The
             // scalar kernel otherwise (f32, odd head dims).
             let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
-            let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count, attention_rows_override());
+            let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count);
             let (grid, func, block, smem) = match rows {
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
-                    let short = attention_short_enabled() && a.scale > 0.0;
+                    let short = a.scale > 0.0;
                     let name = attention_block_kernel(r, hdp, a.kv_len, short, a.causal);
                     let func = k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?;
                     // The short-range kernel's Q and output rows (dynamic shared memory).
@@ -720,80 +651,87 @@ pub(crate) fn lower(
                     (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128, 0)
                 }
             };
-            steps.push(Step::new(Op::Kernel { func, grid, block, smem, cluster: [1, 1, 1], args: args.0 }, kind));
+            steps.push(Step::new(Op::kernel(func, grid, block, smem, [1, 1, 1], &p)?, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
-            let args = Args::default()
-                .p(b.ptr(&x.buf)?)
-                .p(b.ptr(positions)?)
-                .p(b.ptr(out)?)
-                .i(*batch)
-                .i(*seq)
-                .i(*heads)
-                .i(*head_dim)
-                .p(x.batch_stride)
-                .p(x.row_stride)
-                .i(matches!(mode, RopeMode::Interleaved) as i64)
-                .i(*positions_per_batch as i64)
-                .f(*theta as f64);
-            steps.push(k.flat(k.typed("rope", *dtype)?, n, args, kind));
+            let p = params::RopeP {
+                x: b.ptr(&x.buf)?,
+                pos: b.ptr(positions)?,
+                out: b.ptr(out)?,
+                batch: i(*batch),
+                seq: i(*seq),
+                heads: i(*heads),
+                hd: i(*head_dim),
+                xbs: x.batch_stride as i64,
+                xrs: x.row_stride as i64,
+                mode: matches!(mode, RopeMode::Interleaved) as i64,
+                per_batch: *positions_per_batch as i64,
+                theta: *theta as f64,
+            };
+            steps.push(k.flat(k.typed("rope", *dtype)?, n, &p, kind)?);
         }
         Thunk::SwiGlu { dtype, rows, cols, gate, up, out } => {
             let n = (rows * cols) as u64;
-            let args = Args::default()
-                .p(b.ptr(&gate.buf)?)
-                .p(b.ptr(&up.buf)?)
-                .p(b.ptr(out)?)
-                .i(*rows)
-                .i(*cols)
-                .p(gate.row_stride)
-                .p(up.row_stride);
-            steps.push(k.flat(k.typed("swiglu", *dtype)?, n, args, kind));
+            let p = params::SwiGluP {
+                gate: b.ptr(&gate.buf)?,
+                up: b.ptr(&up.buf)?,
+                out: b.ptr(out)?,
+                rows: i(*rows),
+                cols: i(*cols),
+                gs: gate.row_stride as i64,
+                us: up.row_stride as i64,
+            };
+            steps.push(k.flat(k.typed("swiglu", *dtype)?, n, &p, kind)?);
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position } => {
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, .. } => {
             let n = (batch * new_rows * width) as u64;
-            let args = Args::default()
-                .p(b.ptr(state)?)
-                .p(b.ptr(value)?)
-                .p(b.ptr(position)?)
-                .p(b.err)
-                .i(*batch)
-                .i(*max_rows)
-                .i(*new_rows)
-                .i(*width)
-                .i(dtype.size());
-            steps.push(k.flat(k.get("write_state")?, n, args, kind));
+            let p = params::WriteStateP {
+                state: b.ptr(state)?,
+                value: b.ptr(value)?,
+                pos: b.ptr(position)?,
+                err: b.err,
+                batch: i(*batch),
+                max_rows: i(*max_rows),
+                new_rows: i(*new_rows),
+                width: i(*width),
+                esize: i(dtype.size()),
+            };
+            steps.push(k.flat(k.get("write_state")?, n, &p, kind)?);
+        }
+        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => {
+            return Err(err(format!("{kind} has no CUDA kernel yet")));
         }
     }
     Ok(steps)
 }
 
-/// The `AttnP` words of kernels/attention_mma.cu (and attention.cu) for a thunk.
-pub(crate) fn attention_args(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<Args> {
-    Ok(Args::default()
-        .p(b.ptr(&a.q.buf)?)
-        .p(b.ptr(&a.k.buf)?)
-        .p(b.ptr(&a.v.buf)?)
-        .p(a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-        .p(a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0))
-        .p(b.ptr(&a.out)?)
-        .i(a.batch)
-        .i(a.heads)
-        .i(a.kv_heads)
-        .i(a.head_dim)
-        .i(a.q_len)
-        .i(a.kv_len)
-        .i(a.causal as i64)
-        .i(dtype_code(a.mask_dtype))
-        .p(a.q.batch_stride)
-        .p(a.q.row_stride)
-        .p(a.k.batch_stride)
-        .p(a.k.row_stride)
-        .p(a.v.batch_stride)
-        .p(a.v.row_stride)
-        .f(a.scale as f64)
-        .p(b.err))
+/// The `AttnP` of kernels/attention_mma.cu (and attention.cu) for a thunk.
+fn attention_params(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<params::AttnP> {
+    Ok(params::AttnP {
+        q: b.ptr(&a.q.buf)?,
+        k: b.ptr(&a.k.buf)?,
+        v: b.ptr(&a.v.buf)?,
+        mask: a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0),
+        valid: a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0),
+        out: b.ptr(&a.out)?,
+        batch: i(a.batch),
+        heads: i(a.heads),
+        kv_heads: i(a.kv_heads),
+        hd: i(a.head_dim),
+        q_len: i(a.q_len),
+        kv_len: i(a.kv_len),
+        causal: a.causal as i64,
+        mask_dt: dtype_code(a.mask_dtype),
+        qbs: a.q.batch_stride as i64,
+        qrs: a.q.row_stride as i64,
+        kbs: a.k.batch_stride as i64,
+        krs: a.k.row_stride as i64,
+        vbs: a.v.batch_stride as i64,
+        vrs: a.v.row_stride as i64,
+        scale: a.scale as f64,
+        err: b.err,
+    })
 }
 
 /// Query rows per block of the tensor-core attention kernel
@@ -801,15 +739,11 @@ pub(crate) fn attention_args(a: &rlx_compile::AttentionThunk, b: &Bases) -> Resu
 /// warps split the keys: 64-row blocks must fill the SMs (`heads` counts
 /// every (batch, head) pair). 128-row blocks (8 warps, one K/V pass for
 /// twice the rows) when they too fill the SMs and pad no more rows than
-/// 64-row blocks would. `force` (`RLX_ATTN_ROWS`) pins 64 or 128 wherever the
-/// tensor-core kernel runs, or 16: the key-splitting kernel everywhere.
-pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32, force: Option<u64>) -> Option<u64> {
+/// 64-row blocks would.
+pub(crate) fn attention_mma_rows(q_len: usize, heads: usize, sm_count: u32) -> Option<u64> {
     let (q, hb, sms) = (q_len as u64, heads as u64, sm_count as u64);
-    if q < 16 || q.div_ceil(64) * hb < sms || force == Some(16) {
+    if q < 16 || q.div_ceil(64) * hb < sms {
         return None;
-    }
-    if let Some(r) = force {
-        return Some(r);
     }
     let fill128 = q.div_ceil(128) * hb >= sms;
     let same_padding = q.div_ceil(128) * 2 == q.div_ceil(64);
@@ -839,26 +773,6 @@ pub(crate) fn attention_block_kernel(rows: u64, hdp: usize, kv_len: usize, short
 /// query rows at the padded pitch (head dim `hdp` + 8) of 2-byte elements.
 pub(crate) fn short_q_smem(rows: u64, hdp: usize) -> u32 {
     (rows as usize * (hdp + 8) * 2) as u32
-}
-
-/// `RLX_ATTN_SHORT=0` (read once): the streaming kernels even for short key
-/// ranges (A/B measurements).
-fn attention_short_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RLX_ATTN_SHORT").map(|v| v.trim() != "0").unwrap_or(true))
-}
-
-/// `RLX_ATTN_ROWS=16|64|128` (read once): rows per tensor-core attention
-/// block (16: the key-splitting kernel), for measurements; anything else
-/// keeps the automatic choice.
-fn attention_rows_override() -> Option<u64> {
-    static ROWS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| match std::env::var("RLX_ATTN_ROWS").ok()?.trim() {
-        "16" => Some(16),
-        "64" => Some(64),
-        "128" => Some(128),
-        _ => None,
-    })
 }
 
 /// Why this backend cannot run a thunk, or None when it can.
@@ -915,6 +829,11 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         Thunk::Norm { rows, .. } | Thunk::EmbedNorm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => {
             Some("too many rows".into())
         }
+        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => {
+            Some(format!("{} has no CUDA kernel yet (the CPU backend runs it)", t.kind()))
+        }
+        Thunk::WriteState { positions_per_batch: true, .. } => Some("write_state with one position per batch row".into()),
+        Thunk::Attention(a) if a.valid_len_per_batch => Some("attention with one valid length per batch row".into()),
         _ => None,
     }
 }
@@ -997,22 +916,19 @@ mod tests {
         assert_eq!(k(64, 64, 128, true, true), "attention_short_causal");
         assert_eq!(k(128, 64, 129, true, false), "attention_mma_w8", "more keys than fit");
         assert_eq!(k(64, 96, 128, true, true), "attention_mma", "head dim past 64");
-        assert_eq!(k(128, 64, 128, false, false), "attention_mma_w8", "RLX_ATTN_SHORT=0 (or a scale that is not positive)");
+        assert_eq!(k(128, 64, 128, false, false), "attention_mma_w8", "a scale that is not positive");
     }
 
     #[test]
     fn attention_block_rows_choice() {
         // bert-base 32x128 (384 (batch, head) pairs) on 132 SMs: one 8-warp block per head.
-        assert_eq!(attention_mma_rows(128, 384, 132, None), Some(128));
+        assert_eq!(attention_mma_rows(128, 384, 132), Some(128));
         // batch 1: even 64-row blocks leave SMs idle.
-        assert_eq!(attention_mma_rows(128, 12, 132, None), None);
-        assert_eq!(attention_mma_rows(128, 72, 132, None), Some(64), "128-row blocks would not fill");
-        assert_eq!(attention_mma_rows(300, 160, 132, None), Some(64), "more padding at 128");
-        assert_eq!(attention_mma_rows(250, 72, 132, None), Some(128));
-        assert_eq!(attention_mma_rows(50, 400, 132, None), Some(64));
-        assert_eq!(attention_mma_rows(8, 4000, 132, None), None);
-        assert_eq!(attention_mma_rows(128, 384, 132, Some(64)), Some(64));
-        assert_eq!(attention_mma_rows(128, 12, 132, Some(128)), None, "the override never replaces the split kernel");
-        assert_eq!(attention_mma_rows(128, 384, 132, Some(16)), None, "16 pins the split kernel");
+        assert_eq!(attention_mma_rows(128, 12, 132), None);
+        assert_eq!(attention_mma_rows(128, 72, 132), Some(64), "128-row blocks would not fill");
+        assert_eq!(attention_mma_rows(300, 160, 132), Some(64), "more padding at 128");
+        assert_eq!(attention_mma_rows(250, 72, 132), Some(128));
+        assert_eq!(attention_mma_rows(50, 400, 132), Some(64));
+        assert_eq!(attention_mma_rows(8, 4000, 132), None);
     }
 }

@@ -7,10 +7,12 @@
 //! a device or a library, `CudaBackend::new` returns an error saying what is
 //! missing, and the crate still builds and tests everywhere.
 //!
-//! Files: `driver` (owned driver handles), `nvrtc` (compile + disk cache),
-//! `launch` (thunk → steps), `blas` (cuBLASLt), `gemm` (own skinny-M
-//! matmul, timed against cuBLASLt per shape), `hostops` (TopK on the host),
-//! `weights` (shared device weights), `exec` (slots, replay, submit/wait).
+//! Files: `options` (every setting, read once), `driver` (owned driver
+//! handles), `nvrtc` (compile + disk cache), `launch` (thunk → steps),
+//! `ffn` (the fused feed-forward kernel), `blas` (cuBLASLt), `gemm` (the
+//! cuBLASLt algorithm per shape, timed) and `gemm_cache` (its choices on
+//! disk), `hostops` (TopK on the host), `weights` (shared device weights),
+//! `exec` (slots, replay, submit/wait).
 
 mod blas;
 mod driver;
@@ -20,8 +22,9 @@ mod gemm;
 mod gemm_cache;
 mod hostops;
 mod launch;
-mod layer;
 mod nvrtc;
+mod options;
+mod params;
 mod weights;
 
 use std::collections::HashMap;
@@ -30,20 +33,20 @@ use std::sync::{Arc, Mutex, OnceLock};
 use rlx_compile::{Schedule, Thunk};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, WeightStore};
 
-pub use exec::{set_l2_persist, CudaExecutable};
-pub use ffn::{set_ffn_fusion, FfnFusion};
-pub use gemm::{set_gemm_policy, GemmPolicy};
-pub use gemm_cache::set_gemm_cache;
-pub use layer::{set_layer_policy, Policy as LayerPolicy};
+pub use exec::CudaExecutable;
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
+pub use options::{CudaOptions, MatmulChoice};
 
 use driver::{err, Device};
 use launch::Kernels;
 
-/// The CUDA backend for one device.
+/// The CUDA backend for one device, with the options every executable it
+/// prepares runs under.
+#[derive(Clone)]
 pub struct CudaBackend {
     dev: Arc<Device>,
     kernels: Arc<Kernels>,
+    opts: CudaOptions,
 }
 
 fn missing_lib(lib: &str, file: &str, hint: &str) -> RuntimeError {
@@ -87,40 +90,53 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-/// Devices and their loaded kernels, opened once per process.
+/// Devices and their loaded kernels, opened once per process: the first
+/// opener's compile options (kernel cache, headers) hold for the process.
 type Opened = (Arc<Device>, Arc<Kernels>);
 
-fn open(ordinal: usize) -> Result<Opened> {
+fn open(ordinal: usize, opts: &CudaOptions) -> Result<Opened> {
     static OPEN: OnceLock<Mutex<HashMap<usize, Opened>>> = OnceLock::new();
     let mut g = OPEN.get_or_init(Default::default).lock().map_err(|_| err("device table lock poisoned"))?;
     if let Some(v) = g.get(&ordinal) {
         return Ok(v.clone());
     }
     let dev = Device::open(ordinal)?;
-    let funcs = launch::load_modules(&dev, &nvrtc::sources_for(dev.cc))?;
-    let kernels = Arc::new(Kernels::new(dev.clone(), funcs));
+    let funcs = launch::load_modules(&dev, &nvrtc::sources_for(dev.cc), opts)?;
+    let kernels = Arc::new(Kernels::new(dev.clone(), funcs, opts.clone()));
     g.insert(ordinal, (dev.clone(), kernels.clone()));
     Ok((dev, kernels))
 }
 
 impl CudaBackend {
-    /// Opens CUDA device `ordinal` and loads (compiling on first use) the
-    /// kernels. An error, never a panic, when anything is missing.
+    /// Opens CUDA device `ordinal` with the options of the environment
+    /// (`CudaOptions::from_env`) and loads (compiling on first use) the
+    /// kernels. An error, never a panic, when anything is missing or a
+    /// variable has a bad value.
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        CudaBackend::with_options(ordinal, CudaOptions::from_env()?)
+    }
+
+    /// As `new`, with these options.
+    pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
         probe_libraries()?;
-        let (dev, kernels) = guarded("opening the CUDA device", || open(ordinal))?;
-        Ok(CudaBackend { dev, kernels })
+        let (dev, kernels) = guarded("opening the CUDA device", || open(ordinal, &opts))?;
+        Ok(CudaBackend { dev, kernels, opts })
+    }
+
+    /// The same device and kernels, preparing executables under `opts`
+    /// (its compile settings do not apply: the kernels are loaded).
+    pub fn reconfigured(&self, opts: CudaOptions) -> CudaBackend {
+        CudaBackend { opts, ..self.clone() }
+    }
+
+    /// The options executables are prepared under.
+    pub fn options(&self) -> &CudaOptions {
+        &self.opts
     }
 
     /// Device name and compute capability.
     pub fn device_name(&self) -> String {
         format!("{} (sm_{}{})", self.dev.name, self.dev.cc.0, self.dev.cc.1)
-    }
-
-    /// Whether this process has compiled and loaded the own matmul kernels
-    /// (only the `auto`, `own` and tiling matmul policies need them).
-    pub fn own_matmul_loaded(&self) -> bool {
-        self.kernels.own_gemm_loaded()
     }
 
     /// (free, total) device memory in bytes.
@@ -132,7 +148,7 @@ impl CudaBackend {
     /// Prepares and returns the concrete executable (tests reach
     /// `segment_map` through it).
     pub fn prepare_cuda(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
-        guarded("preparing a CUDA executable", || CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, opts))
+        guarded("preparing a CUDA executable", || CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, opts, &self.opts))
     }
 }
 
@@ -150,10 +166,11 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Compiles every kernel file for `arch` (CI check without a GPU); returns
-/// (file, architecture compiled for, CUBIN bytes).
-pub fn check_kernels(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
-    nvrtc::compile_all(arch)
+/// Compiles every kernel file for `arch` (CI check without a GPU) with
+/// `opts`' compile settings; returns (file, architecture compiled for,
+/// CUBIN bytes).
+pub fn check_kernels(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
+    nvrtc::compile_all(arch, opts)
 }
 
 /// What `rlx doctor` prints: driver, device, compute capability, memory,
@@ -178,7 +195,11 @@ pub fn doctor() -> String {
         Some(v) => lines.push(format!("cuBLASLt: {}.{}.{}", v / 10000, (v / 100) % 100, v % 100)),
         None => lines.push("cuBLASLt: libcublasLt.so.13 not found (check LD_LIBRARY_PATH)".into()),
     }
-    match nvrtc::find_include_dir() {
+    let opts = CudaOptions::from_env();
+    if let Err(e) = &opts {
+        lines.push(format!("options: {e}"));
+    }
+    match nvrtc::find_include_dir(opts.as_ref().ok().and_then(|o| o.cuda_include.as_deref())) {
         Ok(d) => lines.push(format!("CUDA headers: {}", d.display())),
         Err(e) => lines.push(format!("CUDA headers: {e}")),
     }

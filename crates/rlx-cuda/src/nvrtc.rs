@@ -10,6 +10,7 @@ use rlx_runtime::Result;
 use sha2::{Digest, Sha256};
 
 use crate::driver::err;
+use crate::options::CudaOptions;
 
 /// Our shared header, given to NVRTC in memory.
 pub(crate) const HEADER: (&str, &str) = ("common.cuh", include_str!("../kernels/common.cuh"));
@@ -20,22 +21,12 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
-    // The layer program (kernels/layer.cu) calls the attention body: one module.
-    ("attention_mma.cu", concat!(include_str!("../kernels/attention_mma.cu"), include_str!("../kernels/layer.cu"))),
+    ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
 ];
-
-/// The own matmul (src/gemm.rs): compiled and loaded only when a matmul
-/// policy needs it, so the default (cuBLASLt) does not pay for it.
-pub const GEMM_SOURCES: &[(&str, &str)] = &[("gemm.cu", include_str!("../kernels/gemm.cu"))];
 
 /// The fused feed-forward blocks (src/ffn.rs): compiled and loaded the first
 /// time a schedule has a block they run.
 pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/ffn.cu"))];
-
-/// Own-matmul files that use sm_90a-only instructions (wgmma): compiled for
-/// `sm_90a` on devices of compute capability 9.0 only, and absent elsewhere
-/// (their users check that the functions were loaded).
-pub const SM90A_GEMM_SOURCES: &[(&str, &str)] = &[("gemm_wgmma.cu", include_str!("../kernels/gemm_wgmma.cu"))];
 
 /// A file to compile: (file name, text, architecture to compile it for).
 pub type Source = (&'static str, &'static str, String);
@@ -46,16 +37,6 @@ pub fn sources_for(cc: (i32, i32)) -> Vec<Source> {
     SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
-/// The own matmul's files for a device of compute capability `cc`.
-pub fn gemm_sources_for(cc: (i32, i32)) -> Vec<Source> {
-    let plain = format!("sm_{}{}", cc.0, cc.1);
-    let mut v: Vec<_> = GEMM_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect();
-    if cc == (9, 0) {
-        v.extend(SM90A_GEMM_SOURCES.iter().map(|(f, s)| (*f, *s, "sm_90a".to_string())));
-    }
-    v
-}
-
 /// The fused feed-forward block's files for a device of compute capability `cc`.
 pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
@@ -63,12 +44,10 @@ pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
 }
 
 /// `compile_cubin` for every file at once, one thread each (NVRTC programs
-/// are independent; a cold cache took ~23 s for all seven files one after
-/// another on a 2-core VM): the CUBINs in input order, or the first file's
-/// error.
-pub fn compile_many(files: &[Source]) -> Result<Vec<Vec<u8>>> {
+/// are independent): the CUBINs in input order, or the first file's error.
+pub fn compile_many(files: &[Source], opts: &CudaOptions) -> Result<Vec<Vec<u8>>> {
     std::thread::scope(|scope| {
-        let jobs: Vec<_> = files.iter().map(|(f, src, arch)| scope.spawn(move || compile_cubin(f, src, arch))).collect();
+        let jobs: Vec<_> = files.iter().map(|(f, src, arch)| scope.spawn(move || compile_cubin(f, src, arch, opts))).collect();
         jobs.into_iter()
             .zip(files)
             .map(|(j, (f, ..))| j.join().unwrap_or_else(|_| Err(err(format!("{f}: the compile thread panicked")))))
@@ -102,15 +81,12 @@ fn missing_nvrtc() -> String {
         .into()
 }
 
-/// The folder holding cuda_fp16.h / cuda_bf16.h: $RLX_CUDA_INCLUDE,
+/// The folder holding cuda_fp16.h / cuda_bf16.h: `first` (RLX_CUDA_INCLUDE),
 /// $CUDA_HOME/include, $CUDA_PATH/include, /usr/local/cuda/include, or a pip
 /// `nvidia/cu13/include` next to the loaded libnvrtc.
-pub fn find_include_dir() -> Result<PathBuf> {
+pub fn find_include_dir(first: Option<&Path>) -> Result<PathBuf> {
     let mut tried: Vec<PathBuf> = Vec::new();
-    let mut cands: Vec<PathBuf> = Vec::new();
-    if let Ok(d) = std::env::var("RLX_CUDA_INCLUDE") {
-        cands.push(PathBuf::from(d));
-    }
+    let mut cands: Vec<PathBuf> = first.map(Path::to_path_buf).into_iter().collect();
     for var in ["CUDA_HOME", "CUDA_PATH"] {
         if let Ok(d) = std::env::var(var) {
             cands.push(Path::new(&d).join("include"));
@@ -139,14 +115,6 @@ pub fn find_include_dir() -> Result<PathBuf> {
     )))
 }
 
-pub(crate) fn cache_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("RLX_CUDA_CACHE") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/tmp".into());
-    Path::new(&home).join(".cache/rlx/cuda")
-}
-
 /// SHA-256 over the half-precision headers NVRTC includes from the
 /// toolkit (whichever of them exist), read once per folder per process.
 fn toolkit_headers_digest(include: &Path) -> [u8; 32] {
@@ -165,24 +133,25 @@ fn toolkit_headers_digest(include: &Path) -> [u8; 32] {
     d
 }
 
-fn options(arch: &str, include: &Path) -> Vec<String> {
+fn nvrtc_options(arch: &str, include: &Path, ptxas_verbose: bool) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), format!("-I{}", include.display()), "--std=c++17".into()];
-    // RLX_PTXAS_VERBOSE=1 (kernel development, e.g. with scripts/check-kernels):
     // ptxas prints each kernel's registers, shared memory and spills.
-    if std::env::var("RLX_PTXAS_VERBOSE").is_ok_and(|v| v.trim() == "1") {
+    if ptxas_verbose {
         o.push("--ptxas-options=-v".into());
     }
     o
 }
 
-/// Compiles (or loads from the disk cache) one source file to a CUBIN for
-/// `arch` (`sm_90`, `sm_90a`, ...).
-pub fn compile_cubin(file: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+/// Compiles (or loads from the disk cache in `cfg.kernel_cache`) one source
+/// file to a CUBIN for `arch` (`sm_90`, `sm_89`, ...).
+pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) -> Result<Vec<u8>> {
     let version = nvrtc_version()?;
-    let include = find_include_dir()?;
-    let opts = options(arch, &include);
+    let include = find_include_dir(cfg.cuda_include.as_deref())?;
+    let opts = nvrtc_options(arch, &include, cfg.ptxas_verbose);
+    // The parameter structs' sizes and offsets, checked against their Rust twins.
+    let source = &format!("{source}\n{}", crate::params::asserts(source));
     let mut h = Sha256::new();
-    for part in [source, HEADER.1, &opts.join(" "), &format!("{arch} {version:?}")] {
+    for part in [source.as_str(), HEADER.1, &opts.join(" "), &format!("{arch} {version:?}")] {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
@@ -190,7 +159,7 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     // updated toolkit in the same place must not reuse stale CUBINs.
     h.update(toolkit_headers_digest(&include));
     let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let path = cache_dir().join(format!("{}-{arch}-{key}.cubin", file.trim_end_matches(".cu")));
+    let path = cfg.kernel_cache.join(format!("{}-{arch}-{key}.cubin", file.trim_end_matches(".cu")));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
             return Ok(bytes);
@@ -258,8 +227,8 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
-pub fn compile_all(arch: (i32, i32)) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> = sources_for(arch).into_iter().chain(gemm_sources_for(arch)).chain(ffn_sources_for(arch)).collect();
-    let bins = compile_many(&files)?;
+pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
+    let files: Vec<Source> = sources_for(arch).into_iter().chain(ffn_sources_for(arch)).collect();
+    let bins = compile_many(&files, opts)?;
     Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }

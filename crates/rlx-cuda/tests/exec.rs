@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use common::*;
 use rlx_compile::{MatMulThunk, Thunk};
-use rlx_cuda::CudaBackend;
+use rlx_cuda::{CudaBackend, CudaOptions};
 use rlx_ir::{Activation, BinaryOp, DType};
-use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, Tensor};
+use rlx_runtime::{Backend, PrepareOptions, RuntimeError, Tensor};
 
 /// x [rows, h] -> QKV matmul (+bias) -> attention -> out-proj (+residual) ->
 /// LayerNorm -> FFN (erf-GELU) -> residual add: one encoder layer.
@@ -107,27 +107,6 @@ fn many_inputs_and_outputs_of_odd_sizes() {
     check("11 inputs and outputs", &g, &s, &w, &inputs, 1.0);
 }
 
-/// Under the default matmul policy (cuBLASLt) a whole encoder layer, its
-/// four matmuls included, prepares and runs without compiling or loading
-/// the own matmul kernels (kernels/gemm*.cu: ~6 s of NVRTC on a cold cache).
-/// Skipped when `RLX_GEMM` picks another policy for this process.
-#[test]
-fn default_policy_does_not_load_the_own_matmul() {
-    let Some(Some(g)) = gpu_or_dry() else { return };
-    if std::env::var("RLX_GEMM").is_ok() {
-        eprintln!("SKIPPED default_policy_does_not_load_the_own_matmul: RLX_GEMM is set");
-        return;
-    }
-    let (s, w) = layer(DType::F16, 2, 23, 96, 3, 13).finish();
-    let mut e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    let inputs = layer_inputs(DType::F16, 2, 23, 96, 14);
-    let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let out = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{e}"));
-    assert!(!out.is_empty());
-    assert_eq!(e.own_matmul_count(), 0);
-    assert!(!g.own_matmul_loaded(), "the default policy loaded the own matmul kernels");
-}
-
 /// Programmatic dependent launch is recorded into the replay graphs on
 /// Hopper and later: consecutive kernels get programmatic edges.
 #[test]
@@ -138,7 +117,7 @@ fn programmatic_launch_is_captured() {
     let (s, w) = layer(DType::F16, 1, 32, 128, 2, 13).finish();
     let e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{name}: {}", e.segment_map());
-    if major >= 9 && !std::env::var("RLX_PDL").map(|v| v == "0").unwrap_or(false) {
+    if major >= 9 {
         assert!(e.programmatic_edges() >= 2, "{name}: no programmatic edges recorded\n{}", e.segment_map());
     }
 }
@@ -162,7 +141,7 @@ fn weight_prefetch_is_recorded_for_small_matmuls() {
     let g = gpu();
     let Some(gb) = g.as_ref() else { return };
     let name = gb.device_name();
-    let on = sm_major(&name) >= 9 && !std::env::var("RLX_L2_PREFETCH").map(|v| v == "0").unwrap_or(false);
+    let on = sm_major(&name) >= 9;
     for (batch, seq, want) in [(1, 32, 4), (2, 64, 4), (3, 48, 0), (8, 128, 0)] {
         let (s, w) = layer(DType::F16, batch, seq, 128, 2, 31).finish();
         let matmuls = s.thunks.iter().filter(|t| matches!(t, Thunk::MatMul(_))).count();
@@ -215,7 +194,7 @@ fn pipelined_calls_in_one_arena_return_their_own_results() {
     }
 }
 
-/// With `set_l2_persist(true)` (opt-in), on sm_80+ a replayed executable's
+/// With `l2_persist` (opt-in), on sm_80+ a replayed executable's
 /// kernels carry an L2 access policy window over the whole arena
 /// (persisting), and the results do not change: the CPU backend's, replay
 /// equal to eager (`check_floor`). Without it, no window.
@@ -225,13 +204,13 @@ fn arena_accesses_persist_in_l2_when_asked() {
     let Some(gb) = g.as_ref() else { return };
     let name = gb.device_name();
     let (s, w) = layer(DType::F16, 4, 64, 128, 2, 71).finish();
+    let persisting = |on: bool| gb.reconfigured(CudaOptions { l2_persist: on, ..gb.options().clone() });
     let window = |on: bool| {
-        rlx_cuda::set_l2_persist(on);
-        let e = gb.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        let e = persisting(on).prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
         eprintln!("{}", e.segment_map());
         e.l2_window()
     };
-    assert_eq!(window(false), None, "{name}: a window without set_l2_persist");
+    assert_eq!(window(false), None, "{name}: a window without l2_persist");
     match window(true) {
         Some((bytes, hit)) => {
             assert_eq!(bytes, s.arena_bytes as usize, "{name}: the window covers the arena");
@@ -239,8 +218,7 @@ fn arena_accesses_persist_in_l2_when_asked() {
         }
         None => assert!(sm_major(&name) < 8, "{name}: no L2 window"),
     }
-    check_floor("layer with a persisting arena", &g, &s, &w, &layer_inputs(DType::F16, 4, 64, 128, 72), 5.0, 3.0);
-    rlx_cuda::set_l2_persist(false);
+    check_floor("layer with a persisting arena", &Some(persisting(true)), &s, &w, &layer_inputs(DType::F16, 4, 64, 128, 72), 5.0, 3.0);
 }
 
 #[test]
@@ -412,7 +390,7 @@ fn state_overflow_is_an_error_and_state_persists() {
     let value = sb.input("value", &[1, 2, width], dt);
     let pos = sb.input("pos", &[1], DType::I32);
     let state = sb.state("cache", &[1, max_rows, width], dt);
-    sb.thunk(Thunk::WriteState { dtype: dt, batch: 1, max_rows, new_rows: 2, width, state, value, position: pos });
+    sb.thunk(Thunk::WriteState { dtype: dt, batch: 1, max_rows, new_rows: 2, width, state, value, position: pos, positions_per_batch: false });
     let (s, w) = sb.finish();
     let mut e = g.prepare(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     let v = Tensor::from_f32(vec![1, 2, width], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap_or_else(|e| panic!("{e}"));

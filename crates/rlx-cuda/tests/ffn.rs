@@ -1,22 +1,24 @@
 //! The fused feed-forward block (kernels/ffn.cu, src/ffn.rs): FFN1 with
-//! erf-GELU, FFN2 and the norm after them, against the CPU backend on
-//! random row counts up to 128, f16 and bf16, the residual in the norm or in
-//! FFN2, LayerNorm and RmsNorm: the cluster kernel at both compiled widths
-//! (MiniLM's 384/1536 and bert-base's 768/3072), the row split at MiniLM's;
+//! erf-GELU, FFN2 and the norm after them (and the attention's output
+//! projection and norm before them), against the CPU backend on random row
+//! counts up to 128, f16 and bf16, the residual in the norm or in FFN2,
+//! LayerNorm and RmsNorm, at the compiled width (MiniLM's 384/1536);
 //! replay equals eager bit for bit, repeated calls give the same bits, and
-//! the fused kernels must actually have run.
+//! the fused kernel must actually have run.
 
 mod common;
 
 use common::*;
 use rand::Rng;
 use rlx_compile::Thunk;
-use rlx_cuda::{set_ffn_fusion, FfnFusion};
+use rlx_cuda::{CudaBackend, CudaOptions};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions, Tensor};
 
-/// The switch is process-wide: tests that set it run one at a time.
-static FUSION_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// The backend with the fused kernel on or off.
+fn fusion(g: &CudaBackend, on: bool) -> CudaBackend {
+    g.reconfigured(CudaOptions { ffn_fusion: on, ..g.options().clone() })
+}
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -90,85 +92,72 @@ fn inputs(c: Case, dt: DType, seed: u64) -> Vec<(String, Tensor)> {
 #[test]
 fn fused_ffn_matches_cpu() {
     let Some(g) = gpu_or_dry() else { return };
-    let _lock = FUSION_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let g = g.map(|g| fusion(&g, true));
     let mut r = rng(7);
     let mut cases = vec![
-        Case { h: 768, i: 3072, layers: 2, ..PLAIN },
         Case { layers: 2, ..PLAIN },
         Case { rows: 1, residual_in_matmul: true, rms: true, ..PLAIN },
         Case { rows: 17, ..PLAIN },
-        // The row split's tail: the output projection and its norm too.
+        // The tail: the output projection and its norm too.
         Case { layers: 2, tail: true, in_place: true, ..PLAIN },
         Case { rows: 1, residual_in_matmul: true, rms: true, tail: true, ..PLAIN },
         Case { rows: 37, layers: 2, tail: true, ..PLAIN },
     ];
     for _ in 0..5 {
-        let big = r.random_bool(0.3);
-        let tail = !big && r.random_bool(0.6);
+        let tail = r.random_bool(0.6);
         cases.push(Case {
             rows: r.random_range(2..128),
-            h: if big { 768 } else { 384 },
-            i: if big { 3072 } else { 1536 },
             residual_in_matmul: r.random_bool(0.5),
             rms: r.random_bool(0.3),
-            layers: 1,
             tail,
             in_place: tail && r.random_bool(0.5),
+            ..PLAIN
         });
     }
-    for mode in [FfnFusion::Clusters, FfnFusion::Rows] {
-        set_ffn_fusion(mode);
-        for (n, c) in cases.iter().copied().enumerate() {
-            // The row split is compiled for MiniLM's widths only; the cluster
-            // kernel leaves a tail's projection and norm to the usual kernels.
-            if mode == FfnFusion::Rows && c.h != 384 {
-                continue;
-            }
-            let unfused = if c.tail && mode == FfnFusion::Clusters { c.layers } else { 0 };
-            for dt in [DType::F16, DType::BF16] {
-                let what = format!("fused ffn {mode:?} {dt} {c:?}");
-                let (s, w) = graph(dt, c, 100 + n as u64).finish();
-                let inp = inputs(c, dt, 200 + n as u64);
-                check_floor(&what, &g, &s, &w, &inp, 5.0, 3.0);
-                let Some(g) = &g else { continue };
-                let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert_eq!(e.fused_ffn_count(), c.layers, "{what}: the fused kernels did not run\n{}", e.segment_map());
-                // Every matmul of the graph is fused away (but a tail's projection under the cluster kernel).
-                assert_eq!(e.matmul_choices().len(), unfused, "{what}");
-                let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
-                let first = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
-                for _ in 0..10 {
-                    let again = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
-                    assert_eq!(first.bytes(), again.bytes(), "{what}: repeated calls differ");
-                }
+    for (n, c) in cases.iter().copied().enumerate() {
+        for dt in [DType::F16, DType::BF16] {
+            let what = format!("fused ffn {dt} {c:?}");
+            let (s, w) = graph(dt, c, 100 + n as u64).finish();
+            let inp = inputs(c, dt, 200 + n as u64);
+            check_floor(&what, &g, &s, &w, &inp, 5.0, 3.0);
+            let Some(g) = &g else { continue };
+            let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(e.fused_ffn_count(), c.layers, "{what}: the fused kernel did not run\n{}", e.segment_map());
+            // Every matmul of the graph is fused away.
+            assert_eq!(e.matmul_choices().len(), 0, "{what}");
+            let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let first = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
+            for _ in 0..10 {
+                let again = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
+                assert_eq!(first.bytes(), again.bytes(), "{what}: repeated calls differ");
             }
         }
     }
-    set_ffn_fusion(FfnFusion::Off);
 }
 
 #[test]
 fn fusion_off_and_ineligible_shapes_run_the_usual_kernels() {
     let Some(Some(g)) = gpu_or_dry() else { return };
-    let _lock = FUSION_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    let c = Case { rows: 64, ..PLAIN };
-    let (s, w) = graph(DType::F16, c, 3).finish();
-    let inp = inputs(c, DType::F16, 4);
-    let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    set_ffn_fusion(FfnFusion::Off);
-    let mut off = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(off.fused_ffn_count(), 0);
-    let unfused = Executable::run(&mut off, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
-    for mode in [FfnFusion::Clusters, FfnFusion::Rows, FfnFusion::All] {
-        set_ffn_fusion(mode);
-        let mut on = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(on.fused_ffn_count(), 1, "{mode:?}");
+    for c in [Case { rows: 64, ..PLAIN }, Case { rows: 40, tail: true, ..PLAIN }] {
+        let (s, w) = graph(DType::F16, c, 3).finish();
+        let inp = inputs(c, DType::F16, 4);
+        let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let mut off = fusion(&g, false).prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(off.fused_ffn_count(), 0);
+        let unfused = Executable::run(&mut off, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
+        let mut on = fusion(&g, true).prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(on.fused_ffn_count(), 1, "{c:?}");
         let fused = Executable::run(&mut on, &refs).unwrap_or_else(|e| panic!("{e}"))[0].clone();
-        assert_close_floor(&format!("{mode:?} against unfused"), &fused, &unfused, 5.0, 3.0);
+        assert_close_floor(&format!("{c:?} fused against unfused"), &fused, &unfused, 5.0, 3.0);
     }
-    // 129 rows and an uncompiled width stay unfused (and still run).
-    set_ffn_fusion(FfnFusion::All);
-    for c in [Case { rows: 129, ..PLAIN }, Case { rows: 16, h: 256, i: 1024, ..PLAIN }, Case { rows: 129, tail: true, ..PLAIN }] {
+    // 129 rows and uncompiled widths stay unfused (and still run).
+    let g = fusion(&g, true);
+    for c in [
+        Case { rows: 129, ..PLAIN },
+        Case { rows: 16, h: 256, i: 1024, ..PLAIN },
+        Case { rows: 32, h: 768, i: 3072, ..PLAIN },
+        Case { rows: 129, tail: true, ..PLAIN },
+    ] {
         let (s, w) = graph(DType::F16, c, 5).finish();
         let mut e = g.prepare_cuda(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{c:?}: {e}"));
         assert_eq!(e.fused_ffn_count(), 0, "{c:?}");
@@ -176,5 +165,4 @@ fn fusion_off_and_ineligible_shapes_run_the_usual_kernels() {
         let refs: Vec<(&str, &Tensor)> = inp.iter().map(|(n, t)| (n.as_str(), t)).collect();
         Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{c:?}: {e}"));
     }
-    set_ffn_fusion(FfnFusion::Off);
 }

@@ -745,6 +745,7 @@ fn attention_case_scaled(
         mask: mask_buf,
         mask_dtype: DType::F32,
         valid_len: valid_buf,
+        valid_len_per_batch: false,
         out,
     }));
     let (s, w) = sb.finish();
@@ -881,7 +882,7 @@ fn write_state_then_read() {
         let value = sb.input("value", &[batch, new_rows, width], dt);
         let pos = sb.input("pos", &[1], DType::I32);
         let state = sb.state("cache", &[batch, max_rows, width], dt);
-        sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos });
+        sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos, positions_per_batch: false });
         let out = sb.output("out", &[batch, max_rows, width], dt);
         sb.thunk(Thunk::Copy {
             dtype: dt,

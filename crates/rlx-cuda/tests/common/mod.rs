@@ -254,6 +254,7 @@ pub fn fused_qkv_attention(
         mask: mask.map(|m| m.0),
         mask_dtype: mask.map(|m| m.1).unwrap_or(DType::F32),
         valid_len: None,
+        valid_len_per_batch: false,
         out,
     })
 }
