@@ -141,6 +141,9 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         }
         Thunk::Rope { x, positions, out, .. } => (vec![x.buf, *positions], vec![*out]),
         Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
+        Thunk::QMatMul { a, w, out, .. } => (vec![*a, *w], vec![*out]),
+        Thunk::QGather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
+        Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => (vec![*logits, *fparams, *iparams, *history, *position], vec![*out]),
     }
 }
 

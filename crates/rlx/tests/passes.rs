@@ -397,3 +397,45 @@ fn precision_keeps_masks_and_pooled_outputs_without_casts() {
     let err = max_rel_err(&got, &want);
     assert!(err <= 1e-2, "f16 storage with f32 mask and output: {err:e}");
 }
+
+/// Quantized Q, K, V and gate/up projections merge per block format into
+/// one qmatmul over the stacked rows; outputs are bit-identical (the same
+/// rows, the same int8 activations). A different format never merges.
+#[test]
+fn merge_quantized_matmuls_agrees() {
+    use rlx::backends::quant::quantize_row;
+    use rlx::QFormat;
+    let (k, rows) = (64, 3);
+    let mut g = Graph::new();
+    let x = g.input("x", [rows, k], DType::F32).unwrap();
+    let mut outs = vec![];
+    let mut weights = vec![];
+    let mut rng = StdRng::seed_from_u64(3);
+    for (name, n, f) in [("q", 48, QFormat::Q4_1), ("k", 16, QFormat::Q4_1), ("v", 16, QFormat::Q4_1), ("e", 8, QFormat::Q8_0)] {
+        let rb = f.row_bytes(k).unwrap();
+        let w = g.param(name, [n, rb], DType::U8).unwrap();
+        let y = g.qmatmul(x, w, f).unwrap();
+        g.output(y).unwrap();
+        outs.push(y);
+        let vals: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let bytes: Vec<u8> = vals.chunks(k).flat_map(|r| quantize_row(f, r).unwrap()).collect();
+        weights.push((name, Tensor::from_bytes([n, rb], DType::U8, bytes).unwrap()));
+    }
+    let xs = random(&mut rng, &[rows, k]);
+    let run_with = |opts: CompileOptions| {
+        let session = Session::new(Device::Cpu).unwrap();
+        for (n, t) in &weights {
+            session.set_weight(n, t.clone()).unwrap();
+        }
+        let mut s = session;
+        s.set_compile_options(opts);
+        let mut exe = s.compile(&g).unwrap();
+        let out: Vec<Vec<f32>> = exe.run(&[("x", &xs)]).unwrap().iter().map(|t| t.to_f32()).collect();
+        (out, exe.after().clone())
+    };
+    let (base, _) = run_with(OFF);
+    let (merged, after) = run_with(CompileOptions { merge_matmuls: true, ..OFF });
+    assert_eq!(base, merged, "merged quantized matmuls change the outputs");
+    assert_eq!(count(&after, |op| matches!(op, Op::QMatMul { format: QFormat::Q4_1 })), 1, "q, k, v merge into one");
+    assert_eq!(count(&after, |op| matches!(op, Op::QMatMul { format: QFormat::Q8_0 })), 1, "the q8_0 one stays apart");
+}

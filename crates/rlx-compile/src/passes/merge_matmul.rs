@@ -3,19 +3,28 @@
 //! against the concatenated params, followed by one narrow per original on
 //! the last axis. One wide GEMM beats several narrow ones, and the narrows
 //! are free views for consumers that take strides (attention, SwiGLU).
+//! Quantized matmuls of one block format merge the same way: their `[N,
+//! row_bytes]` weights stack on axis 0 as they are.
 //!
 //! Biases (an `Add` of a `[N]` param right after every member) are merged
 //! the same way so the bias epilogue still fuses.
 
 use std::collections::BTreeMap;
 
-use rlx_ir::{BinaryOp, Graph, IrError, NodeId, Op};
+use rlx_ir::{BinaryOp, Graph, IrError, NodeId, Op, QFormat};
 
 use super::{emit, map_ids, map_outputs, users};
 
+/// Which matmul a group is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Float { transpose_rhs: bool },
+    Quant(usize),
+}
+
 struct Group {
     lhs: usize,
-    transpose_rhs: bool,
+    kind: Kind,
     /// The matmul nodes, in node order.
     members: Vec<usize>,
     /// (add node, bias param) per member when every member has a bias.
@@ -42,22 +51,31 @@ fn bias_of(g: &Graph, users: &[Vec<usize>], uses: &[usize], mm: usize) -> Option
 fn find_groups(g: &Graph) -> Vec<Group> {
     let users = users(g);
     let uses = g.use_counts();
-    let mut by_key: BTreeMap<(usize, bool, usize, &'static str), Vec<usize>> = BTreeMap::new();
+    let mut by_key: BTreeMap<(usize, Kind, usize, &'static str), Vec<usize>> = BTreeMap::new();
     for (i, node) in g.nodes.iter().enumerate() {
-        let Op::MatMul { transpose_rhs } = node.op else { continue };
+        let kind = match node.op {
+            Op::MatMul { transpose_rhs } => Kind::Float { transpose_rhs },
+            Op::QMatMul { format } => Kind::Quant(QFormat::ALL.iter().position(|f| *f == format).unwrap_or(usize::MAX)),
+            _ => continue,
+        };
         let Some(rhs) = node.inputs.get(1).and_then(|r| g.nodes.get(r.0)) else { continue };
         if !matches!(rhs.op, Op::Param { .. }) || rhs.shape.rank() != 2 {
             continue;
         }
-        let k = if transpose_rhs { rhs.shape.dims()[1] } else { rhs.shape.dims()[0] };
-        by_key.entry((node.inputs[0].0, transpose_rhs, k, node.dtype.name())).or_default().push(i);
+        // Quantized rows hold K elements in row_bytes; the same format and
+        // row size means the same K.
+        let k = match kind {
+            Kind::Float { transpose_rhs: true } | Kind::Quant(_) => rhs.shape.dims()[1],
+            Kind::Float { transpose_rhs: false } => rhs.shape.dims()[0],
+        };
+        by_key.entry((node.inputs[0].0, kind, k, node.dtype.name())).or_default().push(i);
     }
     by_key
         .into_iter()
         .filter(|(_, m)| m.len() >= 2)
-        .map(|((lhs, transpose_rhs, _, _), members)| {
+        .map(|((lhs, kind, _, _), members)| {
             let biases: Option<Vec<_>> = members.iter().map(|&m| bias_of(g, &users, &uses, m)).collect();
-            Group { lhs, transpose_rhs, members, biases }
+            Group { lhs, kind, members, biases }
         })
         .collect()
 }
@@ -110,10 +128,15 @@ fn emit_group(out: &mut Graph, g: &Graph, grp: &Group, map: &mut [Option<NodeId>
     let at = grp.members[0];
     let rhs_old: Vec<NodeId> = grp.members.iter().map(|&m| g.nodes[m].inputs[1]).collect();
     let rhs = map_ids(map, &rhs_old, "merge_matmul", at)?;
-    // [N, K] params stack on axis 0, [K, N] params on axis 1.
-    let w = out.concat(&rhs, if grp.transpose_rhs { 0 } else { 1 })?;
+    // [N, K] params (and quantized rows) stack on axis 0, [K, N] params on axis 1.
+    let w = out.concat(&rhs, if grp.kind == (Kind::Float { transpose_rhs: false }) { 1 } else { 0 })?;
     let lhs = map_ids(map, &[NodeId(grp.lhs)], "merge_matmul", at)?[0];
-    let mut y = out.push(Op::MatMul { transpose_rhs: grp.transpose_rhs }, vec![lhs, w], None)?;
+    let op = match (grp.kind, &g.nodes[at].op) {
+        (Kind::Float { transpose_rhs }, _) => Op::MatMul { transpose_rhs },
+        (Kind::Quant(_), Op::QMatMul { format }) => Op::QMatMul { format: *format },
+        _ => return Err(IrError::Invalid(format!("merge_matmul: node {at} is not the group's kind of matmul"))),
+    };
+    let mut y = out.push(op, vec![lhs, w], None)?;
     if let Some(biases) = &grp.biases {
         let old: Vec<NodeId> = biases.iter().map(|&(_, b)| NodeId(b)).collect();
         let b = map_ids(map, &old, "merge_matmul", at)?;
