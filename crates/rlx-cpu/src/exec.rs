@@ -125,7 +125,7 @@ impl Worker {
             b_cache: Vec::new(),
             scratch: Scratch::default(),
             pool,
-            profile: std::env::var("RLX_PROFILE").map(|v| !matches!(v.trim(), "" | "0" | "false" | "off" | "no")).unwrap_or(false),
+            profile: rlx_runtime::env::flag("RLX_PROFILE", false)?,
             rebind_failed: Arc::new(AtomicBool::new(false)),
         };
         w.bind_weights(resolve_all(&w.schedule, store)?)?;

@@ -29,13 +29,11 @@ fn default_threads() -> usize {
     })
 }
 
-fn pin_enabled() -> bool {
-    std::env::var("RLX_CPU_PIN").map(|v| v.trim() != "0").unwrap_or(true)
-}
-
-/// A pool of `n` workers named `rlx-cpu-<i>`, pinned unless `RLX_CPU_PIN=0`.
+/// A pool of `n` workers named `rlx-cpu-<i>`, pinned unless `RLX_CPU_PIN=0`
+/// (a flag; a bad value is reported when the backend prepares).
 pub fn build(n: usize) -> Result<ThreadPool, String> {
-    let cpus = if pin_enabled() { allowed_cpus() } else { Vec::new() };
+    let pin = rlx_runtime::env::flag("RLX_CPU_PIN", true).map_err(|e| e.to_string())?;
+    let cpus = if pin { allowed_cpus() } else { Vec::new() };
     ThreadPoolBuilder::new()
         .num_threads(n.max(1))
         .thread_name(|i| format!("rlx-cpu-{i}"))

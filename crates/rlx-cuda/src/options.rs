@@ -133,12 +133,9 @@ fn bad(name: &str, value: &str, expected: &str) -> RuntimeError {
 }
 
 /// A flag: 1/true/on/yes or 0/false/off/no, any case.
+/// (The project's one flag grammar, `rlx_runtime::env`.)
 pub(crate) fn parse_flag(name: &str, value: &str) -> Result<bool> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "on" | "yes" => Ok(true),
-        "0" | "false" | "off" | "no" => Ok(false),
-        _ => Err(bad(name, value, "a flag: 1, true, on, yes, 0, false, off or no")),
-    }
+    rlx_runtime::env::parse_flag(name, value)
 }
 
 /// `timed` or `heuristic`, any case.

@@ -2,6 +2,7 @@
 //! shared [`WeightStore`], and the [`Backend`] / [`Executable`] traits.
 
 mod backend;
+pub mod env;
 mod error;
 mod states;
 mod tensor;
