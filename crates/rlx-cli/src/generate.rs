@@ -160,6 +160,16 @@ fn out_err(e: std::io::Error) -> String {
     format!("stdout: {e}")
 }
 
+/// Writes and flushes `text`; `Ok(false)` when the reader has gone away
+/// (`rlx generate … | head`), which ends the generation quietly.
+fn emit(out: &mut impl Write, text: &str) -> Result<bool, String> {
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(out_err(e)),
+    }
+}
+
 pub fn run_generate(a: GenerateArgs) -> Result<(), String> {
     let mut g = load(&a.model)?;
     let params = a.sampling.params();
@@ -181,16 +191,22 @@ pub fn run_generate(a: GenerateArgs) -> Result<(), String> {
     let mut out = stdout.lock();
     let mut text = String::new();
     let mut gen = g.generate_ids(&prompt_ids, &params).map_err(|e| e.to_string())?;
+    let mut reader_gone = false;
     for piece in gen.by_ref() {
         let p = piece.map_err(|e| e.to_string())?;
         if json {
             text.push_str(&p.text);
-        } else {
-            out.write_all(p.text.as_bytes()).and_then(|_| out.flush()).map_err(out_err)?;
+        } else if !emit(&mut out, &p.text)? {
+            reader_gone = true;
+            break;
         }
     }
     let (ids, stats, reason) = (gen.ids().to_vec(), gen.stats().clone(), describe(gen.stop_reason()));
     drop(gen);
+    if reader_gone {
+        eprintln!("[stopped after {} new tokens: stdout was closed]", ids.len());
+        return Ok(());
+    }
     if json {
         let obj = serde_json::json!({
             "prompt_ids": prompt_ids,
@@ -199,9 +215,9 @@ pub fn run_generate(a: GenerateArgs) -> Result<(), String> {
             "prefill_tok_s": stats.prefill_tok_s(),
             "decode_tok_s": stats.decode_tok_s(),
         });
-        writeln!(out, "{obj}").map_err(out_err)?;
-    } else {
-        writeln!(out).map_err(out_err)?;
+        emit(&mut out, &format!("{obj}\n"))?;
+    } else if !reader_gone {
+        emit(&mut out, "\n")?;
     }
     eprintln!(
         "[{} prompt tokens, prefill {:.1} tok/s; {} new tokens, decode {:.1} tok/s; stopped: {reason}]",
@@ -253,11 +269,15 @@ pub fn run_chat(a: ChatArgs) -> Result<(), String> {
         for piece in gen.by_ref() {
             let p = piece.map_err(|e| e.to_string())?;
             reply.push_str(&p.text);
-            out.write_all(p.text.as_bytes()).and_then(|_| out.flush()).map_err(out_err)?;
+            if !emit(&mut out, &p.text)? {
+                return Ok(());
+            }
         }
         let s = gen.stats().clone();
         drop(gen);
-        writeln!(out).map_err(out_err)?;
+        if !emit(&mut out, "\n")? {
+            return Ok(());
+        }
         eprintln!(
             "[{} prompt tokens ({} from the cache), {:.1} tok/s prefill; {} new, {:.1} tok/s decode]",
             s.prompt_tokens,

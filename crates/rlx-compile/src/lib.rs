@@ -43,8 +43,7 @@ pub struct CompileOptions {
     /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
     /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
     /// then follow the model exactly. On CUDA the approximation rides in the
-    /// matmul's library epilogue, which saves a kernel per FFN
-    /// (bench/gpu-perf.md, session 8).
+    /// matmul's library epilogue, which saves a kernel per FFN.
     pub approximate_gelu: bool,
 }
 

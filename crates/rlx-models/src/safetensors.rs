@@ -222,6 +222,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<()>
             DType::BF16 => "BF16",
             DType::I32 => "I32",
             DType::I64 => "I64",
+            DType::U8 => "U8",
         };
         let n = t.bytes().len();
         header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": t.dims(), "data_offsets": [offset, offset + n]}));
