@@ -238,7 +238,8 @@ impl Worker {
         let mem = self.mem(slot);
         for (s, t) in self.schedule.inputs.iter().zip(inputs) {
             let d = mem.dst::<u8>(&s.buf).map_err(exec_err)?;
-            d.row_mut(0, t.bytes().len()).copy_from_slice(t.bytes());
+            // SAFETY: nothing runs in this slot while inputs are staged.
+            unsafe { d.row_mut(0, t.bytes().len()) }.copy_from_slice(t.bytes());
         }
         let threads = self.pool.as_ref().map(|p| p.current_num_threads()).unwrap_or_else(rayon::current_num_threads);
         let (schedule, scratch, cache) = (&self.schedule, &mut self.scratch, &self.b_cache);

@@ -246,11 +246,16 @@ impl<T: Copy> Dst<T> {
         // SAFETY: i < len.
         unsafe { self.ptr.add(i).write(v) }
     }
-    /// Exclusive access to `n` elements from `start`: the caller (one task)
-    /// owns these elements and holds no overlapping `Src::row`.
+    /// Exclusive access to `n` elements from `start` (bounds are checked).
+    ///
+    /// # Safety
+    /// While the returned slice lives, no other reference to these
+    /// elements may exist: the caller (one task) owns them, holds no
+    /// overlapping `Src::row` or `row_mut` from any view of the same bytes,
+    /// and parallel tasks take disjoint ranges.
     #[inline(always)]
     #[allow(clippy::mut_from_ref)]
-    pub fn row_mut(&self, start: usize, n: usize) -> &mut [T] {
+    pub unsafe fn row_mut(&self, start: usize, n: usize) -> &mut [T] {
         in_bounds(start, n, self.len);
         // SAFETY: in bounds; exclusivity per the contract above.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
@@ -277,20 +282,30 @@ impl<T: Elem> Dst<T> {
     /// Converts `vals` to T and writes them contiguously from `start`.
     #[inline(always)]
     pub fn store(&self, start: usize, vals: &[f32]) {
-        T::store(vals, self.row_mut(start, vals.len()));
+        // SAFETY: the slice lives for this call only; `store`'s callers
+        // write rows no other task touches (module docs).
+        T::store(vals, unsafe { self.row_mut(start, vals.len()) });
     }
 }
 
 impl<T: Copy> Src<T> {
     /// A view of host scratch memory.
-    pub fn from_slice(s: &[T]) -> Src<T> {
+    ///
+    /// # Safety
+    /// The view carries no lifetime: `s` must outlive every use of it, and
+    /// must not be written through another path while the view is read.
+    pub unsafe fn from_slice(s: &[T]) -> Src<T> {
         Src { ptr: s.as_ptr(), len: s.len() }
     }
 }
 
 impl<T: Copy> Dst<T> {
-    /// A view of host scratch memory; the slice's borrow must outlive the use.
-    pub fn from_slice(s: &mut [T]) -> Dst<T> {
+    /// A view of host scratch memory.
+    ///
+    /// # Safety
+    /// The view carries no lifetime: `s` must outlive every use of it, and
+    /// nothing else may access it while the view writes.
+    pub unsafe fn from_slice(s: &mut [T]) -> Dst<T> {
         Dst { ptr: s.as_mut_ptr(), len: s.len() }
     }
 }
@@ -341,7 +356,8 @@ pub fn gemm_f32_scaled(
     if k == 0 {
         if !accumulate {
             for i in 0..m {
-                dst.row_mut(dst_offset + i * ldd, n).fill(0.0);
+                // SAFETY: one row at a time on this thread; the caller owns `dst`.
+                unsafe { dst.row_mut(dst_offset + i * ldd, n) }.fill(0.0);
             }
         }
         return;

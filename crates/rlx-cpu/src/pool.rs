@@ -97,7 +97,8 @@ mod tests {
         let pool = build(n).unwrap_or_else(|e| panic!("{e}"));
         let seen: Vec<Vec<usize>> = pool.broadcast(|_| allowed_cpus());
         assert_eq!(seen.len(), n);
-        if cfg!(target_os = "linux") && pin_enabled() && !cpus.is_empty() {
+        let pin = rlx_runtime::env::flag("RLX_CPU_PIN", true).unwrap_or(true);
+        if cfg!(target_os = "linux") && pin && !cpus.is_empty() {
             for (i, s) in seen.iter().enumerate() {
                 assert_eq!(s, &vec![cpus[i % cpus.len()]], "worker {i}");
             }

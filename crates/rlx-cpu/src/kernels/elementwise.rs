@@ -189,7 +189,8 @@ fn binary_int(
             }
             BinaryOp::Div => x.wrapping_div(y),
         };
-        let row = out.row_mut(i * es, es);
+        // SAFETY: element i belongs to this iteration alone.
+        let row = unsafe { out.row_mut(i * es, es) };
         match dtype {
             DType::I64 => row.copy_from_slice(&r.to_le_bytes()),
             _ => row.copy_from_slice(&(r as i32).to_le_bytes()),
@@ -260,7 +261,8 @@ pub fn cast(from: DType, to: DType, n: usize, src: &BufRef, dst: &BufRef, mem: &
     }
     let es = to.size();
     (0..n).into_par_iter().with_min_len(GRAIN).for_each(|i| {
-        let row = d.row_mut(i * es, es);
+        // SAFETY: element i belongs to this task alone; src is another buffer or this element.
+        let row = unsafe { d.row_mut(i * es, es) };
         if from == DType::I64 && to == DType::I32 {
             row.copy_from_slice(&(read_int(&s, from, i) as i32).to_le_bytes());
             return;

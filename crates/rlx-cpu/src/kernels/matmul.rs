@@ -140,7 +140,8 @@ fn epilogue<T: Elem>(mm: &MatMulThunk, c: &Dst<f32>, bias: Option<Src<T>>, resid
     (0..rows).into_par_iter().with_min_len(min_len).for_each_init(
         || vec![0f32; n],
         |tmp, r| {
-            let v = c.row_mut(r * n, n);
+            // SAFETY: row r belongs to this task alone.
+            let v = unsafe { c.row_mut(r * n, n) };
             if let Some(b) = &bias {
                 b.load(0, tmp);
                 v.iter_mut().zip(tmp.iter()).for_each(|(x, y)| *x += y);
@@ -207,7 +208,8 @@ fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, packed: Option<&[
             let bias_row = bias.row(0, n);
             let min_len = (1 << 14) / n.max(1) + 1;
             (0..mm.batch * mm.m).into_par_iter().with_min_len(min_len).for_each(|r| {
-                let row = out.row_mut(r * n, n);
+                // SAFETY: row r belongs to this task alone.
+                let row = unsafe { out.row_mut(r * n, n) };
                 if accumulate {
                     row.iter_mut().zip(bias_row).for_each(|(x, y)| *x += y);
                 } else {
@@ -222,7 +224,8 @@ fn run_f32(mm: &MatMulThunk, mem: &Mem, scratch: &mut Scratch, packed: Option<&[
     if mm.residual == Some(mm.out) {
         // The residual lives where the product goes: multiply into scratch.
         let c = scratch.c(total);
-        let cd = Dst::from_slice(c);
+        // SAFETY: `c` (scratch) outlives this call, the view's only use.
+        let cd = unsafe { Dst::from_slice(c) };
         gemm_batches(mm, &ao, &bo, &cd, false, threads);
         epilogue::<f32>(mm, &cd, bias, residual, Some(out));
     } else {
@@ -248,7 +251,8 @@ fn run_half<T: Elem>(
         // The packed weight replaces b entirely: only a is widened.
         let a32 = scratch.c(a_extent(mm));
         a.load(0, a32);
-        let (a_src, none) = (Src::from_slice(a32), Src::from_slice(&[]));
+        // SAFETY: a32 (scratch) outlives the call below, the views' only use.
+        let (a_src, none) = unsafe { (Src::from_slice(a32), Src::from_slice(&[])) };
         matmul_small::run(
             mm,
             &SmallArgs { a: &a_src, b: &none, bias: bias.as_ref(), residual: residual.as_ref(), out: &out },
@@ -267,7 +271,8 @@ fn run_half<T: Elem>(
             b32
         }
     };
-    let (a_src, b_src) = (Src::from_slice(a32), Src::from_slice(b_f32));
+    // SAFETY: a32 / b_f32 (scratch or the weight cache) outlive this call, the views' only use.
+    let (a_src, b_src) = unsafe { (Src::from_slice(a32), Src::from_slice(b_f32)) };
     if matmul_small::applies(mm) {
         matmul_small::run(
             mm,
@@ -280,7 +285,8 @@ fn run_half<T: Elem>(
     let (brs, bcs) = b_strides(mm);
     let ao = Operand { src: &a_src, offset: 0, batch_stride: mm.a_batch_stride as usize, rs: mm.lda as usize, cs: 1 };
     let bo = Operand { src: &b_src, offset: 0, batch_stride: mm.b_batch_stride as usize, rs: brs, cs: bcs };
-    let cd = Dst::from_slice(c32);
+    // SAFETY: c32 (scratch) outlives this call, the view's only use.
+    let cd = unsafe { Dst::from_slice(c32) };
     gemm_batches(mm, &ao, &bo, &cd, false, threads);
     epilogue::<T>(mm, &cd, bias, residual, Some(out));
     Ok(())

@@ -246,7 +246,8 @@ impl F32Epilogue {
     /// activation and a residual that is not out itself, in place.
     fn apply_in_out(&self, mm: &MatMulThunk, n: usize, rows: std::ops::Range<usize>, j0: usize, w: usize) {
         for r in rows {
-            let o = self.out.row_mut(r * n + j0, w);
+            // SAFETY: these columns of row r belong to this task alone.
+            let o = unsafe { self.out.row_mut(r * n + j0, w) };
             if let Some(b) = &self.bias {
                 o.iter_mut().zip(b.row(j0, w)).for_each(|(x, y)| *x += y);
             }
@@ -271,7 +272,8 @@ impl F32Epilogue {
             if let (Some(a), false) = (mm.act, tile_done) {
                 act::apply(a, row);
             }
-            let o = self.out.row_mut(r * n + j0, w);
+            // SAFETY: these columns of row r belong to this task alone.
+            let o = unsafe { self.out.row_mut(r * n + j0, w) };
             match &self.residual {
                 // o holds the residual until this write.
                 Some(_) if self.in_place => o.iter_mut().zip(row.iter()).for_each(|(o, x)| *o += x),
@@ -366,7 +368,8 @@ fn packed_dots_into(
     for (r, &o) in a_off.iter().enumerate() {
         // SAFETY: tile_epilogue range-checked the residual for these rows.
         let res = epi.map(|e| e.residual).filter(|p| !p.is_null()).map(|p| unsafe { p.add(r * n) }).unwrap_or(std::ptr::null());
-        packed_row_scalar(&a[o..o + k], pk, j0, out.row_mut((r0 + r) * n + j0, w), epi, res);
+        // SAFETY: these columns of the row belong to this task alone.
+        packed_row_scalar(&a[o..o + k], pk, j0, unsafe { out.row_mut((r0 + r) * n + j0, w) }, epi, res);
     }
 }
 

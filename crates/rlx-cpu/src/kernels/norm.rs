@@ -104,7 +104,8 @@ fn rows<T: Elem>(a: &NormArgs<'_>, x: Src<T>, res: Option<Src<T>>, gamma: &[f32]
             if let (Some(xf), Some(of)) = (x.as_f32(), out.as_f32()) {
                 let rf = res.as_ref().and_then(|r| r.as_f32());
                 add_into(xf.row(r * cols, cols), rf.as_ref().map(|s| s.row(r * cols, cols)), v);
-                norm_to(v, of.row_mut(r * cols, cols), gamma, beta, a.eps, a.rms, inv_n);
+                // SAFETY: row r belongs to this task; x and the residual were read into v first.
+                norm_to(v, unsafe { of.row_mut(r * cols, cols) }, gamma, beta, a.eps, a.rms, inv_n);
                 return;
             }
             let residual = match &res {

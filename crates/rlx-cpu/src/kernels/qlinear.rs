@@ -30,7 +30,9 @@ pub fn matmul(a: &QMatMulArgs<'_>, mem: &Mem) -> Result<()> {
     let x = mem.src::<f32>(a.a).map_err(exec_err)?;
     let w = mem.src::<u8>(a.w).map_err(exec_err)?;
     let out = mem.dst::<f32>(a.out).map_err(exec_err)?;
-    quant::matmul(a.format, a.rows, a.n, a.k, x.row(0, a_len), lda, w.row(0, a.n * row_bytes), out.row_mut(0, a.rows * a.n), a.n)
+    // SAFETY: the output buffer is disjoint from a and w (operand checks at prepare) and this call is its only user.
+    let out = unsafe { out.row_mut(0, a.rows * a.n) };
+    quant::matmul(a.format, a.rows, a.n, a.k, x.row(0, a_len), lda, w.row(0, a.n * row_bytes), out, a.n)
         .map_err(|e| exec_err(format!("qmatmul: {e}")))
 }
 
@@ -62,7 +64,9 @@ pub fn gather(a: &QGatherArgs<'_>, mem: &Mem) -> Result<()> {
             return Err(exec_err(format!("qgather: id {t} at index {i} is outside the table's 0..{}", a.vocab)));
         }
         let t = t as usize;
-        quant::dequantize_row(a.format, table.row(t * rb, rb), out.row_mut(i * a.dim, a.dim)).map_err(|e| exec_err(format!("qgather: {e}")))?;
+        // SAFETY: output row i is written by this iteration alone; the table is a weight.
+        let row = unsafe { out.row_mut(i * a.dim, a.dim) };
+        quant::dequantize_row(a.format, table.row(t * rb, rb), row).map_err(|e| exec_err(format!("qgather: {e}")))?;
     }
     Ok(())
 }
