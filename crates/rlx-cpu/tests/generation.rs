@@ -193,25 +193,27 @@ struct Draw {
     seed: u64,
 }
 
-/// `n` draws from the same logits row, one per batch row; row r sits at
-/// position `hist.len() - 1 + r` (its own random counter) after `hist`
-/// (then -1 padding, which the penalty ignores); the penalty window covers
-/// the whole history.
+/// `n` draws from the same logits row, one per batch row: row r uses seed
+/// `seed + r` at the position after `hist` (the penalty window covers all
+/// of `hist`).
 fn draws(logits: &[f32], d: &Draw, hist: &[i64], n: usize) -> Vec<i32> {
-    let (v, hl) = (logits.len(), hist.len() + n);
+    let (v, hl) = (logits.len(), hist.len());
     let l: Vec<f32> = (0..n).flat_map(|_| logits.iter().copied()).collect();
     let f: Vec<f32> = (0..n).flat_map(|_| [d.temp, d.top_p, d.min_p, d.penalty]).collect();
-    let seed = [(d.seed as u32) as i32 as i64, ((d.seed >> 32) as u32) as i32 as i64];
-    let i: Vec<i64> = (0..n).flat_map(|_| [d.top_k as i64, hl as i64, seed[0], seed[1]]).collect();
-    let h: Vec<i64> = (0..n).flat_map(|_| hist.iter().copied().chain(std::iter::repeat_n(-1, n))).collect();
-    let pos: Vec<i64> = (0..n).map(|r| (hist.len() - 1 + r) as i64).collect();
+    let i: Vec<i64> = (0..n as u64)
+        .flat_map(|r| {
+            let seed = d.seed.wrapping_add(r);
+            [d.top_k as i64, hl as i64, (seed as u32) as i32 as i64, ((seed >> 32) as u32) as i32 as i64]
+        })
+        .collect();
+    let h: Vec<i64> = (0..n).flat_map(|_| hist.iter().copied()).collect();
     let out = sample_plan(n, v, hl)
         .run(&[
             ("logits", &Tensor::from_f32([n, v], &l).expect("l")),
             ("f", &Tensor::from_f32([n, 4], &f).expect("f")),
             ("i", &ints(&[n, 4], DType::I32, &i)),
             ("hist", &ints(&[n, hl], DType::I32, &h)),
-            ("pos", &ints(&[n], DType::I32, &pos)),
+            ("pos", &ints(&[n], DType::I32, &vec![hl as i64 - 1; n])),
         ])
         .expect("sample");
     out[0].to_i32()
