@@ -17,6 +17,7 @@ struct AttnP {
     const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
     i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
     i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale; int* err;
+    i64 valid_pb;  // valid holds one length per batch row
 };
 
 template <typename T, int HDP, int RPW>
@@ -34,10 +35,10 @@ __device__ void attention_body(const AttnP& p) {
     const int hd = (int)p.hd;
     const float scale = (float)p.scale;
 
-    i64 valid = p.valid ? (i64)*p.valid : p.kv_len;
+    i64 valid = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
     // Out of 0..=kv_len is the caller's error (the CPU backend refuses it):
     // raise the flag, and clamp so no memory outside the cache is read.
-    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+    if ((valid < 0 || valid > p.kv_len) && blockIdx.x == 0 && blockIdx.y == 0 && (p.valid_pb || blockIdx.z == 0) && threadIdx.x == 0)
         atomicOr(p.err, ERR_VALID_LEN);
     i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
     if (kv_end < 0) kv_end = 0;

@@ -30,6 +30,7 @@ struct AttnP {
     const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
     i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
     i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale; int* err;
+    i64 valid_pb;  // valid holds one length per batch row
 };
 
 // O += P·V for one warp's 16 rows over NK keys: the probabilities s are
@@ -121,8 +122,9 @@ struct AttnView {
 __device__ __forceinline__ AttnView attn_view(const AttnP& p, i64 b, i64 h, bool first) {
     typedef unsigned short u16;
     AttnView a;
-    a.valid = p.valid ? (i64)*p.valid : p.kv_len;
-    if ((a.valid < 0 || a.valid > p.kv_len) && first) atomicOr(p.err, ERR_VALID_LEN);
+    a.valid = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
+    // One length per row: any block may hold a bad one (the flag is idempotent).
+    if ((a.valid < 0 || a.valid > p.kv_len) && (first || p.valid_pb)) atomicOr(p.err, ERR_VALID_LEN);
     a.kv_end = a.valid < p.kv_len ? a.valid : p.kv_len;
     if (a.kv_end < 0) a.kv_end = 0;
     // 32-bit division (once per thread; the 64-bit one is a long sequence).

@@ -56,18 +56,23 @@ extern "C" __global__ void gather_vec(const GatherP p) {
     }
 }
 
-struct WriteStateP { void* state; const void* value; const int* pos; int* err; i64 batch; i64 max_rows; i64 new_rows; i64 width; i64 esize; };
+// `per_batch`: pos holds one position per batch row. Any bad position
+// makes the whole write a no-op (as the CPU, which checks every row first).
+struct WriteStateP { void* state; const void* value; const int* pos; int* err; i64 batch; i64 max_rows; i64 new_rows; i64 width; i64 esize; i64 per_batch; };
 
 extern "C" __global__ void write_state(const WriteStateP p) {
     pdl_enter();
-    i64 pos = (i64)*p.pos;
-    if (pos < 0 || pos + p.new_rows > p.max_rows) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
-        return;
+    for (i64 b = 0; b < (p.per_batch ? p.batch : 1); ++b) {
+        const i64 pos = (i64)p.pos[b];
+        if (pos < 0 || pos + p.new_rows > p.max_rows) {
+            if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
+            return;
+        }
     }
     i64 total = p.batch * p.new_rows * p.width;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         i64 c = i % p.width, s = (i / p.width) % p.new_rows, b = i / (p.width * p.new_rows);
+        const i64 pos = (i64)p.pos[p.per_batch ? b : 0];
         copy_elem(p.state, (b * p.max_rows + pos + s) * p.width + c, p.value, i, p.esize);
     }
 }

@@ -4,6 +4,11 @@
 //!
 //! One stream per executable: calls run on the device in submission order,
 //! which is what state (KV caches) needs; the host never waits in `submit`.
+//! State may be shared with other executables of the same device through a
+//! `StateSet` (`CudaBackend::prepare_shared`): each has its own stream, so
+//! calls of different executables that touch the set are ordered by the
+//! caller, who waits for one's calls before submitting to another (the
+//! generator does, between prefill and decode).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rlx_compile::{BufRef, Schedule, Space, Thunk};
-use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, Tensor, Ticket, WeightStore};
+use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
@@ -60,7 +65,8 @@ pub struct CudaExecutable {
     store: Arc<WeightStore>,
     weights: Arc<DeviceWeights>,
     _weight_bufs: Vec<Arc<DeviceBuffer>>,
-    states: Vec<DeviceBuffer>,
+    /// Shared with the other executables of a state set, if any.
+    states: Vec<Arc<DeviceBuffer>>,
     _consts: Vec<DeviceBuffer>,
     _plans: Vec<Option<Arc<MatMulPlan>>>,
     _blas: Arc<Blas>,
@@ -105,7 +111,7 @@ fn check_buf(
     b: &rlx_compile::BufRef,
     arena: u64,
     weights: &[Arc<DeviceBuffer>],
-    states: &[DeviceBuffer],
+    states: &[Arc<DeviceBuffer>],
     consts: &[DeviceBuffer],
 ) -> Result<()> {
     let cap = match b.space {
@@ -128,6 +134,7 @@ impl CudaExecutable {
         kernels: &Kernels,
         schedule: Arc<Schedule>,
         store: Arc<WeightStore>,
+        shared: Option<&Arc<StateSet>>,
         opts: &PrepareOptions,
         cuda: &CudaOptions,
     ) -> Result<CudaExecutable> {
@@ -154,9 +161,16 @@ impl CudaExecutable {
         let weight_bufs = weights.bind(&store, &schedule.weights)?;
         let mut states = Vec::new();
         for s in &schedule.states {
-            let b = DeviceBuffer::alloc(&dev, s.buf.bytes)?;
-            b.zero()?;
-            states.push(b);
+            let make = || -> Result<DeviceBuffer> {
+                let b = DeviceBuffer::alloc(&dev, s.buf.bytes)?;
+                b.zero()?;
+                Ok(b)
+            };
+            states.push(match shared {
+                // Keyed by device too: a set's buffers serve one device.
+                Some(set) => set.get_or_create(&format!("cuda:{}", dev.ordinal), &s.name, s.buf.bytes, make)?,
+                None => Arc::new(make()?),
+            });
         }
         let mut consts = Vec::new();
         for c in &schedule.consts {
@@ -721,6 +735,12 @@ impl Executable for CudaExecutable {
             }
             if flag & 4 != 0 {
                 why.push("an attention valid_len was outside 0..=kv_len (it was clamped)");
+            }
+            if flag & 8 != 0 {
+                why.push("a sample position was outside the token history (token 0 was written)");
+            }
+            if flag & 16 != 0 {
+                why.push("an integer division by zero (0 was written)");
             }
             return Err(RuntimeError::backend("cuda", format!("call {id}: {}", why.join("; "))));
         }

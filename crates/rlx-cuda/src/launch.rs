@@ -181,23 +181,29 @@ pub(crate) struct Kernels {
     /// The fused feed-forward kernels, loaded on first use (`ffn`); a
     /// failure is kept as its message and repeated to every caller.
     ffn: OnceLock<std::result::Result<LazyModule, String>>,
+    /// The generation step's kernels (kernels/decode.cu), loaded on first
+    /// use (`decode`) in the same way.
+    decode: OnceLock<std::result::Result<LazyModule, String>>,
 }
 
 /// Kernels compiled and loaded on first use: the fused feed-forward
-/// block's (kernels/ffn.cu), which only some schedules run.
+/// block's (kernels/ffn.cu) and the generation step's (kernels/decode.cu),
+/// which only some schedules run.
 pub(crate) struct LazyModule {
     funcs: HashMap<String, Func>,
+    /// Its file, for error messages.
+    file: &'static str,
 }
 
 impl LazyModule {
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
-        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the fused feed-forward module")))
+        self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in kernels/{}", self.file)))
     }
 }
 
 impl Kernels {
     pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>, compile: CudaOptions) -> Kernels {
-        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, dev, compile, ffn: OnceLock::new() }
+        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, dev, compile, ffn: OnceLock::new(), decode: OnceLock::new() }
     }
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
@@ -216,9 +222,19 @@ impl Kernels {
         let loaded = self.ffn.get_or_init(|| {
             let files = crate::nvrtc::ffn_sources_for(self.dev.cc);
             let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs })
+            Ok(LazyModule { funcs, file: "ffn.cu" })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the fused feed-forward kernels: {e}")))
+    }
+    /// The generation step's kernels (src/decode.rs), compiled (or read from
+    /// the disk cache) and loaded the first time a schedule needs them.
+    pub(crate) fn decode(&self) -> Result<&LazyModule> {
+        let loaded = self.decode.get_or_init(|| {
+            let files = crate::nvrtc::decode_sources_for(self.dev.cc);
+            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
+            Ok(LazyModule { funcs, file: "decode.cu" })
+        });
+        loaded.as_ref().map_err(|e| err(format!("loading the generation kernels: {e}")))
     }
     fn typed(&self, base: &str, d: DType) -> Result<Func> {
         self.get(&format!("{base}_{}", suffix(d)))
@@ -393,6 +409,8 @@ pub(crate) fn lower(
                 }
             }
         }
+        // Integer arithmetic (positions, lengths): kernels/decode.cu.
+        Thunk::Binary { dtype: DType::I32 | DType::I64, .. } => steps.extend(crate::decode::lower(t, b, k)?),
         Thunk::Binary { op, dtype, out_shape, a, a_strides, b: bb, b_strides, out } => {
             let n: usize = out_shape.iter().product();
             let op = match op {
@@ -684,7 +702,7 @@ pub(crate) fn lower(
             };
             steps.push(k.flat(k.typed("swiglu", *dtype)?, n, &p, kind)?);
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, .. } => {
+        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
             let n = (batch * new_rows * width) as u64;
             let p = params::WriteStateP {
                 state: b.ptr(state)?,
@@ -696,12 +714,11 @@ pub(crate) fn lower(
                 new_rows: i(*new_rows),
                 width: i(*width),
                 esize: i(dtype.size()),
+                per_batch: *positions_per_batch as i64,
             };
             steps.push(k.flat(k.get("write_state")?, n, &p, kind)?);
         }
-        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => {
-            return Err(err(format!("{kind} has no CUDA kernel yet")));
-        }
+        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => steps.extend(crate::decode::lower(t, b, k)?),
     }
     Ok(steps)
 }
@@ -731,6 +748,7 @@ fn attention_params(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<params
         vrs: a.v.row_stride as i64,
         scale: a.scale as f64,
         err: b.err,
+        valid_pb: a.valid_len_per_batch as i64,
     })
 }
 
@@ -796,6 +814,7 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
             Some(format!("copy of rank {} (at most {MAX_RANK}, strides per dim)", shape.len()))
         }
         Thunk::Copy { dtype, .. } if ![2, 4, 8].contains(&dtype.size()) => Some(format!("copy of {dtype}")),
+        Thunk::Binary { dtype: DType::I32 | DType::I64, .. } => None,
         Thunk::Binary { dtype, .. }
         | Thunk::Activation { dtype, .. }
         | Thunk::Norm { dtype, .. }
@@ -829,11 +848,7 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         Thunk::Norm { rows, .. } | Thunk::EmbedNorm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => {
             Some("too many rows".into())
         }
-        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => {
-            Some(format!("{} has no CUDA kernel yet (the CPU backend runs it)", t.kind()))
-        }
-        Thunk::WriteState { positions_per_batch: true, .. } => Some("write_state with one position per batch row".into()),
-        Thunk::Attention(a) if a.valid_len_per_batch => Some("attention with one valid length per batch row".into()),
+        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => crate::decode::unsupported(t),
         _ => None,
     }
 }

@@ -9,12 +9,14 @@
 //!
 //! Files: `options` (every setting, read once), `driver` (owned driver
 //! handles), `nvrtc` (compile + disk cache), `launch` (thunk → steps),
-//! `ffn` (the fused feed-forward kernel), `blas` (cuBLASLt), `gemm` (the
-//! cuBLASLt algorithm per shape, timed) and `gemm_cache` (its choices on
-//! disk), `hostops` (TopK on the host), `weights` (shared device weights),
-//! `exec` (slots, replay, submit/wait).
+//! `ffn` (the fused feed-forward kernel), `decode` (the generation step's
+//! kernels: quantized matmuls and gathers, sampling), `blas` (cuBLASLt),
+//! `gemm` (the cuBLASLt algorithm per shape, timed) and `gemm_cache` (its
+//! choices on disk), `hostops` (TopK on the host), `weights` (shared device
+//! weights), `exec` (slots, replay, submit/wait).
 
 mod blas;
+mod decode;
 mod driver;
 mod exec;
 mod ffn;
@@ -31,7 +33,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rlx_compile::{Schedule, Thunk};
-use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, WeightStore};
+use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, StateSet, WeightStore};
 
 pub use exec::CudaExecutable;
 pub use nvrtc::SOURCES as KERNEL_SOURCES;
@@ -148,7 +150,9 @@ impl CudaBackend {
     /// Prepares and returns the concrete executable (tests reach
     /// `segment_map` through it).
     pub fn prepare_cuda(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
-        guarded("preparing a CUDA executable", || CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, opts, &self.opts))
+        guarded("preparing a CUDA executable", || {
+            CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, None, opts, &self.opts)
+        })
     }
 }
 
@@ -163,6 +167,22 @@ impl Backend for CudaBackend {
 
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
         Ok(Box::new(self.prepare_cuda(schedule, weights, opts)?))
+    }
+
+    /// State buffers come from `states` by name (made there, zeroed, by the
+    /// first executable that names them): every executable of the set must
+    /// run on this device, and the caller orders their calls (src/exec.rs).
+    fn prepare_shared(
+        &self,
+        schedule: Arc<Schedule>,
+        weights: Arc<WeightStore>,
+        states: &Arc<StateSet>,
+        opts: &PrepareOptions,
+    ) -> Result<Box<dyn Executable>> {
+        let exe = guarded("preparing a CUDA executable", || {
+            CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, Some(states), opts, &self.opts)
+        })?;
+        Ok(Box::new(exe))
     }
 }
 

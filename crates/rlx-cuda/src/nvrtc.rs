@@ -28,6 +28,11 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// time a schedule has a block they run.
 pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/ffn.cu"))];
 
+/// The generation step's kernels (src/decode.rs): compiled and loaded the
+/// first time a schedule has a quantized matmul or gather, a sample, or an
+/// integer binary op.
+pub const DECODE_SOURCES: &[(&str, &str)] = &[("decode.cu", include_str!("../kernels/decode.cu"))];
+
 /// A file to compile: (file name, text, architecture to compile it for).
 pub type Source = (&'static str, &'static str, String);
 
@@ -41,6 +46,12 @@ pub fn sources_for(cc: (i32, i32)) -> Vec<Source> {
 pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
     FFN_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+}
+
+/// The generation step's files for a device of compute capability `cc`.
+pub fn decode_sources_for(cc: (i32, i32)) -> Vec<Source> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    DECODE_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
 /// `compile_cubin` for every file at once, one thread each (NVRTC programs
@@ -228,7 +239,7 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> = sources_for(arch).into_iter().chain(ffn_sources_for(arch)).collect();
+    let files: Vec<Source> = sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).collect();
     let bins = compile_many(&files, opts)?;
     Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }

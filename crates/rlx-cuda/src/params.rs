@@ -56,7 +56,7 @@ kernel_params! {
     struct AttnP {
         q: u64, k: u64, v: u64, mask: u64, valid: u64, out: u64,
         batch: i64, heads: i64, kv_heads: i64, hd: i64, q_len: i64, kv_len: i64, causal: i64, mask_dt: i64,
-        qbs: i64, qrs: i64, kbs: i64, krs: i64, vbs: i64, vrs: i64, scale: f64, err: u64,
+        qbs: i64, qrs: i64, kbs: i64, krs: i64, vbs: i64, vrs: i64, scale: f64, err: u64, valid_pb: i64,
     }
     /// Broadcasting binary ops (kernels/elementwise.cu `binary*`).
     struct BinaryP {
@@ -92,7 +92,7 @@ kernel_params! {
     /// Row gathers (kernels/indexed.cu).
     struct GatherP { table: u64, ids: u64, out: u64, err: u64, n: i64, dim: i64, vocab: i64, id64: i64, esize: i64 }
     /// State writes.
-    struct WriteStateP { state: u64, value: u64, pos: u64, err: u64, batch: i64, max_rows: i64, new_rows: i64, width: i64, esize: i64 }
+    struct WriteStateP { state: u64, value: u64, pos: u64, err: u64, batch: i64, max_rows: i64, new_rows: i64, width: i64, esize: i64, per_batch: i64 }
     /// Rotary position embeddings.
     struct RopeP {
         x: u64, pos: u64, out: u64, batch: i64, seq: i64, heads: i64, hd: i64, xbs: i64, xrs: i64, mode: i64, per_batch: i64, theta: f64,
@@ -108,6 +108,20 @@ kernel_params! {
     struct AxisP { x: u64, out: u64, outer: i64, len: i64, inner: i64, op: i64 }
     /// The masked mean over a sequence.
     struct MaskedMeanP { x: u64, mask: u64, out: u64, batch: i64, seq: i64, dim: i64, mask_dt: i64, out_dt: i64 }
+    /// Matmuls over block-quantized weights (kernels/decode.cu).
+    struct QMatMulP { a: u64, w: u64, out: u64, rows: i64, n: i64, k: i64, lda: i64, row_bytes: i64 }
+    /// Embedding gathers from block-quantized tables.
+    struct QGatherP { table: u64, ids: u64, out: u64, err: u64, n: i64, dim: i64, vocab: i64, id64: i64, row_bytes: i64, fmt: i64 }
+    /// Integer binary ops.
+    struct IntBinaryP {
+        a: u64, b: u64, out: u64, err: u64, n: i64, rank: i64, op: i64, wide: i64,
+        shape: [i64; MAX_RANK], sa: [i64; MAX_RANK], sb: [i64; MAX_RANK],
+    }
+    /// Next-token sampling.
+    struct SampleP {
+        logits: u64, fparams: u64, iparams: u64, history: u64, pos: u64, out: u64, err: u64,
+        batch: i64, vocab: i64, hist_len: i64, bitmap_words: i64,
+    }
 }
 
 /// A count or size as the kernels' `long long` (saturating: no size
@@ -222,7 +236,7 @@ mod tests {
     /// names in order).
     fn c_structs() -> Vec<(String, Vec<String>)> {
         let mut out = Vec::new();
-        for (file, text) in crate::nvrtc::SOURCES.iter().chain(crate::nvrtc::FFN_SOURCES) {
+        for (file, text) in crate::nvrtc::SOURCES.iter().chain(crate::nvrtc::FFN_SOURCES).chain(crate::nvrtc::DECODE_SOURCES) {
             let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
             let mut rest = code.as_str();
             while let Some(at) = rest.find("struct ") {

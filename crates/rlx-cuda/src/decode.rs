@@ -1,0 +1,224 @@
+//! Launches of kernels/decode.cu, the generation step's kernels: matmuls
+//! and embedding gathers over block-quantized weights read as stored,
+//! next-token sampling, and integer binary ops (positions). The module is
+//! compiled and loaded the first time a schedule needs it
+//! (`Kernels::decode`). Every launch reads its changing values (ids,
+//! positions, sampling settings) from device memory, so a recorded decode
+//! step serves every position.
+
+use rlx_compile::Thunk;
+use rlx_ir::{BinaryOp, DType, QFormat};
+use rlx_runtime::Result;
+
+use crate::driver::err;
+use crate::launch::{collapse, suffix, Bases, Kernels, Op, Step};
+use crate::params::{self, arr, i};
+
+/// Threads per block of the quantized matmul: one warp per output column.
+const QMM_THREADS: u32 = 256;
+/// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
+const SAMPLE_THREADS: u32 = 512;
+/// Candidates the sampling kernel holds in shared memory after top-k
+/// (`SAMPLE_CAP` in kernels/decode.cu): a (logit, id) pair each.
+const SAMPLE_CAP: usize = 2048;
+/// The sampling kernel's static shared memory, rounded up (its reduction
+/// scratch; ptxas reports 4480 bytes).
+const SAMPLE_STATIC_SMEM: usize = 8192;
+/// Shared memory a block may have on the devices we run on (sm_80+: 163 KB
+/// and more; sm_90: 227 KB). A vocabulary whose penalty bitmap does not fit
+/// beside the candidates is refused at prepare.
+const SMEM_LIMIT: usize = 160 * 1024;
+
+/// The format's code in kernels/decode.cu (`QF_*`).
+pub(crate) fn qformat_code(f: QFormat) -> i64 {
+    match f {
+        QFormat::Q4_0 => 0,
+        QFormat::Q4_1 => 1,
+        QFormat::Q5_0 => 2,
+        QFormat::Q5_1 => 3,
+        QFormat::Q8_0 => 4,
+        QFormat::Q4K => 5,
+        QFormat::Q6K => 6,
+    }
+}
+
+/// Words of the sampling kernel's penalty bitmap (one bit per id).
+fn bitmap_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// The sampling kernel's dynamic shared memory: the bitmap, then the
+/// candidates.
+fn sample_smem(vocab: usize) -> usize {
+    4 * bitmap_words(vocab) + 8 * SAMPLE_CAP
+}
+
+/// Why this module cannot run a thunk it would otherwise take, or None.
+pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
+    let fits31 = |v: usize| v < (1 << 31);
+    match t {
+        Thunk::QMatMul { format, dtype, k, .. } if format.row_bytes(*k).is_none() || !dtype.is_float() => Some(format!(
+            "qmatmul of {format} rows of {k} {dtype} elements (whole {}-element blocks of a float type)",
+            format.block_elems()
+        )),
+        Thunk::QMatMul { lda, k, .. } if *lda < *k as u64 => Some(format!("qmatmul row stride {lda} below the row length {k}")),
+        Thunk::QGather { format, dim, .. } if format.row_bytes(*dim).is_none() => {
+            Some(format!("qgather of {format} rows of {dim} elements (whole {}-element blocks)", format.block_elems()))
+        }
+        Thunk::QGather { id_dtype, .. } if !matches!(id_dtype, DType::I32 | DType::I64) => Some(format!("qgather with {id_dtype} ids")),
+        Thunk::Sample { vocab, .. } if *vocab == 0 || !fits31(*vocab) => Some(format!("sample over a vocabulary of {vocab}")),
+        Thunk::Sample { vocab, .. } if sample_smem(*vocab) + SAMPLE_STATIC_SMEM > SMEM_LIMIT => {
+            Some(format!("sample over a vocabulary of {vocab} (its penalty bitmap needs more shared memory than a block has)"))
+        }
+        Thunk::Sample { batch, .. } if !fits31(*batch) => Some(format!("sample over a batch of {batch}")),
+        _ => None,
+    }
+}
+
+/// A grid-stride launch over `n` items, 256 threads per block.
+fn flat<T: params::KernelParams>(k: &Kernels, name: &str, n: u64, p: &T, kind: &'static str) -> Result<Step> {
+    let blocks = n.div_ceil(256).clamp(1, k.sm_count as u64 * 32) as u32;
+    Ok(Step::new(Op::kernel(k.decode()?.get(name)?, [blocks, 1, 1], 256, 0, [1, 1, 1], p)?, kind))
+}
+
+/// The steps of a QMatMul, QGather, Sample, or integer Binary thunk.
+pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
+    let kind = t.kind();
+    let step = match t {
+        Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out } => {
+            let row_bytes = format.row_bytes(*kk).ok_or_else(|| err(format!("qmatmul: {kk} is not a whole number of {format} blocks")))?;
+            let wp = b.ptr(w)?;
+            // The kernel reads blocks with 16-bit loads.
+            if !wp.is_multiple_of(2) {
+                return Err(err(format!("qmatmul: the {format} weight starts at an odd address")));
+            }
+            let p = params::QMatMulP {
+                a: b.ptr(a)?,
+                w: wp,
+                out: b.ptr(out)?,
+                rows: i(*rows),
+                n: i(*n),
+                k: i(*kk),
+                lda: *lda as i64,
+                row_bytes: i(row_bytes),
+            };
+            // Decode (one row): each warp's weights once; prefill: decoded
+            // once per 4 rows.
+            let rb = if *rows == 1 { 1 } else { 4 };
+            let name = format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype));
+            let grid = [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, rows.div_ceil(rb).clamp(1, 65535) as u32, 1];
+            Step::new(Op::kernel(k.decode()?.get(&name)?, grid, QMM_THREADS, 0, [1, 1, 1], &p)?, kind)
+        }
+        Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
+            let row_bytes =
+                format.row_bytes(*dim).ok_or_else(|| err(format!("qgather: {dim} is not a whole number of {format} blocks")))?;
+            let tp = b.ptr(table)?;
+            if !tp.is_multiple_of(2) {
+                return Err(err(format!("qgather: the {format} table starts at an odd address")));
+            }
+            let p = params::QGatherP {
+                table: tp,
+                ids: b.ptr(ids)?,
+                out: b.ptr(out)?,
+                err: b.err,
+                n: i(*n),
+                dim: i(*dim),
+                vocab: i(*vocab),
+                id64: (*id_dtype == DType::I64) as i64,
+                row_bytes: i(row_bytes),
+                fmt: qformat_code(*format),
+            };
+            flat(k, "qgather", (n * dim) as u64, &p, kind)?
+        }
+        Thunk::Sample { batch, vocab, history_len, logits, fparams, iparams, history, position, out } => {
+            let p = params::SampleP {
+                logits: b.ptr(logits)?,
+                fparams: b.ptr(fparams)?,
+                iparams: b.ptr(iparams)?,
+                history: b.ptr(history)?,
+                pos: b.ptr(position)?,
+                out: b.ptr(out)?,
+                err: b.err,
+                batch: i(*batch),
+                vocab: i(*vocab),
+                hist_len: i(*history_len),
+                bitmap_words: i(bitmap_words(*vocab)),
+            };
+            let func = k.decode()?.get("sample")?;
+            let smem = sample_smem(*vocab);
+            if smem > 48 * 1024 {
+                func.set_max_dynamic_smem(smem as u32)?;
+            }
+            Step::new(Op::kernel(func, [(*batch).max(1) as u32, 1, 1], SAMPLE_THREADS, smem as u32, [1, 1, 1], &p)?, kind)
+        }
+        Thunk::Binary { op, dtype, out_shape, a, a_strides, b: bb, b_strides, out } if matches!(dtype, DType::I32 | DType::I64) => {
+            let n: usize = out_shape.iter().product();
+            let (shape, st) = collapse(out_shape, &[a_strides, b_strides]);
+            let p = params::IntBinaryP {
+                a: b.ptr(a)?,
+                b: b.ptr(bb)?,
+                out: b.ptr(out)?,
+                err: b.err,
+                n: i(n),
+                rank: i(shape.len()),
+                op: match op {
+                    BinaryOp::Add => 0,
+                    BinaryOp::Sub => 1,
+                    BinaryOp::Mul => 2,
+                    BinaryOp::Div => 3,
+                },
+                wide: (*dtype == DType::I64) as i64,
+                shape: arr(shape.iter().map(|&d| d as u64)),
+                sa: arr(st[0].iter().copied()),
+                sb: arr(st[1].iter().copied()),
+            };
+            flat(k, "binary_int", n as u64, &p, kind)?
+        }
+        _ => return Err(err(format!("{kind} is not a kernel of kernels/decode.cu"))),
+    };
+    Ok(vec![step])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_codes_match_the_kernel_file() {
+        let src = include_str!("../kernels/decode.cu");
+        for (f, name) in [
+            (QFormat::Q4_0, "QF_Q4_0"),
+            (QFormat::Q4_1, "QF_Q4_1"),
+            (QFormat::Q5_0, "QF_Q5_0"),
+            (QFormat::Q5_1, "QF_Q5_1"),
+            (QFormat::Q8_0, "QF_Q8_0"),
+            (QFormat::Q4K, "QF_Q4K"),
+            (QFormat::Q6K, "QF_Q6K"),
+        ] {
+            assert!(src.contains(&format!("#define {name} {}\n", qformat_code(f))), "{name}");
+        }
+        for (name, v) in [("SAMPLE_THREADS", SAMPLE_THREADS as usize), ("SAMPLE_CAP", SAMPLE_CAP)] {
+            assert!(src.contains(&format!("#define {name} {v}\n")), "{name}");
+        }
+    }
+
+    #[test]
+    fn sample_shared_memory_bounds_the_vocabulary() {
+        let buf = rlx_compile::BufRef { space: rlx_compile::Space::Arena, offset: 0, bytes: 0 };
+        let t = |vocab| Thunk::Sample {
+            batch: 1,
+            vocab,
+            history_len: 8,
+            logits: buf,
+            fparams: buf,
+            iparams: buf,
+            history: buf,
+            position: buf,
+            out: buf,
+        };
+        assert_eq!(unsupported(&t(49152)), None);
+        assert_eq!(unsupported(&t(262144)), None, "Gemma's vocabulary");
+        assert!(unsupported(&t(8_000_000)).is_some());
+        assert!(unsupported(&t(0)).is_some());
+    }
+}
