@@ -290,4 +290,3 @@ pub fn run_chat(a: ChatArgs) -> Result<(), String> {
     }
     Ok(())
 }
-

@@ -36,16 +36,41 @@ fn greedy_json_matches_transformers() {
     let m = m.to_str().expect("utf-8 path");
     // Reference item 1 (raw): transformers' first greedy tokens; the
     // quantized path agrees with them on this prompt (margins > 0.3).
-    let o = rlx(&["generate", "--model", m, "--prompt", "Once upon a time, in a small village by the sea,", "--temperature", "0", "--max-tokens", "4", "--format", "json"]);
+    let o = rlx(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "Once upon a time, in a small village by the sea,",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "4",
+        "--format",
+        "json",
+    ]);
     let v = json(&o);
     assert_eq!(ids(&v["prompt_ids"]), vec![6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28]);
     assert_eq!(ids(&v["ids"]), vec![665, 436, 253, 9357]);
     assert_eq!(v["text"], " there was a wise");
     assert!(v["decode_tok_s"].as_f64().expect("speed") > 0.0);
     // The chat template: the recorded prompt ids of reference item 0.
-    let o = rlx(&["generate", "--model", m, "--chat", "What is the capital of France?", "--temperature", "0", "--max-tokens", "1", "--format", "json"]);
+    let o = rlx(&[
+        "generate",
+        "--model",
+        m,
+        "--chat",
+        "What is the capital of France?",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "1",
+        "--format",
+        "json",
+    ]);
     let reference: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../rlx-models/tests/data/smollm2_reference.json")).expect("reference"),
+        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../rlx-models/tests/data/smollm2_reference.json"))
+            .expect("reference"),
     )
     .expect("json");
     assert_eq!(ids(&json(&o)["prompt_ids"]), ids(&reference["items"][0]["input_ids"]), "chat-templated prompt ids");
@@ -54,7 +79,21 @@ fn greedy_json_matches_transformers() {
 #[test]
 fn stop_string_ends_the_text_before_it() {
     let Some(m) = model("stop_string_ends_the_text_before_it") else { return };
-    let o = rlx(&["generate", "--model", m.to_str().expect("utf-8"), "--prompt", "Once upon a time, in a small village by the sea,", "--temperature", "0", "--max-tokens", "20", "--stop", "wise", "--format", "json"]);
+    let o = rlx(&[
+        "generate",
+        "--model",
+        m.to_str().expect("utf-8"),
+        "--prompt",
+        "Once upon a time, in a small village by the sea,",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "20",
+        "--stop",
+        "wise",
+        "--format",
+        "json",
+    ]);
     let v = json(&o);
     assert_eq!(v["text"], " there was a ");
 }

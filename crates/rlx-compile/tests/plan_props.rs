@@ -143,7 +143,9 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
         Thunk::QMatMul { a, w, out, .. } => (vec![*a, *w], vec![*out]),
         Thunk::QGather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
-        Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => (vec![*logits, *fparams, *iparams, *history, *position], vec![*out]),
+        Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => {
+            (vec![*logits, *fparams, *iparams, *history, *position], vec![*out])
+        }
     }
 }
 

@@ -90,7 +90,17 @@ fn write_state_per_row_positions() {
     let st = p.state("cache", &[batch, max_rows, width], DType::F32);
     let value = p.input("value", &[batch, new_rows, width], DType::F32);
     let position = p.input("pos", &[batch], DType::I32);
-    p.push(Thunk::WriteState { dtype: DType::F32, batch, max_rows, new_rows, width, state: st, value, position, positions_per_batch: true });
+    p.push(Thunk::WriteState {
+        dtype: DType::F32,
+        batch,
+        max_rows,
+        new_rows,
+        width,
+        state: st,
+        value,
+        position,
+        positions_per_batch: true,
+    });
     let mut exe = p.prepare(1).expect("prepare");
     let mut want = vec![0.0f64; batch * max_rows * width];
     let mut r = rng(9);

@@ -112,7 +112,17 @@ fn state_plan(batch: usize, max_rows: usize, new_rows: usize, width: usize) -> P
     let st = p.state("cache", &[batch, max_rows, width], DType::F32);
     let value = p.input("value", &[batch, new_rows, width], DType::F32);
     let position = p.input("pos", &[1], DType::I32);
-    p.push(Thunk::WriteState { dtype: DType::F32, batch, max_rows, new_rows, width, state: st, value, position, positions_per_batch: false });
+    p.push(Thunk::WriteState {
+        dtype: DType::F32,
+        batch,
+        max_rows,
+        new_rows,
+        width,
+        state: st,
+        value,
+        position,
+        positions_per_batch: false,
+    });
     p
 }
 
@@ -160,7 +170,17 @@ fn write_state_of_integers() {
     let st = p.state("tokens", &[1, 4, 1], DType::I64);
     let value = p.input("value", &[1, 1, 1], DType::I64);
     let position = p.input("pos", &[1], DType::I32);
-    p.push(Thunk::WriteState { dtype: DType::I64, batch: 1, max_rows: 4, new_rows: 1, width: 1, state: st, value, position, positions_per_batch: false });
+    p.push(Thunk::WriteState {
+        dtype: DType::I64,
+        batch: 1,
+        max_rows: 4,
+        new_rows: 1,
+        width: 1,
+        state: st,
+        value,
+        position,
+        positions_per_batch: false,
+    });
     let mut exe = p.prepare(1).expect("prepare");
     for (pos, tok) in [(0i64, 101i64), (1, 1 << 40), (3, -5)] {
         exe.run(&[("value", &ints(&[1, 1, 1], DType::I64, &[tok])), ("pos", &ints(&[1], DType::I32, &[pos]))]).expect("write");

@@ -730,7 +730,19 @@ impl Func {
         if !pdl && !clustered {
             // SAFETY: args outlives the call (the driver copies parameters at launch).
             let r = unsafe {
-                sys::cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block, 1, 1, smem, s.0, params.as_mut_ptr(), std::ptr::null_mut())
+                sys::cuLaunchKernel(
+                    self.handle,
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    block,
+                    1,
+                    1,
+                    smem,
+                    s.0,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
             };
             return check(r, "cuLaunchKernel");
         }

@@ -324,16 +324,7 @@ impl CudaExecutable {
             };
             let segments = if replay { record(&stream, &steps, fill, window, cuda.graph_dump, prefetch.as_ref())? } else { Vec::new() };
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
-            slots.push(Slot {
-                _err: errbuf,
-                pin_in,
-                pin_out,
-                steps,
-                segments,
-                done: Event::new(false)?,
-                prof,
-                pending: None,
-            });
+            slots.push(Slot { _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
         }
         // Staging copies and the error flag ("io") are not part of the forward.
         let kernels_per_call = slots.first().map(|s| s.steps.iter().filter(|s| s.is_kernel() && s.kind != "io").count()).unwrap_or(0);

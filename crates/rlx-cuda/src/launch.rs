@@ -117,7 +117,9 @@ impl Step {
     /// timing events between steps).
     pub fn enqueue_with(&self, s: &Stream, pdl: bool) -> Result<()> {
         match &self.op {
-            Op::Kernel { func, grid, block, smem, cluster, params } => func.launch(s, *grid, *block, *smem, *cluster, params, pdl && self.pdl),
+            Op::Kernel { func, grid, block, smem, cluster, params } => {
+                func.launch(s, *grid, *block, *smem, *cluster, params, pdl && self.pdl)
+            }
             Op::MatMul(call) => call.enqueue(s),
             Op::HtoD { dst, src, bytes } => driver::memcpy_htod_async(*dst, *src, *bytes, s),
             Op::DtoH { dst, src, bytes } => driver::memcpy_dtoh_async(*dst, *src, *bytes, s),
@@ -449,7 +451,17 @@ pub(crate) fn lower(
             let res = residual.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
             let bet = beta.as_ref().map(|r| b.ptr(r)).transpose()?.unwrap_or(0);
             let (xp, gp, op) = (b.ptr(x)?, b.ptr(gamma)?, b.ptr(out)?);
-            let p = params::NormP { x: xp, res, gamma: gp, beta: bet, out: op, rows: i(*rows), cols: i(*cols), rms: *rms as i64, eps: *eps as f64 };
+            let p = params::NormP {
+                x: xp,
+                res,
+                gamma: gp,
+                beta: bet,
+                out: op,
+                rows: i(*rows),
+                cols: i(*cols),
+                rms: *rms as i64,
+                eps: *eps as f64,
+            };
             match norm_warp_nv(*dtype, *cols, &[xp, res, gp, bet, op]) {
                 Some(nv) => {
                     let func = k.get(&format!("norm_warp_{nv}_{}", suffix(*dtype)))?;

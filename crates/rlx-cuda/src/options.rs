@@ -190,7 +190,8 @@ mod tests {
 
     #[test]
     fn values_parse_as_their_types() {
-        let o = with(&[("RLX_GEMM", "Heuristic"), ("RLX_CUDA_CACHE", "/k"), ("RLX_CUDA_INCLUDE", "/inc")]).unwrap_or_else(|e| panic!("{e}"));
+        let o =
+            with(&[("RLX_GEMM", "Heuristic"), ("RLX_CUDA_CACHE", "/k"), ("RLX_CUDA_INCLUDE", "/inc")]).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(o.matmul, MatmulChoice::Heuristic);
         assert_eq!(o.kernel_cache, PathBuf::from("/k"));
         assert_eq!(o.gemm_cache, Some(PathBuf::from("/k/gemm-choices.txt")), "the choice file follows the kernel cache");
@@ -215,7 +216,8 @@ mod tests {
         for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{dir}: {e}")).flatten() {
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
             for (i, _) in text.match_indices("\"RLX_") {
-                let name: String = text[i + 1..].chars().take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_').collect();
+                let name: String =
+                    text[i + 1..].chars().take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_').collect();
                 // A whole string literal: a variable's name, not a prefix of other text.
                 if name.len() > 4 && text[i + 1 + name.len()..].starts_with('"') {
                     names.push((name, entry.path()));

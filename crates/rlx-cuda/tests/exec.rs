@@ -390,7 +390,17 @@ fn state_overflow_is_an_error_and_state_persists() {
     let value = sb.input("value", &[1, 2, width], dt);
     let pos = sb.input("pos", &[1], DType::I32);
     let state = sb.state("cache", &[1, max_rows, width], dt);
-    sb.thunk(Thunk::WriteState { dtype: dt, batch: 1, max_rows, new_rows: 2, width, state, value, position: pos, positions_per_batch: false });
+    sb.thunk(Thunk::WriteState {
+        dtype: dt,
+        batch: 1,
+        max_rows,
+        new_rows: 2,
+        width,
+        state,
+        value,
+        position: pos,
+        positions_per_batch: false,
+    });
     let (s, w) = sb.finish();
     let mut e = g.prepare(s, w, &PrepareOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     let v = Tensor::from_f32(vec![1, 2, width], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap_or_else(|e| panic!("{e}"));

@@ -882,7 +882,17 @@ fn write_state_then_read() {
         let value = sb.input("value", &[batch, new_rows, width], dt);
         let pos = sb.input("pos", &[1], DType::I32);
         let state = sb.state("cache", &[batch, max_rows, width], dt);
-        sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos, positions_per_batch: false });
+        sb.thunk(Thunk::WriteState {
+            dtype: dt,
+            batch,
+            max_rows,
+            new_rows,
+            width,
+            state,
+            value,
+            position: pos,
+            positions_per_batch: false,
+        });
         let out = sb.output("out", &[batch, max_rows, width], dt);
         sb.thunk(Thunk::Copy {
             dtype: dt,

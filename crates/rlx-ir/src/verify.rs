@@ -367,7 +367,10 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             match format.row_bytes(k) {
                 Some(rb) if rb == w.0[1] => {}
                 Some(rb) => {
-                    return Err(IrError::shape(name, format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1])))
+                    return Err(IrError::shape(
+                        name,
+                        format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1]),
+                    ))
                 }
                 None => {
                     return Err(IrError::shape(

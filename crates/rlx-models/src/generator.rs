@@ -57,7 +57,15 @@ pub struct GeneratorOptions {
 
 impl Default for GeneratorOptions {
     fn default() -> Self {
-        GeneratorOptions { ctx_size: 4096, prefill_buckets: vec![16, 64, 256], pipeline: 2, logits: false, dequantize: false, batch: 1, replay: true }
+        GeneratorOptions {
+            ctx_size: 4096,
+            prefill_buckets: vec![16, 64, 256],
+            pipeline: 2,
+            logits: false,
+            dequantize: false,
+            batch: 1,
+            replay: true,
+        }
     }
 }
 
@@ -247,7 +255,11 @@ pub fn gguf_text(path: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u3
         model: f.get_str("tokenizer.ggml.model").map_err(g)?.to_string(),
         pre: f.get_opt_str("tokenizer.ggml.pre").map_err(g)?.map(str::to_string),
         tokens: f.get_str_array("tokenizer.ggml.tokens").map_err(g)?.to_vec(),
-        merges: if f.contains_key("tokenizer.ggml.merges") { f.get_str_array("tokenizer.ggml.merges").map_err(g)?.to_vec() } else { vec![] },
+        merges: if f.contains_key("tokenizer.ggml.merges") {
+            f.get_str_array("tokenizer.ggml.merges").map_err(g)?.to_vec()
+        } else {
+            vec![]
+        },
         token_types: if f.contains_key("tokenizer.ggml.token_type") {
             Some(f.get_i32_array("tokenizer.ggml.token_type").map_err(g)?.into_owned())
         } else {
@@ -257,9 +269,10 @@ pub fn gguf_text(path: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u3
         eos: opt_u32("tokenizer.ggml.eos_token_id")?,
         pad: opt_u32("tokenizer.ggml.padding_token_id")?,
         unk: opt_u32("tokenizer.ggml.unknown_token_id")?,
-        add_bos: f.get_opt_bool("tokenizer.ggml.add_bos_token").map_err(g)?.unwrap_or_else(|| {
-            crate::bpe_vocab::default_add_bos(f.get_opt_str("tokenizer.ggml.pre").ok().flatten())
-        }),
+        add_bos: f
+            .get_opt_bool("tokenizer.ggml.add_bos_token")
+            .map_err(g)?
+            .unwrap_or_else(|| crate::bpe_vocab::default_add_bos(f.get_opt_str("tokenizer.ggml.pre").ok().flatten())),
         add_eos: f.get_opt_bool("tokenizer.ggml.add_eos_token").map_err(g)?.unwrap_or(false),
     };
     let tokenizer = build_tokenizer(&vocab).map_err(|e| tok_err(path, e))?;
@@ -439,7 +452,8 @@ impl Generator {
             let room = self.opts.ctx_size - at;
             let bucket = self.opts.prefill_buckets.iter().copied().find(|&x| x >= remaining).unwrap_or(largest);
             // A bucket must fit the cache rows left; fall back to smaller ones.
-            let bucket = if bucket <= room { bucket } else { self.opts.prefill_buckets.iter().copied().rev().find(|&x| x <= room).unwrap_or(1) };
+            let bucket =
+                if bucket <= room { bucket } else { self.opts.prefill_buckets.iter().copied().rev().find(|&x| x <= room).unwrap_or(1) };
             let n = remaining.min(bucket);
             // Where the other rows write: past their length, inside the
             // cache, leaving the row their sampled token's history entry
@@ -453,7 +467,8 @@ impl Generator {
                     )));
                 }
             }
-            let (mut tok, mut pos, mut start, mut valid, mut last_row, mut next_pos, mut row) = (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+            let (mut tok, mut pos, mut start, mut valid, mut last_row, mut next_pos, mut row) =
+                (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
             for r in 0..b {
                 let (base, real, chunk): (usize, usize, Vec<i32>) = if r == slot {
                     let mut c: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
@@ -472,7 +487,8 @@ impl Generator {
             }
             let t = |shape: &[usize], v: &[i32]| Tensor::from_i32(shape.to_vec(), v);
             let (ids_t, pos_t) = (t(&[b, bucket], &tok)?, t(&[b, bucket], &pos)?);
-            let (start, valid, last_row, next_pos, row) = (t(&[b], &start)?, t(&[b], &valid)?, t(&[b], &last_row)?, t(&[b], &next_pos)?, t(&[b], &row)?);
+            let (start, valid, last_row, next_pos, row) =
+                (t(&[b], &start)?, t(&[b], &valid)?, t(&[b], &last_row)?, t(&[b], &next_pos)?, t(&[b], &row)?);
             let exe = self.prefill_exe(bucket)?;
             let out = exe.run(&[
                 (io::IDS, &ids_t),
@@ -489,7 +505,8 @@ impl Generator {
             at += n;
         }
         let out = last.ok_or_else(|| ModelError::Input("empty prompt".into()))?;
-        let token = out.first().and_then(|t| t.to_i32().get(slot).copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
+        let token =
+            out.first().and_then(|t| t.to_i32().get(slot).copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
         let v = self.config.vocab;
         let logits = out.get(1).map(|l| l.to_f32()[slot * v..(slot + 1) * v].to_vec());
         self.slot_pos[slot] = ids.len();
@@ -790,7 +807,10 @@ impl Generation<'_> {
                     return Ok(None);
                 };
                 let out = self.gen.decode_exe()?.wait(t)?;
-                let token = out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
+                let token = out
+                    .first()
+                    .and_then(|t| t.to_i32().first().copied())
+                    .ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
                 let v = self.gen.config.vocab;
                 (token as u32, out.get(1).map(|l| l.to_f32()[..v].to_vec()))
             }

@@ -27,12 +27,12 @@ mod tokenizer;
 mod weights;
 
 pub use bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS};
+pub use chat_template::Message;
 pub use config::{BertConfig, Pooling, SentenceConfig};
 pub use embedder::{cosine, l2_normalize, EmbedderOptions, SentenceEmbedder, SEQ_BUCKETS};
 pub use embedding_writer::{EmbeddingWriter, OutputFormat};
 pub use error::{ModelError, Result};
 pub use generator::{gguf_text, BatchEvent, Generation, GenerationStats, Generator, GeneratorOptions, Piece, SamplingParams, StopReason};
-pub use chat_template::Message;
 pub use text_lines::TextLines;
 pub use tokenizer::TextTokenizer;
 pub use weights::{bert_weight_specs, load_bert_weights, random_weights};

@@ -159,10 +159,16 @@ impl LlamaConfig {
     pub fn from_hf(json: &serde_json::Value, path: &Path) -> Result<LlamaConfig> {
         let arch = json["architectures"].get(0).and_then(|a| a.as_str()).unwrap_or("");
         if !matches!(arch, "LlamaForCausalLM" | "Qwen2ForCausalLM" | "MistralForCausalLM") {
-            return Err(fmt_err(path, format!("architecture '{arch}' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)")));
+            return Err(fmt_err(
+                path,
+                format!("architecture '{arch}' is not supported (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)"),
+            ));
         }
         let u = |k: &str| -> Result<usize> {
-            json[k].as_u64().map(|v| v as usize).ok_or_else(|| fmt_err(path, format!("'{k}' must be a non-negative integer, found {}", json[k])))
+            json[k]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| fmt_err(path, format!("'{k}' must be a non-negative integer, found {}", json[k])))
         };
         if !json["rope_scaling"].is_null() {
             return Err(fmt_err(path, format!("rope_scaling {} is not supported yet", json["rope_scaling"])));
@@ -237,7 +243,8 @@ fn to_f32_tensor(shape: &[usize], ttype: TensorType, bytes: &[u8], name: &str, p
         TensorType::Quant(q) => {
             let mut out = vec![0f32; n];
             let k = *shape.last().unwrap_or(&0);
-            let rb = q.row_bytes(k).ok_or_else(|| ModelError::tensor(path, name, format!("row of {k} is not a whole number of {q} blocks")))?;
+            let rb =
+                q.row_bytes(k).ok_or_else(|| ModelError::tensor(path, name, format!("row of {k} is not a whole number of {q} blocks")))?;
             for (r, row) in out.chunks_mut(k.max(1)).enumerate() {
                 let src = bytes.get(r * rb..(r + 1) * rb).ok_or_else(|| ModelError::tensor(path, name, "data shorter than its shape"))?;
                 rlx::backends::quant::dequantize_row(q, src, row).map_err(|e| ModelError::tensor(path, name, e))?;
@@ -268,7 +275,9 @@ impl LlamaWeights {
             let bytes = f.tensor_data(t);
             match t.ttype {
                 TensorType::Quant(q) if shape.len() == 2 => {
-                    let rb = q.row_bytes(shape[1]).ok_or_else(|| ModelError::tensor(path, &name, format!("rows of {} are not whole {q} blocks", shape[1])))?;
+                    let rb = q
+                        .row_bytes(shape[1])
+                        .ok_or_else(|| ModelError::tensor(path, &name, format!("rows of {} are not whole {q} blocks", shape[1])))?;
                     kinds.insert(name.clone(), WeightKind::Quant(q));
                     tensors.push((name, Tensor::from_bytes([shape[0], rb], DType::U8, bytes.to_vec())?));
                 }
@@ -424,7 +433,8 @@ impl Builder<'_> {
         Ok(match self.kind(name)? {
             WeightKind::F32 => self.g.param(name, shape, DType::F32)?,
             WeightKind::Quant(q) => {
-                let rb = q.row_bytes(shape[1]).ok_or_else(|| ModelError::Input(format!("weight '{name}': rows are not whole {q} blocks")))?;
+                let rb =
+                    q.row_bytes(shape[1]).ok_or_else(|| ModelError::Input(format!("weight '{name}': rows are not whole {q} blocks")))?;
                 self.g.param(name, [shape[0], rb], DType::U8)?
             }
         })

@@ -36,7 +36,11 @@ struct Model {
 }
 
 fn shapes(bias: bool) -> Vec<(String, Vec<usize>)> {
-    let mut v = vec![("token_embd.weight".to_string(), vec![VOCAB, HIDDEN]), ("output_norm.weight".into(), vec![HIDDEN]), ("output.weight".into(), vec![VOCAB, HIDDEN])];
+    let mut v = vec![
+        ("token_embd.weight".to_string(), vec![VOCAB, HIDDEN]),
+        ("output_norm.weight".into(), vec![HIDDEN]),
+        ("output.weight".into(), vec![VOCAB, HIDDEN]),
+    ];
     for l in 0..LAYERS {
         let n = |s: &str| format!("blk.{l}.{s}");
         v.push((n("attn_norm.weight"), vec![HIDDEN]));
@@ -119,8 +123,7 @@ fn hf_dir(m: &Model, dir: &Path) {
             }
         }
     };
-    let tensors: Vec<(String, Tensor)> =
-        m.w.iter().map(|(n, (s, v))| (hf(n), Tensor::from_f32(s.clone(), v).expect("tensor"))).collect();
+    let tensors: Vec<(String, Tensor)> = m.w.iter().map(|(n, (s, v))| (hf(n), Tensor::from_f32(s.clone(), v).expect("tensor"))).collect();
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     rlx_models::safetensors::write_safetensors(&dir.join("model.safetensors"), &refs).expect("safetensors");
 }
@@ -228,7 +231,10 @@ fn every_block_format_loads_and_runs() {
         let (di, dl) = run(LlamaWeights::from_gguf(&path).expect("quantized weights"), true);
         let d = max_diff(&ql[..1], &dl[..1]);
         let scale = dl[0].iter().fold(0f32, |a, x| a.max(x.abs()));
-        eprintln!("{q}: quantized kernels vs dequantised f32: max |diff| {d} (logit scale {scale}); vs the unquantized model {}", max_diff(&dl[..1], &f32_logits[..1]));
+        eprintln!(
+            "{q}: quantized kernels vs dequantised f32: max |diff| {d} (logit scale {scale}); vs the unquantized model {}",
+            max_diff(&dl[..1], &f32_logits[..1])
+        );
         assert!(d <= 0.05 * scale.max(1.0), "{q}: quantized kernels differ from dequantised weights by {d}");
         assert_eq!(qi.len(), di.len());
     }

@@ -111,7 +111,10 @@ fn quantized_path_close_to_f32_path() {
         let na: f64 = ql[0].iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
         let nb: f64 = fl[0].iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
         let agree = qi.iter().zip(&fi).take_while(|(a, b)| a == b).count();
-        eprintln!("item {n}: quantized vs f32 at the prompt's last position: max |logit diff| {d}, cosine {:.6}; greedy agree for {agree} of 16", dot / (na * nb));
+        eprintln!(
+            "item {n}: quantized vs f32 at the prompt's last position: max |logit diff| {d}, cosine {:.6}; greedy agree for {agree} of 16",
+            dot / (na * nb)
+        );
         assert!(d <= TOL, "item {n}: quantized logits differ by {d} > {TOL}");
         assert!(dot / (na * nb) >= 0.995, "item {n}: cosine {}", dot / (na * nb));
         // Greedy-identical while the f32 path's top1-top2 margin exceeds
@@ -159,10 +162,8 @@ fn batched_decode_matches_single_runs() {
     let params = SamplingParams { max_tokens: 10, ignore_eos: true, ..SamplingParams::greedy() };
     let mut single = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, ..Default::default() }).expect("load");
     let prompts: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect())
-        .collect();
+    let want: Vec<Vec<u32>> =
+        prompts.iter().map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
     let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 3, ..Default::default() }).expect("load");
     let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
     let mut slot_of = vec![usize::MAX; 3];

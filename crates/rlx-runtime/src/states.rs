@@ -61,7 +61,11 @@ impl StateSet {
                     ),
                 ));
             }
-            return e.buf.clone().downcast::<T>().map_err(|_| RuntimeError::backend(backend, format!("shared state '{name}' has another buffer type")));
+            return e
+                .buf
+                .clone()
+                .downcast::<T>()
+                .map_err(|_| RuntimeError::backend(backend, format!("shared state '{name}' has another buffer type")));
         }
         let buf = Arc::new(make()?);
         map.insert(name.to_string(), Entry { backend: backend.to_string(), bytes, buf: buf.clone() });

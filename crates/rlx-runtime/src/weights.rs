@@ -148,7 +148,11 @@ impl WeightStore {
 fn build(slot: &WeightSlot, parts: &[Arc<Tensor>]) -> Result<Tensor> {
     let err = |detail: String| RuntimeError::Weight { name: slot.name.clone(), detail };
     if let Some(p) = parts.iter().find(|p| (p.dtype() == DType::U8) != (slot.dtype == DType::U8)) {
-        return Err(err(format!("the graph reads it as {}, the store holds {}: quantized blocks and floats do not convert", slot.dtype, p.dtype())));
+        return Err(err(format!(
+            "the graph reads it as {}, the store holds {}: quantized blocks and floats do not convert",
+            slot.dtype,
+            p.dtype()
+        )));
     }
     if parts.len() == 1 {
         if parts[0].shape() != &slot.shape {

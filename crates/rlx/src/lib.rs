@@ -33,10 +33,10 @@ pub use rlx_runtime::{ExecStats, PrepareOptions, RuntimeError, StateSet, Tensor,
 
 /// The backends themselves, for tools that need them directly.
 pub mod backends {
-    pub use rlx_cpu::CpuBackend;
     /// The CPU's quantized-block kernels (dequantisation, quantisation,
     /// reference and fast matmul), e.g. to read GGUF weights on the host.
     pub use rlx_cpu::quant;
+    pub use rlx_cpu::CpuBackend;
     #[cfg(feature = "cuda")]
     pub use rlx_cuda::{doctor as cuda_doctor, CudaBackend};
 

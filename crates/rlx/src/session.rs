@@ -25,7 +25,9 @@ fn backend_for(device: Device) -> Result<Arc<dyn Backend>> {
             Ok(Arc::new(b))
         }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(Error::Device(device.to_string(), "this build of rlx has no CUDA support (built without the `cuda` feature)".into())),
+        Device::Cuda(_) => {
+            Err(Error::Device(device.to_string(), "this build of rlx has no CUDA support (built without the `cuda` feature)".into()))
+        }
     }
 }
 

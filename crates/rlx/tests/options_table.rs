@@ -14,7 +14,8 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         let p = e.path();
         if p.is_dir() {
             walk(&p, out);
-        } else if matches!(p.extension().and_then(|x| x.to_str()), Some("rs" | "sh")) || p.parent().is_some_and(|d| d.ends_with("scripts")) {
+        } else if matches!(p.extension().and_then(|x| x.to_str()), Some("rs" | "sh")) || p.parent().is_some_and(|d| d.ends_with("scripts"))
+        {
             out.push(p);
         }
     }

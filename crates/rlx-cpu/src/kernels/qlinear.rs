@@ -21,7 +21,8 @@ pub struct QMatMulArgs<'a> {
 }
 
 pub fn matmul(a: &QMatMulArgs<'_>, mem: &Mem) -> Result<()> {
-    let row_bytes = a.format.row_bytes(a.k).ok_or_else(|| exec_err(format!("qmatmul: K = {} is not a whole number of {} blocks", a.k, a.format)))?;
+    let row_bytes =
+        a.format.row_bytes(a.k).ok_or_else(|| exec_err(format!("qmatmul: K = {} is not a whole number of {} blocks", a.k, a.format)))?;
     if a.rows == 0 || a.n == 0 {
         return Ok(());
     }
@@ -48,7 +49,10 @@ pub struct QGatherArgs<'a> {
 }
 
 pub fn gather(a: &QGatherArgs<'_>, mem: &Mem) -> Result<()> {
-    let rb = a.format.row_bytes(a.dim).ok_or_else(|| exec_err(format!("qgather: dim {} is not a whole number of {} blocks", a.dim, a.format)))?;
+    let rb = a
+        .format
+        .row_bytes(a.dim)
+        .ok_or_else(|| exec_err(format!("qgather: dim {} is not a whole number of {} blocks", a.dim, a.format)))?;
     let table = mem.src::<u8>(a.table).map_err(exec_err)?;
     let out = mem.dst::<f32>(a.out).map_err(exec_err)?;
     let id = |i: usize| -> Result<i64> {
