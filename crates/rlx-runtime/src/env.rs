@@ -35,12 +35,12 @@ mod tests {
     #[test]
     fn flags_take_every_spelling_and_refuse_anything_else() {
         for v in ["1", "true", "ON", " yes "] {
-            assert!(parse_flag("RLX_X", v).expect(v));
+            assert!(parse_flag("RLX_TRACE", v).expect(v));
         }
         for v in ["0", "False", "off", "NO"] {
-            assert!(!parse_flag("RLX_X", v).expect(v));
+            assert!(!parse_flag("RLX_TRACE", v).expect(v));
         }
-        let e = parse_flag("RLX_X", "2").expect_err("2 is not a flag").to_string();
-        assert!(e.contains("RLX_X") && e.contains("\"2\""), "{e}");
+        let e = parse_flag("RLX_TRACE", "2").expect_err("2 is not a flag").to_string();
+        assert!(e.contains("RLX_TRACE") && e.contains("\"2\""), "{e}");
     }
 }
