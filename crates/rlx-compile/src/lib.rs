@@ -7,15 +7,15 @@
 
 pub mod layout;
 mod lower;
-pub mod operands;
 pub mod passes;
 pub mod plan;
-mod print;
-pub mod schedule;
 
 pub use lower::lower;
 pub use plan::{plan, ArenaPlan};
-pub use schedule::*;
+pub use rlx_schedule::operands;
+/// The schedule types live in their own crate, which the backends depend on
+/// instead of the compiler; re-exported so compiler users need one import.
+pub use rlx_schedule::*;
 
 use rlx_ir::{DType, Graph, IrError};
 use thiserror::Error;

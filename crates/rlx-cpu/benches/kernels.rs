@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
-use rlx_compile::{ArenaSummary, BufRef, MatMulThunk, Schedule, Space, Thunk, WeightSlot};
 use rlx_cpu::CpuBackend;
 use rlx_ir::{DType, Shape};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Tensor, WeightStore};
+use rlx_schedule::{ArenaSummary, BufRef, MatMulThunk, Schedule, Space, Thunk, WeightSlot};
 
 const SHAPES: [(usize, usize, usize); 3] = [(128, 384, 1536), (128, 1536, 384), (1024, 1024, 1024)];
 
@@ -326,13 +326,13 @@ fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, h
     let mut slots = Vec::new();
     let w = 3 * heads * hd;
     let qkv = weight(&store, &mut slots, "qkv", &[batch, seq, w], 7);
-    let view = |off: usize| rlx_compile::SeqView {
+    let view = |off: usize| rlx_schedule::SeqView {
         buf: BufRef { offset: (off * 4) as u64, bytes: qkv.bytes - (off * 4) as u64, ..qkv },
         batch_stride: (seq * w) as u64,
         row_stride: w as u64,
     };
     let out = BufRef { space: Space::Arena, offset: 0, bytes: (batch * seq * heads * hd * 4) as u64 };
-    let t = Thunk::Attention(rlx_compile::AttentionThunk {
+    let t = Thunk::Attention(rlx_schedule::AttentionThunk {
         dtype: DType::F32,
         batch,
         heads,

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rlx_compile::{Schedule, Space, TensorSlot, Thunk};
 use rlx_runtime::{check_inputs, ExecStats, Executable, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
+use rlx_schedule::{Schedule, Space, TensorSlot, Thunk};
 
 use crate::kernels;
 use crate::kernels::matmul::WeightCopy;

@@ -1,4 +1,4 @@
-//! RLX CPU backend: interprets a [`Schedule`](rlx_compile::Schedule) with
+//! RLX CPU backend: interprets a [`Schedule`](rlx_schedule::Schedule) with
 //! fast kernels (the `gemm` crate for matmuls, rayon over rows for the
 //! rest). It is the reference every other backend is checked against.
 //!
@@ -23,8 +23,8 @@ pub use kernels::quant;
 
 use std::sync::Arc;
 
-use rlx_compile::{Schedule, Thunk};
 use rlx_runtime::{Backend, Executable, PrepareOptions, RuntimeError, StateSet, WeightStore};
+use rlx_schedule::{Schedule, Thunk};
 
 pub use act::erf;
 pub use exec::CpuExecutable;

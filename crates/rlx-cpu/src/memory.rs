@@ -19,7 +19,7 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
-use rlx_compile::{BufRef, Space};
+use rlx_schedule::{BufRef, Space};
 
 use crate::elem::Elem;
 

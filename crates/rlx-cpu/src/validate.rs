@@ -3,9 +3,9 @@
 //! operand's `BufRef`, which stays inside its memory space. After this the
 //! kernels can trust the schedule.
 
-use rlx_compile::operands::{check_operands, operands};
-use rlx_compile::Thunk;
 use rlx_ir::DType;
+use rlx_schedule::operands::{check_operands, operands};
+use rlx_schedule::Thunk;
 
 use crate::memory::Mem;
 
@@ -117,7 +117,7 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
 
 /// Structural checks, every operand inside its memory space and aligned
 /// for its element type, and the backend-neutral operand checks
-/// (`rlx_compile::operands`).
+/// (`rlx_schedule::operands`).
 pub fn validate_thunk(t: &Thunk, mem: &Mem) -> Result<(), String> {
     check_thunk(t)?;
     for op in operands(t) {

@@ -7,8 +7,8 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::{AttentionThunk, BufRef, SeqView, Thunk};
 use rlx_ir::DType;
+use rlx_schedule::{AttentionThunk, BufRef, SeqView, Thunk};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 

@@ -7,8 +7,8 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::{RowsView, Thunk};
 use rlx_ir::{Activation, BinaryOp, DType};
+use rlx_schedule::{RowsView, Thunk};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 const OPS: [BinaryOp; 4] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div];
@@ -142,7 +142,7 @@ fn swiglu_strided_halves() {
         let mut p = Plan::new();
         let x = p.input("x", &[rows, 2 * cols], dtype);
         let up_buf =
-            rlx_compile::BufRef { offset: x.offset + (cols * dtype.size()) as u64, bytes: x.bytes - (cols * dtype.size()) as u64, ..x };
+            rlx_schedule::BufRef { offset: x.offset + (cols * dtype.size()) as u64, bytes: x.bytes - (cols * dtype.size()) as u64, ..x };
         let out = p.output("y", &[rows, cols], dtype);
         p.push(Thunk::SwiGlu {
             dtype,
@@ -207,7 +207,7 @@ fn copy_strided_transpose_and_narrow() {
         let dst = p.output("y", &[c, a, nb], dtype);
         let es = dtype.size() as u64;
         let src_view =
-            rlx_compile::BufRef { offset: src.offset + off as u64 * c as u64 * es, bytes: src.bytes - off as u64 * c as u64 * es, ..src };
+            rlx_schedule::BufRef { offset: src.offset + off as u64 * c as u64 * es, bytes: src.bytes - off as u64 * c as u64 * es, ..src };
         p.push(Thunk::Copy {
             dtype,
             shape: vec![c, a, nb],

@@ -7,10 +7,10 @@ mod reference;
 use std::sync::Arc;
 
 use reference::*;
-use rlx_compile::{BufRef, Space, Thunk};
 use rlx_cpu::CpuBackend;
 use rlx_ir::{BinaryOp, DType};
 use rlx_runtime::{Backend, RuntimeError, Tensor};
+use rlx_schedule::{BufRef, Space, Thunk};
 
 /// y = x * w over 4 elements, w a weight.
 fn scale_plan(w: &[f64]) -> Plan {

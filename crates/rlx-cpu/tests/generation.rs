@@ -9,10 +9,10 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::{AttentionThunk, SeqView, Thunk};
 use rlx_cpu::quant;
 use rlx_ir::{DType, QFormat};
 use rlx_runtime::Tensor;
+use rlx_schedule::{AttentionThunk, SeqView, Thunk};
 
 /// Attention with a `[B]` valid length equals each row run alone with its
 /// own `[1]` valid length.

@@ -6,8 +6,8 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::{MatMulThunk, Thunk};
 use rlx_ir::{Activation, DType};
+use rlx_schedule::{MatMulThunk, Thunk};
 
 const ACTS: [Activation; 5] = [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu, Activation::Tanh];
 

@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rlx_compile::{ArenaSummary, BufRef, ConstBlob, Schedule, Space, TensorSlot, Thunk, WeightSlot};
 use rlx_cpu::CpuBackend;
 use rlx_ir::{Activation, DType, Shape};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Tensor, WeightStore};
+use rlx_schedule::{ArenaSummary, BufRef, ConstBlob, Schedule, Space, TensorSlot, Thunk, WeightSlot};
 
 /// Tolerances (|got - want| / max(|want|, 1)), as the issue states them.
 pub const TOL_ELEMENTWISE: f64 = 1e-5;

@@ -6,8 +6,8 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::Thunk;
 use rlx_ir::{DType, ReduceOp};
+use rlx_schedule::Thunk;
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 

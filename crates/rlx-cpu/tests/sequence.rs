@@ -7,8 +7,8 @@ mod reference;
 
 use rand::Rng;
 use reference::*;
-use rlx_compile::{SeqView, Thunk};
 use rlx_ir::{DType, RopeMode};
+use rlx_schedule::{SeqView, Thunk};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use half::f16;
-use rlx_compile::{
-    ArenaSummary, AttentionThunk, BufRef, MatMulThunk, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN,
-};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{Activation, BinaryOp, DType, Shape};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Tensor, WeightStore};
+use rlx_schedule::{
+    ArenaSummary, AttentionThunk, BufRef, MatMulThunk, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN,
+};
 
 struct Model {
     name: &'static str,

@@ -11,9 +11,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublaslt::sys as lt;
-use rlx_compile::MatMulThunk;
 use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
+use rlx_schedule::MatMulThunk;
 
 use crate::driver::{err, Device, DeviceBuffer, Stream};
 

@@ -6,9 +6,9 @@
 //! positions, sampling settings) from device memory, so a recorded decode
 //! step serves every position.
 
-use rlx_compile::Thunk;
 use rlx_ir::{BinaryOp, DType, QFormat};
 use rlx_runtime::Result;
+use rlx_schedule::Thunk;
 
 use crate::driver::err;
 use crate::launch::{collapse, suffix, Bases, Kernels, Op, Step};
@@ -204,7 +204,7 @@ mod tests {
 
     #[test]
     fn sample_shared_memory_bounds_the_vocabulary() {
-        let buf = rlx_compile::BufRef { space: rlx_compile::Space::Arena, offset: 0, bytes: 0 };
+        let buf = rlx_schedule::BufRef { space: rlx_schedule::Space::Arena, offset: 0, bytes: 0 };
         let t = |vocab| Thunk::Sample {
             batch: 1,
             vocab,

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rlx_compile::{BufRef, Schedule, Space, Thunk};
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
+use rlx_schedule::{BufRef, Schedule, Space, Thunk};
 
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
@@ -108,7 +108,7 @@ fn layout(sizes: impl Iterator<Item = usize>) -> (Vec<(usize, usize)>, usize) {
 
 fn check_buf(
     what: &str,
-    b: &rlx_compile::BufRef,
+    b: &rlx_schedule::BufRef,
     arena: u64,
     weights: &[Arc<DeviceBuffer>],
     states: &[Arc<DeviceBuffer>],
@@ -185,7 +185,7 @@ impl CudaExecutable {
             }
             // Stride lists, alignment, and dims × strides of every operand
             // inside its BufRef (the CPU backend runs the same checks).
-            rlx_compile::operands::check_operands(t).map_err(|e| err(format!("thunk {i} ({}): {e}", t.kind())))?;
+            rlx_schedule::operands::check_operands(t).map_err(|e| err(format!("thunk {i} ({}): {e}", t.kind())))?;
         }
         for s in schedule.inputs.iter().chain(&schedule.outputs) {
             check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &states, &consts)?;
@@ -606,7 +606,7 @@ fn record(
     Ok(segs)
 }
 
-fn thunk_bufs(t: &Thunk) -> Vec<&rlx_compile::BufRef> {
+fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
     match t {
         Thunk::MatMul(m) => [Some(&m.a), Some(&m.b), m.bias.as_ref(), m.residual.as_ref(), Some(&m.out)].into_iter().flatten().collect(),
         Thunk::Binary { a, b, out, .. } => vec![a, b, out],

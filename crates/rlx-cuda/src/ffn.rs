@@ -20,10 +20,10 @@
 //! cuBLASLt's kernels at every row count up to 128 (20 kernels per 1×128
 //! forward instead of 50).
 
-use rlx_compile::operands::operands;
-use rlx_compile::{BufRef, MatMulThunk, Thunk};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
+use rlx_schedule::operands::operands;
+use rlx_schedule::{BufRef, MatMulThunk, Thunk};
 
 use crate::launch::{suffix, Bases, Kernels, Op, Step};
 use crate::params::{i, FfnRowsP};
@@ -341,7 +341,7 @@ pub(crate) fn build(k: &Kernels, thunks: &[Thunk], f: Fusion, b: &Bases, trace: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rlx_compile::Space;
+    use rlx_schedule::Space;
 
     fn buf(offset: u64, bytes: usize) -> BufRef {
         BufRef { space: Space::Arena, offset, bytes: bytes as u64 }
@@ -437,7 +437,7 @@ mod tests {
     fn every_block_of_the_real_minilm_schedule_is_found() {
         // `rlx inspect --model models/all-MiniLM-L6-v2 --precision f16 --json`
         // (1×128): the arena planner reuses FFN1's output for later tensors.
-        let s: rlx_compile::Schedule =
+        let s: rlx_schedule::Schedule =
             serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
         // The row split takes each layer's output projection and its norm

@@ -9,9 +9,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
-use rlx_compile::{MatMulThunk, Space};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
+use rlx_schedule::{MatMulThunk, Space};
 
 use crate::blas::{folded, Blas, LtAlgo, MatMulPlan};
 use crate::driver::{err, Event, Func, GraphExec, Stream};

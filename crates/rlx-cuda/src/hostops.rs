@@ -6,9 +6,9 @@
 //! segment path.
 
 use half::{bf16, f16};
-use rlx_compile::Thunk;
 use rlx_ir::DType;
 use rlx_runtime::Result;
+use rlx_schedule::Thunk;
 
 use crate::driver::{err, Device, PinnedBuffer};
 

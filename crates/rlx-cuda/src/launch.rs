@@ -7,9 +7,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use rlx_compile::{BufRef, Space, Thunk};
 use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode};
 use rlx_runtime::Result;
+use rlx_schedule::{BufRef, Space, Thunk};
 
 use crate::blas::{Blas, MatMulCall, MatMulPlan};
 use crate::driver::{self, err, Device, Func, Module, Stream};
@@ -736,7 +736,7 @@ pub(crate) fn lower(
 }
 
 /// The `AttnP` of kernels/attention_mma.cu (and attention.cu) for a thunk.
-fn attention_params(a: &rlx_compile::AttentionThunk, b: &Bases) -> Result<params::AttnP> {
+fn attention_params(a: &rlx_schedule::AttentionThunk, b: &Bases) -> Result<params::AttnP> {
     Ok(params::AttnP {
         q: b.ptr(&a.q.buf)?,
         k: b.ptr(&a.k.buf)?,

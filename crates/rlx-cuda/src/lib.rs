@@ -32,8 +32,8 @@ mod weights;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use rlx_compile::{Schedule, Thunk};
 use rlx_runtime::{Backend, Executable, PrepareOptions, Result, RuntimeError, StateSet, WeightStore};
+use rlx_schedule::{Schedule, Thunk};
 
 pub use exec::CudaExecutable;
 pub use nvrtc::SOURCES as KERNEL_SOURCES;

@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use rlx_compile::WeightSlot;
 use rlx_ir::DType;
 use rlx_runtime::{Result, RuntimeError, WeightStore};
+use rlx_schedule::WeightSlot;
 
 use crate::driver::{err, Device, DeviceBuffer};
 

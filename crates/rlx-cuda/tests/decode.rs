@@ -13,10 +13,10 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::StdRng;
 use rand::Rng;
-use rlx_compile::{AttentionThunk, BufRef, SeqView, Space, Thunk, WeightSlot};
 use rlx_cpu::quant::dequantize_row;
 use rlx_ir::{BinaryOp, DType, QFormat, Shape};
 use rlx_runtime::{Backend, PrepareOptions, StateSet, Tensor};
+use rlx_schedule::{AttentionThunk, BufRef, SeqView, Space, Thunk, WeightSlot};
 
 fn t_i32(shape: &[usize], v: &[i32]) -> Tensor {
     Tensor::from_i32(shape.to_vec(), v).unwrap_or_else(|e| panic!("{e}"))
@@ -72,7 +72,7 @@ fn u8_weight(sb: &mut Sb, name: &str, rows: usize, bytes: Vec<u8>) -> BufRef {
 fn run_both(
     what: &str,
     g: &Option<rlx_cuda::CudaBackend>,
-    s: &Arc<rlx_compile::Schedule>,
+    s: &Arc<rlx_schedule::Schedule>,
     w: &Arc<rlx_runtime::WeightStore>,
     inputs: &[(String, Tensor)],
 ) -> (Vec<Tensor>, Option<Vec<Tensor>>) {

@@ -6,10 +6,10 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use rlx_compile::{MatMulThunk, Thunk};
 use rlx_cuda::{CudaBackend, CudaOptions};
 use rlx_ir::{Activation, BinaryOp, DType};
 use rlx_runtime::{Backend, PrepareOptions, RuntimeError, Tensor};
+use rlx_schedule::{MatMulThunk, Thunk};
 
 /// x [rows, h] -> QKV matmul (+bias) -> attention -> out-proj (+residual) ->
 /// LayerNorm -> FFN (erf-GELU) -> residual add: one encoder layer.

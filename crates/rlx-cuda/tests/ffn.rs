@@ -10,10 +10,10 @@ mod common;
 
 use common::*;
 use rand::Rng;
-use rlx_compile::Thunk;
 use rlx_cuda::{CudaBackend, CudaOptions};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions, Tensor};
+use rlx_schedule::Thunk;
 
 /// The backend with the fused kernel on or off.
 fn fusion(g: &CudaBackend, on: bool) -> CudaBackend {

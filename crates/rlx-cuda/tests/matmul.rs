@@ -7,10 +7,10 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use rlx_compile::{MatMulThunk, Thunk};
 use rlx_cuda::{CudaBackend, CudaOptions, MatmulChoice};
 use rlx_ir::{Activation, DType};
 use rlx_runtime::{Executable, PrepareOptions};
+use rlx_schedule::{MatMulThunk, Thunk};
 
 /// The backend choosing matmul algorithms by `matmul`, its choices kept in
 /// `file` (None: in memory only).

@@ -5,9 +5,9 @@ mod common;
 
 use common::*;
 use rand::Rng;
-use rlx_compile::{AttentionThunk, MatMulThunk, RowsView, SeqView, Thunk};
 use rlx_ir::{Activation, BinaryOp, DType, ReduceOp, RopeMode};
 use rlx_runtime::Tensor;
+use rlx_schedule::{AttentionThunk, MatMulThunk, RowsView, SeqView, Thunk};
 
 fn bytes(shape: &[usize], dt: DType) -> u64 {
     (shape.iter().product::<usize>() * dt.size()) as u64
@@ -119,7 +119,7 @@ fn binary_schedule(
     shape: &[usize],
     bshape: &[usize],
     b_strides: Vec<u64>,
-) -> (std::sync::Arc<rlx_compile::Schedule>, std::sync::Arc<rlx_runtime::WeightStore>) {
+) -> (std::sync::Arc<rlx_schedule::Schedule>, std::sync::Arc<rlx_runtime::WeightStore>) {
     let mut sb = Sb::new();
     let a = sb.input("a", shape, dt);
     let bb = sb.input("b", bshape, dt);
@@ -531,7 +531,7 @@ fn embed_norm_matches_cpu() {
             let mut sb = Sb::new();
             let table = sb.weight("emb", &[vocab, cols], dt, &mut r);
             let ids = sb.input("ids", &[rows], id_dt);
-            let addends: Vec<(rlx_compile::BufRef, usize)> =
+            let addends: Vec<(rlx_schedule::BufRef, usize)> =
                 periods.iter().enumerate().map(|(k, &n)| (sb.weight(&format!("add{k}"), &[n, cols], dt, &mut r), n)).collect();
             let gamma = sb.weight("gamma", &[cols], dt, &mut r);
             let beta = sb.weight("beta", &[cols], dt, &mut r);
@@ -674,7 +674,7 @@ fn attention_case_scaled(
         inputs.push(("qkv", rand_tensor(r, &[batch, q_len, row], dt)));
         let view = |off: usize| SeqView {
             // The view ends where the fused tensor ends.
-            buf: rlx_compile::BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
+            buf: rlx_schedule::BufRef { offset: qkv.offset + (off * dt.size()) as u64, bytes: qkv.bytes - (off * dt.size()) as u64, ..qkv },
             batch_stride: (q_len * row) as u64,
             row_stride: row as u64,
         };

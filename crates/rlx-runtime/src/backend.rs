@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rlx_compile::{Schedule, Thunk};
+use rlx_schedule::{Schedule, Thunk};
 
 use crate::{Result, RuntimeError, StateSet, Tensor, WeightStore};
 

@@ -2,8 +2,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use rlx_compile::WeightSlot;
 use rlx_ir::{DType, Shape};
+use rlx_schedule::WeightSlot;
 
 use crate::{Result, RuntimeError, Tensor};
 

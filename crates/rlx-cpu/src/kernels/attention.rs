@@ -13,8 +13,8 @@
 //! query row with no key left (fully masked) outputs zeros rather than NaN.
 
 use rayon::prelude::*;
-use rlx_compile::AttentionThunk;
 use rlx_ir::DType;
+use rlx_schedule::AttentionThunk;
 
 use super::lanes;
 use crate::elem::{with_float, Elem};
@@ -61,11 +61,11 @@ pub fn run(t: &AttentionThunk, mem: &Mem) -> Result<()> {
 /// The thunk restricted to batch row `r` (its operands start at that row).
 fn batch_row(t: &AttentionThunk, r: usize) -> AttentionThunk {
     let es = t.dtype.size() as u64;
-    let shift = |b: rlx_compile::BufRef, elems: u64, size: u64| {
+    let shift = |b: rlx_schedule::BufRef, elems: u64, size: u64| {
         let d = (r as u64 * elems).saturating_mul(size);
-        rlx_compile::BufRef { offset: b.offset + d, bytes: b.bytes.saturating_sub(d), ..b }
+        rlx_schedule::BufRef { offset: b.offset + d, bytes: b.bytes.saturating_sub(d), ..b }
     };
-    let seq = |v: &rlx_compile::SeqView| rlx_compile::SeqView { buf: shift(v.buf, v.batch_stride, es), ..*v };
+    let seq = |v: &rlx_schedule::SeqView| rlx_schedule::SeqView { buf: shift(v.buf, v.batch_stride, es), ..*v };
     AttentionThunk {
         batch: 1,
         q: seq(&t.q),

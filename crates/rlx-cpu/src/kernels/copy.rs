@@ -1,8 +1,8 @@
 //! Strided copy of any dtype (narrow, transpose, concat parts).
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use crate::memory::{Dst, Mem, Src};
 use crate::{exec_err, Result};

@@ -3,8 +3,8 @@
 //! same buffer as an input (in place).
 
 use rayon::prelude::*;
-use rlx_compile::{BufRef, RowsView};
 use rlx_ir::{Activation, BinaryOp, DType};
+use rlx_schedule::{BufRef, RowsView};
 
 use crate::elem::{read_int, with_float, Elem};
 use crate::memory::{Dst, Mem, Src};

@@ -1,8 +1,8 @@
 //! Embedding lookup: out[i, :] = table[ids[i], :].
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use crate::elem::read_int;
 use crate::memory::{Mem, Src};

@@ -6,14 +6,14 @@
 //! epilogue, so accumulation is always f32.
 
 use rayon::prelude::*;
-use rlx_compile::MatMulThunk;
 use rlx_ir::DType;
+use rlx_schedule::MatMulThunk;
 
 use crate::elem::{with_float, Elem};
 use crate::kernels::matmul_small::{self, SmallArgs};
 use crate::memory::{gemm_f32, Dst, MatRef, Mem, Src};
 use crate::{act, exec_err, Result, Scratch};
-use rlx_compile::operands::extent;
+use rlx_schedule::operands::extent;
 
 /// An f32 operand: a view plus its batch stride, row and column strides.
 struct Operand<'a> {
@@ -68,7 +68,7 @@ pub enum WeightCopy {
 /// Whether the few-row path runs `mm` with a packed weight: its b is a
 /// weight (fixed at prepare) and `matmul_small` takes the shape.
 pub fn wants_packed(mm: &MatMulThunk) -> bool {
-    matches!(mm.b.space, rlx_compile::Space::Weight(_)) && matmul_small::applies_packed(mm)
+    matches!(mm.b.space, rlx_schedule::Space::Weight(_)) && matmul_small::applies_packed(mm)
 }
 
 /// `mm`'s weight in the packed layout, read from `mem` in its dtype.
@@ -82,7 +82,7 @@ pub fn packed_weight(mm: &MatMulThunk, mem: &Mem) -> Result<Vec<f32>> {
 
 /// Whether `weight_cache` makes a copy: a half-precision weight operand.
 pub fn needs_weight_cache(mm: &MatMulThunk) -> bool {
-    mm.dtype != DType::F32 && matches!(mm.b.space, rlx_compile::Space::Weight(_))
+    mm.dtype != DType::F32 && matches!(mm.b.space, rlx_schedule::Space::Weight(_))
 }
 
 /// Elements of the f32 copy `weight_cache` makes.

@@ -18,7 +18,7 @@
 //! hot.
 
 use rayon::prelude::*;
-use rlx_compile::MatMulThunk;
+use rlx_schedule::MatMulThunk;
 
 use crate::act;
 use crate::elem::Elem;

@@ -17,7 +17,7 @@ pub mod softmax;
 pub mod state;
 pub mod topk;
 
-use rlx_compile::Thunk;
+use rlx_schedule::Thunk;
 
 use crate::memory::Mem;
 use crate::{Result, Scratch};

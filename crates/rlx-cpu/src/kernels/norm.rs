@@ -4,8 +4,8 @@
 //! (more accurate than E[x²] - E[x]² when the mean is large).
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use super::lanes;
 use crate::elem::{read_int, with_float, Elem};

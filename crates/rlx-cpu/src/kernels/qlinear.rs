@@ -2,8 +2,8 @@
 //! stored (`quant::matmul`), the embedding lookup dequantises only the rows
 //! it gathers.
 
-use rlx_compile::BufRef;
 use rlx_ir::{DType, QFormat};
+use rlx_schedule::BufRef;
 
 use super::quant;
 use crate::memory::Mem;

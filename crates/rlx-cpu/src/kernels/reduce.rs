@@ -2,8 +2,8 @@
 //! `[outer, len, inner]`, accumulating in f32.
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::{DType, ReduceOp};
+use rlx_schedule::BufRef;
 
 use super::lanes;
 use crate::elem::{read_int, with_float, Elem};

@@ -3,8 +3,8 @@
 //! the rotation itself runs in f32.
 
 use rayon::prelude::*;
-use rlx_compile::{BufRef, SeqView};
 use rlx_ir::{DType, RopeMode};
+use rlx_schedule::{BufRef, SeqView};
 
 use crate::elem::{with_float, Elem};
 use crate::memory::{Dst, Mem, Src};

@@ -6,7 +6,7 @@
 //! one draw. The draw is a pure function of (seed, position): same seed,
 //! same text, however the steps are pipelined.
 
-use rlx_compile::BufRef;
+use rlx_schedule::BufRef;
 
 use crate::memory::Mem;
 use crate::{exec_err, Result};

@@ -1,8 +1,8 @@
 //! Softmax over the middle axis of `[outer, len, inner]`, in f32.
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use super::lanes;
 use crate::elem::{with_float, Elem};

@@ -1,8 +1,8 @@
 //! WriteState: rows appended to a persistent `[batch, max_rows, width]`
 //! state at a position read from an i32 device scalar (e.g. a KV cache).
 
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use crate::memory::Mem;
 use crate::{exec_err, Result};

@@ -1,8 +1,8 @@
 //! Top k along the last axis, sorted descending, ties to the lower index.
 
 use rayon::prelude::*;
-use rlx_compile::BufRef;
 use rlx_ir::DType;
+use rlx_schedule::BufRef;
 
 use crate::elem::{read_int, with_float, Elem};
 use crate::memory::{Dst, Mem, Src};

@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rlx_compile::{ArenaSummary, AttentionThunk, BufRef, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN};
 use rlx_cuda::CudaBackend;
 use rlx_ir::{DType, Shape};
 use rlx_runtime::{Backend, PrepareOptions, Tensor, WeightStore};
+use rlx_schedule::{ArenaSummary, AttentionThunk, BufRef, Schedule, SeqView, Space, TensorSlot, Thunk, WeightSlot, ARENA_ALIGN};
 
 /// The GPU backend, or None (with the reason printed) when no GPU is usable.
 /// With RLX_REQUIRE_GPU=1 a missing GPU fails the test instead.
@@ -275,7 +275,7 @@ pub fn matmul(
     residual: Option<BufRef>,
     out: BufRef,
 ) -> Thunk {
-    Thunk::MatMul(rlx_compile::MatMulThunk {
+    Thunk::MatMul(rlx_schedule::MatMulThunk {
         dtype: dt,
         batch: 1,
         m: rows,
