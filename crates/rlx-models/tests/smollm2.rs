@@ -7,59 +7,12 @@ mod common;
 
 use std::path::PathBuf;
 
+use common::smollm2::{greedy, prompt_ids, reference, top};
 use rlx::Device;
-use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams};
-use serde_json::Value;
+use rlx_models::{Generator, GeneratorOptions, SamplingParams};
 
 fn model(test: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if p.is_file() {
-        return Some(p);
-    }
-    if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
-        panic!("{test}: {} is missing and RLX_REQUIRE_MODELS=1: run scripts/fetch-models", p.display());
-    }
-    eprintln!("SKIPPED {test}: {} is missing (run scripts/fetch-models)", p.display());
-    None
-}
-
-fn reference() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&path).expect("reference json")).expect("valid json")
-}
-
-fn prompt_ids(g: &Generator, item: &Value) -> Vec<u32> {
-    if item["kind"] == "chat" {
-        let msgs: Vec<Message> = item["messages"]
-            .as_array()
-            .expect("messages")
-            .iter()
-            .map(|m| Message::new(m["role"].as_str().expect("role"), m["content"].as_str().expect("content")))
-            .collect();
-        g.encode_chat(&msgs).expect("chat prompt")
-    } else {
-        g.encode(item["prompt"].as_str().expect("prompt")).expect("raw prompt")
-    }
-}
-
-/// Greedy new ids and the logits of the first (prompt-last) position.
-fn greedy(g: &mut Generator, ids: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let params = SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() };
-    let mut out = vec![];
-    let mut logits = vec![];
-    for p in g.generate_ids(ids, &params).expect("generate") {
-        let p = p.expect("piece");
-        out.push(p.token);
-        logits.push(p.logits.expect("logits"));
-    }
-    (out, logits)
-}
-
-fn top(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
+    common::smollm2::gguf(test)
 }
 
 #[test]

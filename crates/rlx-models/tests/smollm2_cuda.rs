@@ -10,66 +10,13 @@ mod common;
 
 use std::path::PathBuf;
 
+use common::smollm2::{cosine, greedy, prompt_ids, reference, top};
 use rlx::Device;
-use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams};
-use serde_json::Value;
+use rlx_models::{Generator, GeneratorOptions, SamplingParams};
 
+/// The model file, and a usable GPU (skip markers as for each).
 fn model(test: &str) -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !p.is_file() {
-        if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
-            panic!("{test}: {} is missing and RLX_REQUIRE_MODELS=1: run scripts/fetch-models", p.display());
-        }
-        eprintln!("SKIPPED {test}: {} is missing (run scripts/fetch-models)", p.display());
-        return None;
-    }
-    common::gpu(test).then_some(p)
-}
-
-fn reference() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2_reference.json");
-    serde_json::from_str(&std::fs::read_to_string(&path).expect("reference json")).expect("valid json")
-}
-
-fn prompt_ids(g: &Generator, item: &Value) -> Vec<u32> {
-    if item["kind"] == "chat" {
-        let msgs: Vec<Message> = item["messages"]
-            .as_array()
-            .expect("messages")
-            .iter()
-            .map(|m| Message::new(m["role"].as_str().expect("role"), m["content"].as_str().expect("content")))
-            .collect();
-        g.encode_chat(&msgs).expect("chat prompt")
-    } else {
-        g.encode(item["prompt"].as_str().expect("prompt")).expect("raw prompt")
-    }
-}
-
-/// Greedy new ids and each step's logits.
-fn greedy(g: &mut Generator, ids: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let params = SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() };
-    let mut out = vec![];
-    let mut logits = vec![];
-    for p in g.generate_ids(ids, &params).expect("generate") {
-        let p = p.expect("piece");
-        out.push(p.token);
-        logits.push(p.logits.expect("logits"));
-    }
-    (out, logits)
-}
-
-fn top(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (na * nb)
+    common::smollm2::gguf(test).filter(|_| common::gpu(test))
 }
 
 #[test]

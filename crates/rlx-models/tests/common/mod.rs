@@ -2,6 +2,8 @@
 //! absence is a skip or a failure.
 #![allow(dead_code)]
 
+pub mod smollm2;
+
 use std::path::PathBuf;
 
 use serde_json::Value;
