@@ -106,6 +106,7 @@ fn bad_arguments_are_clear_errors() {
         (vec!["generate", "--model", m, "--prompt", ""], "the prompt is empty"),
         (vec!["generate", "--model", m, "--prompt", "hi", "--top-p", "2"], "top_p must be in 0..=1"),
         (vec!["generate", "--model", m, "--prompt", "hi", "--ctx-size", "1"], "ctx-size 1 is too small"),
+        (vec!["generate", "--model", m, "--prompt", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
         (vec!["generate", "--model", "no/such.gguf", "--prompt", "hi"], "no such file"),
         (vec!["generate", "--model", m], "give --prompt TEXT"),
     ] {

@@ -130,6 +130,9 @@ impl SamplingParams {
         if self.repeat_penalty.is_nan() || self.repeat_penalty <= 0.0 {
             return bad(&format!("repeat_penalty must be positive, found {}", self.repeat_penalty));
         }
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1");
+        }
         if self.top_k < 0 || self.repeat_last_n < 0 {
             return bad(&format!("top_k ({}) and repeat_last_n ({}) must be >= 0", self.top_k, self.repeat_last_n));
         }
