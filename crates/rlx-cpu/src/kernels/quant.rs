@@ -898,6 +898,45 @@ fn f16_table() -> &'static [f32; 65536] {
     })
 }
 
+/// One row of a 32-element block format against the quantized activations:
+/// pairs of blocks into two accumulators. The same code in each SIMD module,
+/// compiled there with that module's target features and `block_dot`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! row32_fn {
+    ($features:literal) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn row32<const F: u8>(w: &[u8], a: ActRow<'_>, t: &[f32; 65536]) -> f32 {
+            let bb = block_bytes(F);
+            let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let (mut m0, mut m1) = (0f32, 0f32);
+            let block = |wb: &[u8], q: &[i8], c: &[i32], db: &[f32], s: f32, acc: &mut __m256, macc: &mut f32| {
+                let scale = _mm256_mul_ps(_mm256_set1_ps(t[u16_at(wb, 0) as usize]), ld256f(db));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot::<F>(wb, q, c)), scale, *acc);
+                if has_min(F) {
+                    *macc += t[u16_at(wb, 2) as usize] * s;
+                }
+            };
+            let mut pairs = w
+                .chunks_exact(2 * bb)
+                .zip(a.q.chunks_exact(64))
+                .zip(a.corr.chunks_exact(16))
+                .zip(a.db.chunks_exact(16))
+                .zip(a.s.chunks_exact(2));
+            for ((((wp, qp), cp), dp), sp) in &mut pairs {
+                block(wp, qp, cp, dp, sp[0], &mut acc0, &mut m0);
+                block(&wp[bb..], &qp[32..], &cp[8..], &dp[8..], sp[1], &mut acc1, &mut m1);
+            }
+            let nb = w.len() / bb;
+            if nb % 2 == 1 {
+                let b = nb - 1;
+                block(&w[b * bb..], &a.q[32 * b..], &a.corr[8 * b..], &a.db[8 * b..], a.s[b], &mut acc0, &mut m0);
+            }
+            hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1)
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -991,36 +1030,7 @@ mod avx2 {
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn row32<const F: u8>(w: &[u8], a: ActRow<'_>, t: &[f32; 65536]) -> f32 {
-        let bb = block_bytes(F);
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (mut m0, mut m1) = (0f32, 0f32);
-        let block = |wb: &[u8], q: &[i8], c: &[i32], db: &[f32], s: f32, acc: &mut __m256, macc: &mut f32| {
-            let scale = _mm256_mul_ps(_mm256_set1_ps(t[u16_at(wb, 0) as usize]), ld256f(db));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot::<F>(wb, q, c)), scale, *acc);
-            if has_min(F) {
-                *macc += t[u16_at(wb, 2) as usize] * s;
-            }
-        };
-        let mut pairs = w
-            .chunks_exact(2 * bb)
-            .zip(a.q.chunks_exact(64))
-            .zip(a.corr.chunks_exact(16))
-            .zip(a.db.chunks_exact(16))
-            .zip(a.s.chunks_exact(2));
-        for ((((wp, qp), cp), dp), sp) in &mut pairs {
-            block(wp, qp, cp, dp, sp[0], &mut acc0, &mut m0);
-            block(&wp[bb..], &qp[32..], &cp[8..], &dp[8..], sp[1], &mut acc1, &mut m1);
-        }
-        let nb = w.len() / bb;
-        if nb % 2 == 1 {
-            let b = nb - 1;
-            block(&w[b * bb..], &a.q[32 * b..], &a.corr[8 * b..], &a.db[8 * b..], a.s[b], &mut acc0, &mut m0);
-        }
-        hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1)
-    }
+    row32_fn!("avx2,fma,f16c");
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1167,36 +1177,7 @@ mod avx512 {
         _mm256_dpbusd_epi32(c, u, ld256q(q, 0))
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn row32<const F: u8>(w: &[u8], a: ActRow<'_>, t: &[f32; 65536]) -> f32 {
-        let bb = block_bytes(F);
-        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (mut m0, mut m1) = (0f32, 0f32);
-        let block = |wb: &[u8], q: &[i8], c: &[i32], db: &[f32], s: f32, acc: &mut __m256, macc: &mut f32| {
-            let scale = _mm256_mul_ps(_mm256_set1_ps(t[u16_at(wb, 0) as usize]), ld256f(db));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot::<F>(wb, q, c)), scale, *acc);
-            if has_min(F) {
-                *macc += t[u16_at(wb, 2) as usize] * s;
-            }
-        };
-        let mut pairs = w
-            .chunks_exact(2 * bb)
-            .zip(a.q.chunks_exact(64))
-            .zip(a.corr.chunks_exact(16))
-            .zip(a.db.chunks_exact(16))
-            .zip(a.s.chunks_exact(2));
-        for ((((wp, qp), cp), dp), sp) in &mut pairs {
-            block(wp, qp, cp, dp, sp[0], &mut acc0, &mut m0);
-            block(&wp[bb..], &qp[32..], &cp[8..], &dp[8..], sp[1], &mut acc1, &mut m1);
-        }
-        let nb = w.len() / bb;
-        if nb % 2 == 1 {
-            let b = nb - 1;
-            block(&w[b * bb..], &a.q[32 * b..], &a.corr[8 * b..], &a.db[8 * b..], a.s[b], &mut acc0, &mut m0);
-        }
-        hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1)
-    }
+    row32_fn!("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c");
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
