@@ -898,11 +898,13 @@ fn f16_table() -> &'static [f32; 65536] {
     })
 }
 
-/// One row of a 32-element block format against the quantized activations:
-/// pairs of blocks into two accumulators. The same code in each SIMD module,
-/// compiled there with that module's target features and `block_dot`.
+/// `row32` (one row of a 32-element block format against the quantized
+/// activations, pairs of blocks into two accumulators) and `chunk_f` (a
+/// chunk of output columns, dispatching on the format). The same code in
+/// each SIMD module, compiled there with that module's target features and
+/// its own `block_dot`, `row_q4k` and `row_q6k`.
 #[cfg(target_arch = "x86_64")]
-macro_rules! row32_fn {
+macro_rules! row_fns {
     ($features:literal) => {
         #[inline]
         #[target_feature(enable = $features)]
@@ -933,6 +935,22 @@ macro_rules! row32_fn {
                 block(&w[b * bb..], &a.q[32 * b..], &a.corr[8 * b..], &a.db[8 * b..], a.s[b], &mut acc0, &mut m0);
             }
             hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1)
+        }
+
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn chunk_f<const F: u8>(w: &[u8], rb: usize, act: &Act, dst: &mut [&mut [f32]]) {
+            let t = f16_table();
+            for (j, wr) in w.chunks_exact(rb).enumerate() {
+                for (i, d) in dst.iter_mut().enumerate() {
+                    let a = act.row(i);
+                    d[j] = match F {
+                        Q4K => row_q4k(wr, a, t),
+                        Q6K => row_q6k(wr, a, t),
+                        _ => row32::<F>(wr, a, t),
+                    };
+                }
+            }
         }
     };
 }
@@ -1030,7 +1048,7 @@ mod avx2 {
         }
     }
 
-    row32_fn!("avx2,fma,f16c");
+    row_fns!("avx2,fma,f16c");
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1092,22 +1110,6 @@ mod avx2 {
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc), _mm256_set1_ps(t[u16_at(blk, 208) as usize] * da), acc);
         }
         hsum(acc)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn chunk_f<const F: u8>(w: &[u8], rb: usize, act: &Act, dst: &mut [&mut [f32]]) {
-        let t = f16_table();
-        for (j, wr) in w.chunks_exact(rb).enumerate() {
-            for (i, d) in dst.iter_mut().enumerate() {
-                let a = act.row(i);
-                d[j] = match F {
-                    Q4K => row_q4k(wr, a, t),
-                    Q6K => row_q6k(wr, a, t),
-                    _ => row32::<F>(wr, a, t),
-                };
-            }
-        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1177,7 +1179,7 @@ mod avx512 {
         _mm256_dpbusd_epi32(c, u, ld256q(q, 0))
     }
 
-    row32_fn!("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c");
+    row_fns!("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c");
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1239,22 +1241,6 @@ mod avx512 {
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc), _mm512_set1_ps(t[u16_at(blk, 208) as usize] * da), acc);
         }
         _mm512_reduce_add_ps(acc)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn chunk_f<const F: u8>(w: &[u8], rb: usize, act: &Act, dst: &mut [&mut [f32]]) {
-        let t = f16_table();
-        for (j, wr) in w.chunks_exact(rb).enumerate() {
-            for (i, d) in dst.iter_mut().enumerate() {
-                let a = act.row(i);
-                d[j] = match F {
-                    Q4K => row_q4k(wr, a, t),
-                    Q6K => row_q6k(wr, a, t),
-                    _ => row32::<F>(wr, a, t),
-                };
-            }
-        }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
