@@ -160,6 +160,12 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             let got = replay[0].to_f32();
             let mut worst = 0f64;
             for (e, (gv, wv)) in got.iter().zip(&want).enumerate() {
+                // Past f16's largest finite value (65504, rounding up from
+                // 65520) the right answer is an infinity of the sum's sign.
+                if dt == DType::F16 && wv.abs() >= 65520.0 * (1.0 + 1e-5 * mag[e] / wv.abs()) {
+                    assert!(gv.is_infinite() && (*gv > 0.0) == (*wv > 0.0), "{what}: element {e}: gpu {gv} vs oracle {wv} (beyond f16)");
+                    continue;
+                }
                 let bound = 1e-5 * mag[e] + unit * wv.abs() * 1.01 + 1e-30;
                 let d = (*gv as f64 - wv).abs();
                 assert!(d <= bound, "{what}: element {e}: gpu {gv} vs oracle {wv} (|diff| {d:e} > {bound:e})");
