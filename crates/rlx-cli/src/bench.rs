@@ -2,6 +2,7 @@
 //! CUDA-graph replay, on the same seeded random BERT weights and inputs, with
 //! the outputs compared so a fast-but-wrong result shows.
 
+mod generate;
 mod model;
 mod peer;
 mod report;
@@ -19,9 +20,30 @@ use report::{Context, Row};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Models, comma-separated: minilm, bert-base, tiny.
+    /// Models, comma-separated: minilm, bert-base, tiny; or smollm2 alone
+    /// for the text-generation benchmark (a GGUF decoder, see --gguf).
     #[arg(long, default_value = "minilm,bert-base")]
     model: String,
+    /// Generation benchmark: the GGUF file (default: the SmolLM2 file that
+    /// `rlx fetch` downloads).
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// Generation benchmark: the folder holding llama.cpp's llama-bench and
+    /// llama-batched-bench, run on the same file as the peer.
+    #[arg(long)]
+    llama_cpp: Option<PathBuf>,
+    /// Generation benchmark: prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Generation benchmark: new tokens at batch 1.
+    #[arg(long, default_value_t = 256)]
+    new_tokens: usize,
+    /// Generation benchmark: new tokens per sequence in batched decode.
+    #[arg(long, default_value_t = 128)]
+    batch_tokens: usize,
+    /// Generation benchmark: batch sizes for aggregate decode, comma-separated.
+    #[arg(long, default_value = "8,32")]
+    batches: String,
     /// Storage precision: f16, bf16 or f32.
     #[arg(long, default_value = "f16")]
     dtype: String,
@@ -31,7 +53,8 @@ pub struct BenchArgs {
     /// cuda, cuda:N or cpu.
     #[arg(long, default_value = "cuda")]
     device: String,
-    /// Timed runs per measurement (the median is reported).
+    /// Timed runs per measurement (the median is reported; the generation
+    /// benchmark runs at most 5).
     #[arg(long, default_value_t = 200)]
     runs: usize,
     /// Untimed runs before timing.
@@ -65,6 +88,40 @@ pub struct BenchArgs {
     keep_temp: bool,
 }
 
+/// `rlx bench --model smollm2`: see bench/generate.rs.
+fn run_generation(args: &BenchArgs, device: Device) -> Result<(), String> {
+    let gguf = match &args.gguf {
+        Some(p) => p.clone(),
+        None => crate::generate::default_model()?,
+    };
+    let batches = args
+        .batches
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse::<usize>().ok().filter(|&b| b > 0).ok_or_else(|| format!("--batches: expected positive integers, found '{s}'")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let b = generate::GenBench {
+        gguf,
+        device,
+        device_name: &args.device,
+        prompt_tokens: args.prompt_tokens,
+        new_tokens: args.new_tokens,
+        batch_tokens: args.batch_tokens,
+        batches,
+        runs: args.runs.min(5),
+        seed: args.seed,
+        llama_cpp: args.llama_cpp.clone(),
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let md = generate::run(&b)?;
+    crate::stdout::print(&md)?;
+    if let Some(path) = &args.output {
+        std::fs::write(path, &md).map_err(|e| format!("--output {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 /// Medians of one RLX executable.
 struct Timing {
     wall_us: f64,
@@ -88,6 +145,9 @@ struct Pending {
 
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let device: Device = args.device.parse().map_err(|e: rlx::Error| format!("--device: {e}"))?;
+    if ["smollm2", "smollm"].contains(&args.model.trim().to_ascii_lowercase().as_str()) {
+        return run_generation(&args, device);
+    }
     let dtype = match DType::parse(&args.dtype) {
         Some(d) if d.is_float() => d,
         _ => return Err(format!("--dtype: expected f16, bf16 or f32, found '{}'", args.dtype)),

@@ -109,7 +109,7 @@ pub struct ChatArgs {
 
 /// The default GGUF: the repository's models/ (here or above the current
 /// directory or the executable), then the per-user data directory.
-fn default_model() -> Result<PathBuf, String> {
+pub(crate) fn default_model() -> Result<PathBuf, String> {
     let env = Env::process();
     let mut tried = vec![];
     for base in &env.bases {

@@ -38,7 +38,8 @@ pub struct CompileOptions {
     pub precision: Option<DType>,
     /// Merge sibling matmuls sharing an input (Q, K, V → QKV).
     pub merge_matmuls: bool,
-    /// Fusion patterns (matmul epilogues, residual norms, SwiGLU).
+    /// Fusion patterns (matmul epilogues, residual norms, SwiGLU; around
+    /// quantized matmuls: RmsNorm prologues, SwiGLU and residual epilogues).
     pub fuse: bool,
     /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
     /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
@@ -71,7 +72,7 @@ pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, Compile
     Ok(Compiled { before: graph.clone(), after, schedule })
 }
 
-/// The passes `opts` selects, in order: dce → merge → fuse → precision →
+/// The passes `opts` selects, in order: dce → merge → fuse → fuse_quant → precision →
 /// dce, each result verified (an error names the pass).
 pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileError> {
     fn step(g: Graph, pass: &'static str, f: impl FnOnce(&Graph) -> Result<Graph, IrError>) -> Result<Graph, CompileError> {
@@ -88,6 +89,7 @@ pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileEr
     }
     if opts.fuse {
         g = step(g, "fuse", passes::fuse::run)?;
+        g = step(g, "fuse_quant", passes::fuse_quant::run)?;
     }
     if let Some(dtype) = opts.precision {
         g = step(g, "precision", |g| passes::precision::run(g, dtype))?;

@@ -5,7 +5,7 @@ use rlx_ir::{DType, Graph, Node, Op};
 
 use crate::layout::{dense_strides, rows_view, seq_view, span_bytes, Loc, Root};
 use crate::plan::{lower_err, reduce_needs_copy, ArenaPlan, BufferKind};
-use crate::{AttentionThunk, BufRef, CompileError, MatMulThunk, RowsView, Schedule, SeqView, Space, TensorSlot, Thunk};
+use crate::{AttentionThunk, BufRef, CompileError, MatMulThunk, QNorm, RowsView, Schedule, SeqView, Space, TensorSlot, Thunk};
 
 type Result<T> = std::result::Result<T, CompileError>;
 
@@ -337,6 +337,36 @@ impl Lowerer<'_> {
                     lda: a_rows.row_stride,
                     w: self.dense(i, w)?,
                     out: self.buf(i),
+                    norm: None,
+                    glu: false,
+                    residual: None,
+                }
+            }
+            Op::QMatMulFused { format, norm_eps, glu, residual } => {
+                let (a, w) = (in0(self)?, self.input(i, 1)?);
+                let (rows, a_rows) = self.rows(i, a)?;
+                let mut next = 2;
+                let norm = match norm_eps {
+                    Some(eps) => {
+                        next += 1;
+                        Some(QNorm { gamma: self.dense(i, self.input(i, 2)?)?, eps: *eps })
+                    }
+                    None => None,
+                };
+                let residual = if *residual { Some(self.dense(i, self.input(i, next)?)?) } else { None };
+                Thunk::QMatMul {
+                    format: *format,
+                    dtype,
+                    rows,
+                    n: node.shape.last(),
+                    k: g.nodes[a].shape.last(),
+                    a: a_rows.buf,
+                    lda: a_rows.row_stride,
+                    w: self.dense(i, w)?,
+                    out: self.buf(i),
+                    norm,
+                    glu: *glu,
+                    residual,
                 }
             }
             Op::QGather { format } => {

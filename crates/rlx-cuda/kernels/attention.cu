@@ -156,3 +156,107 @@ RLX_ATTN(96, 1)
 RLX_ATTN(96, 4)
 RLX_ATTN(128, 1)
 RLX_ATTN(128, 4)
+
+// One query row (decode: q_len 1) per (batch, head): the 8 warps of a block
+// split the visible keys (warp w takes keys w, w+8, ..), each with its own
+// online softmax, lanes over the head dims; the 8 partial (max, sum,
+// output) triples are merged through shared memory at the end. Masked keys
+// are skipped outright (weight 0, and their V rows never read). With one
+// query row the causal rule admits exactly the valid keys.
+#define DEC_WARPS 8
+template <typename T, int HDP>
+__device__ void attention_dec_body(const AttnP& p) {
+    constexpr int NC = HDP / 32;
+    __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
+    __shared__ float sm_o[DEC_WARPS][HDP];
+    const T* q = (const T*)p.q; const T* k = (const T*)p.k; const T* v = (const T*)p.v;
+    const i64 b = blockIdx.y, h = blockIdx.x;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int hd = (int)p.hd;
+    const float scale = (float)p.scale;
+    const i64 valid = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
+    if ((valid < 0 || valid > p.kv_len) && h == 0 && (p.valid_pb || b == 0) && threadIdx.x == 0) atomicOr(p.err, ERR_VALID_LEN);
+    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
+    if (kv_end < 0) kv_end = 0;
+    const T* qb = q + b * p.qbs + h * p.hd;
+    float qv[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int d = lane + 32 * c;
+        qv[c] = d < hd ? ld(qb, d) * scale : 0.0f;
+    }
+    const T* kb = k + b * p.kbs + kvh * p.hd;
+    const T* vb = v + b * p.vbs + kvh * p.hd;
+    float m = -INFINITY, l = 0.0f, acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+    // Four keys per step: their loads are in flight together.
+    for (i64 k0 = (i64)warp * 4; k0 < kv_end; k0 += 4 * DEC_WARPS) {
+        float kr[4][NC], vr[4][NC];
+        bool ok[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const i64 key = k0 + j;
+            ok[j] = key < kv_end;
+            if (ok[j] && p.mask) ok[j] = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const int d = lane + 32 * c;
+                const bool in = ok[j] && d < hd;
+                kr[j][c] = in ? ld(kb, key * p.krs + d) : 0.0f;
+                vr[j][c] = in ? ld(vb, key * p.vrs + d) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (!ok[j]) continue;  // uniform across the warp
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) s = fmaf(qv[c], kr[j][c], s);
+            s = warp_sum(s);
+            const float mn = fmaxf(m, s);
+            const float corr = expf(m - mn), pr = expf(s - mn);
+            l = l * corr + pr;
+            m = mn;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[c] = fmaf(pr, vr[j][c], acc[c] * corr);
+        }
+    }
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) sm_o[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    float mt = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) mt = fmaxf(mt, sm_m[w]);
+    float lt = 0.0f;
+    float f[DEC_WARPS];
+#pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) {
+        f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - mt);
+        lt += sm_l[w] * f[w];
+    }
+    // A row that sees no key at all (fully masked) yields zeros.
+    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+    T* o = (T*)p.out + b * (p.heads * p.hd) + h * p.hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) s += sm_o[w][d] * f[w];
+        st(o, d, s * inv);
+    }
+}
+
+// attention_dec_<HDP>_<dtype>
+#define RLX_ATTN_DEC(HDP)                                                                                           \
+    extern "C" __global__ void attention_dec_##HDP##_f32(const AttnP p) { pdl_enter(); attention_dec_body<float, HDP>(p); }   \
+    extern "C" __global__ void attention_dec_##HDP##_f16(const AttnP p) { pdl_enter(); attention_dec_body<__half, HDP>(p); }  \
+    extern "C" __global__ void attention_dec_##HDP##_bf16(const AttnP p) { pdl_enter(); attention_dec_body<__nv_bfloat16, HDP>(p); }
+RLX_ATTN_DEC(32)
+RLX_ATTN_DEC(64)
+RLX_ATTN_DEC(96)
+RLX_ATTN_DEC(128)

@@ -161,7 +161,14 @@ __device__ float dequant1(const u8* row, i64 fmt, i64 j) {
 
 // out[r, c] = a[r, :] · dequant(w[c, :]) for `rows` rows of `k` elements
 // (row stride lda), f32 accumulation, out contiguous [rows, n] in a's type.
-struct QMatMulP { const void* a; const void* w; void* out; i64 rows; i64 n; i64 k; i64 lda; i64 row_bytes; };
+// The fused forms (Op::QMatMulFused): with `gamma`, each a row is replaced
+// by RmsNorm(a row) · gamma (the norm's scale is applied to the finished
+// dot product); with `glu`, w has 2n rows and out = silu(a·w[c]) ·
+// (a·w[n + c]); with `res`, res[r, c] is added last (res may be out).
+struct QMatMulP {
+    const void* a; const void* w; void* out; const void* gamma; const void* res;
+    i64 rows; i64 n; i64 k; i64 lda; i64 row_bytes; i64 glu; double eps;
+};
 
 // A warp per output column (8 per block): each lane decodes 8 weights of a
 // block at a time and multiplies them with RB activation rows, so a weight
@@ -171,34 +178,81 @@ struct QMatMulP { const void* a; const void* w; void* out; i64 rows; i64 n; i64 
 template <typename T, int F, int RB>
 __device__ void qmatmul_body(const QMatMulP& p) {
     constexpr int CPB = QFmt<F>::BE / 8;  // chunks per block
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 col = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
-    if (col >= p.n) return;
+    __shared__ float red[RB][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 col = (i64)blockIdx.x * nw + warp;
+    const bool norm = p.gamma != nullptr, glu = p.glu != 0, active = col < p.n;
+    // Without the norm's block-wide reduction an idle warp can leave now.
+    if (!norm && !active) return;
     const u8* wrow = (const u8*)p.w + col * p.row_bytes;
+    const u8* wup = wrow + p.n * p.row_bytes;
     const T* a = (const T*)p.a;
+    const T* gamma = (const T*)p.gamma;
     const i64 chunks = p.k / 8;
     for (i64 r0 = (i64)blockIdx.y * RB; r0 < p.rows; r0 += (i64)gridDim.y * RB) {
-        float acc[RB];
+        float inv[RB];
+        if (norm) {
+            // 1/sqrt(mean(x²) + eps) per row, the RmsNorm kernel's formula.
 #pragma unroll
-        for (int j = 0; j < RB; ++j) acc[j] = 0.0f;
+            for (int j = 0; j < RB; ++j) {
+                float s = 0.0f;
+                if (r0 + j < p.rows) {
+                    const T* x = a + (r0 + j) * p.lda;
+                    for (i64 c = threadIdx.x; c < p.k; c += blockDim.x) {
+                        const float v = ld(x, c);
+                        s += v * v;
+                    }
+                }
+                s = warp_sum(s);
+                if (lane == 0) red[j][warp] = s;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < RB; ++j) {
+                float t = lane < nw ? red[j][lane] : 0.0f;
+                inv[j] = rsqrtf(warp_sum(t) / (float)p.k + (float)p.eps);
+            }
+            __syncthreads();
+        }
+        if (!active) continue;
+        float acc[RB], acc2[RB];
+#pragma unroll
+        for (int j = 0; j < RB; ++j) acc[j] = acc2[j] = 0.0f;
         for (i64 c = lane; c < chunks; c += 32) {
             const i64 blk = c / CPB;
-            float w[8];
+            float w[8], w2[8], g[8];
             int e[8];
             dequant8<F>(wrow + blk * QFmt<F>::BB, (int)(c % CPB), w, e);
+            if (glu) dequant8<F>(wup + blk * QFmt<F>::BB, (int)(c % CPB), w2, e);
             const i64 base = blk * QFmt<F>::BE;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[i]) : 1.0f;
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
                 if (RB > 1 && r0 + j >= p.rows) break;
                 const T* x = a + (r0 + j) * p.lda + base;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[j] = fmaf(w[i], ld(x, e[i]), acc[j]);
+                for (int i = 0; i < 8; ++i) {
+                    const float xv = ld(x, e[i]) * g[i];
+                    acc[j] = fmaf(w[i], xv, acc[j]);
+                    if (glu) acc2[j] = fmaf(w2[i], xv, acc2[j]);
+                }
             }
         }
 #pragma unroll
         for (int j = 0; j < RB; ++j) {
-            const float s = warp_sum(acc[j]);
-            if (lane == 0 && r0 + j < p.rows) st((T*)p.out, (r0 + j) * p.n + col, s);
+            float s = warp_sum(acc[j]);
+            if (norm) s *= inv[j];
+            if (glu) {
+                float u = warp_sum(acc2[j]);
+                if (norm) u *= inv[j];
+                s = s / (1.0f + expf(-s)) * u;
+            }
+            if (lane == 0 && r0 + j < p.rows) {
+                const i64 o = (r0 + j) * p.n + col;
+                if (p.res) s += ld((const T*)p.res, o);
+                st((T*)p.out, o, s);
+            }
         }
     }
 }

@@ -85,7 +85,7 @@ fn flat<T: params::KernelParams>(k: &Kernels, name: &str, n: u64, p: &T, kind: &
 pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
     let kind = t.kind();
     let step = match t {
-        Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out } => {
+        Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out, norm, glu, residual } => {
             let row_bytes = format.row_bytes(*kk).ok_or_else(|| err(format!("qmatmul: {kk} is not a whole number of {format} blocks")))?;
             let wp = b.ptr(w)?;
             // The kernel reads blocks with 16-bit loads.
@@ -96,11 +96,21 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 a: b.ptr(a)?,
                 w: wp,
                 out: b.ptr(out)?,
+                gamma: match norm {
+                    Some(nm) => b.ptr(&nm.gamma)?,
+                    None => 0,
+                },
+                res: match residual {
+                    Some(r) => b.ptr(r)?,
+                    None => 0,
+                },
                 rows: i(*rows),
                 n: i(*n),
                 k: i(*kk),
                 lda: *lda as i64,
                 row_bytes: i(row_bytes),
+                glu: *glu as i64,
+                eps: norm.map_or(0.0, |nm| nm.eps as f64),
             };
             // Decode (one row): each warp's weights once; prefill: decoded
             // once per 4 rows.

@@ -630,7 +630,12 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
             [table, ids].into_iter().chain(addends.iter().map(|(a, _)| a)).chain([gamma, beta, out]).collect()
         }
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
-        Thunk::QMatMul { a, w, out, .. } => vec![a, w, out],
+        Thunk::QMatMul { a, w, out, norm, residual, .. } => {
+            let mut v = vec![a, w, out];
+            v.extend(norm.as_ref().map(|nm| &nm.gamma));
+            v.extend(residual.as_ref());
+            v
+        }
         Thunk::QGather { table, ids, out, .. } => vec![table, ids, out],
         Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => vec![logits, fparams, iparams, history, position, out],
     }

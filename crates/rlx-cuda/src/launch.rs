@@ -659,6 +659,15 @@ pub(crate) fn lower(
             let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
             let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count);
             let (grid, func, block, smem) = match rows {
+                // One query row (a decode step): the keys split over 8 warps.
+                _ if a.q_len == 1 => {
+                    (
+                        [a.heads as u32, a.batch as u32, 1],
+                        k.get(&format!("attention_dec_{hdp}_{}", suffix(a.dtype)))?,
+                        256,
+                        0,
+                    )
+                }
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).

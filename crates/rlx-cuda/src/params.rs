@@ -109,7 +109,9 @@ kernel_params! {
     /// The masked mean over a sequence.
     struct MaskedMeanP { x: u64, mask: u64, out: u64, batch: i64, seq: i64, dim: i64, mask_dt: i64, out_dt: i64 }
     /// Matmuls over block-quantized weights (kernels/decode.cu).
-    struct QMatMulP { a: u64, w: u64, out: u64, rows: i64, n: i64, k: i64, lda: i64, row_bytes: i64 }
+    struct QMatMulP {
+        a: u64, w: u64, out: u64, gamma: u64, res: u64, rows: i64, n: i64, k: i64, lda: i64, row_bytes: i64, glu: i64, eps: f64,
+    }
     /// Embedding gathers from block-quantized tables.
     struct QGatherP { table: u64, ids: u64, out: u64, err: u64, n: i64, dim: i64, vocab: i64, id64: i64, row_bytes: i64, fmt: i64 }
     /// Integer binary ops.

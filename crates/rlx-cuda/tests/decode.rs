@@ -103,7 +103,7 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             let wb = random_blocks(&mut r, f, n, k);
             let w = u8_weight(&mut sb, "w", n, wb.clone());
             let out = sb.output("out", &[rows, n], dt);
-            sb.thunk(Thunk::QMatMul { format: f, dtype: dt, rows, n, k, a, lda: lda as u64, w, out });
+            sb.thunk(Thunk::QMatMul { format: f, dtype: dt, rows, n, k, a, lda: lda as u64, w, out, norm: None, glu: false, residual: None });
             let at = rand_tensor(&mut r, &[rows, lda], dt);
             let (s, ws) = sb.finish();
             let what = format!("qmatmul {f} {dt} {rows}x{n}x{k}");
@@ -172,6 +172,96 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
                 worst = worst.max(d / mag[e].max(1e-30));
             }
             eprintln!("{what}: ok, worst |diff| / sum|terms| {worst:e}");
+        }
+    }
+}
+
+/// The fused forms (RmsNorm prologue, SwiGLU over the two halves, residual
+/// epilogue, and all three at once) for every format, against the same
+/// dequantise-then-f64 oracle; the CPU's fused path is checked bit for bit
+/// against its unfused kernels in crates/rlx/tests/passes.rs.
+#[test]
+fn qmatmul_fused_forms_against_the_f64_oracle() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(37);
+    for f in QFormat::ALL {
+        let k = 2 * f.block_elems();
+        for (rows, n, norm, glu, res) in
+            [(1, 24, true, false, false), (1, 12, false, true, false), (3, 20, false, false, true), (1, 16, true, true, true), (5, 9, true, true, true)]
+        {
+            let lda = k + 4;
+            let mut sb = Sb::new();
+            let a = sb.input("a", &[rows, lda], DType::F32);
+            let wrows = if glu { 2 * n } else { n };
+            let wb = random_blocks(&mut r, f, wrows, k);
+            let w = u8_weight(&mut sb, "w", wrows, wb.clone());
+            let gamma = sb.input("gamma", &[k], DType::F32);
+            let resb = sb.input("res", &[rows, n], DType::F32);
+            let out = sb.output("out", &[rows, n], DType::F32);
+            let eps = 1e-5f32;
+            sb.thunk(Thunk::QMatMul {
+                format: f,
+                dtype: DType::F32,
+                rows,
+                n,
+                k,
+                a,
+                lda: lda as u64,
+                w,
+                out,
+                norm: norm.then_some(rlx_schedule::QNorm { gamma, eps }),
+                glu,
+                residual: res.then_some(resb),
+            });
+            let at = rand_tensor(&mut r, &[rows, lda], DType::F32);
+            let gt = rand_tensor(&mut r, &[k], DType::F32);
+            let rt = rand_tensor(&mut r, &[rows, n], DType::F32);
+            let (s, ws) = sb.finish();
+            let what = format!("qmatmul {f} {rows}x{n}x{k} norm={norm} glu={glu} residual={res}");
+            let inputs = named(vec![("a", at.clone()), ("gamma", gt.clone()), ("res", rt.clone())]);
+            let (x, gv, rv) = (at.to_f32(), gt.to_f32(), rt.to_f32());
+            let rb = f.row_bytes(k).unwrap_or(0);
+            let mut wrow = vec![0f32; k];
+            // (value, sum of |terms|) of each weight row against each a row.
+            let mut dots = vec![(0f64, 0f64); rows * wrows];
+            for i in 0..rows {
+                let xr = &x[i * lda..i * lda + k];
+                let inv = if norm { 1.0 / (xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt() } else { 1.0 };
+                for j in 0..wrows {
+                    dequantize_row(f, &wb[j * rb..(j + 1) * rb], &mut wrow).unwrap_or_else(|e| panic!("{e}"));
+                    let (mut v, mut m) = (0f64, 0f64);
+                    for c in 0..k {
+                        let h = xr[c] as f64 * if norm { inv * gv[c] as f64 } else { 1.0 };
+                        v += h * wrow[c] as f64;
+                        m += (h * wrow[c] as f64).abs();
+                    }
+                    dots[i * wrows + j] = (v, m);
+                }
+            }
+            let Some(g) = &g else { continue };
+            let replay = run(g, &s, &ws, &inputs, true).unwrap_or_else(|e| panic!("{what}: gpu replay: {e}"));
+            let eager = run(g, &s, &ws, &inputs, false).unwrap_or_else(|e| panic!("{what}: gpu eager: {e}"));
+            assert_eq!(replay[0].bytes(), eager[0].bytes(), "{what}: replay and eager differ");
+            let got = replay[0].to_f32();
+            for i in 0..rows {
+                for j in 0..n {
+                    let (sv, se) = (dots[i * wrows + j].0, 1e-5 * dots[i * wrows + j].1);
+                    let (mut want, mut bound) = (sv, se);
+                    if glu {
+                        let (uv, ue) = (dots[i * wrows + n + j].0, 1e-5 * dots[i * wrows + n + j].1);
+                        let silu = sv / (1.0 + (-sv).exp());
+                        want = silu * uv;
+                        bound = 1.1 * uv.abs() * se + silu.abs() * ue + 1e-5 * want.abs();
+                    }
+                    if res {
+                        want += rv[i * n + j] as f64;
+                        bound += 1e-6 * (rv[i * n + j] as f64).abs();
+                    }
+                    let gv = got[i * n + j] as f64;
+                    assert!((gv - want).abs() <= bound + 1e-30, "{what}: [{i},{j}]: gpu {gv} vs oracle {want} (bound {bound:e})");
+                }
+            }
+            eprintln!("{what}: ok");
         }
     }
 }

@@ -161,6 +161,23 @@ impl Graph {
         self.push(Op::QMatMul { format }, vec![a, w], None)
     }
 
+    /// [`Op::QMatMulFused`]: (RmsNorm(a)·gamma when `norm` is (gamma, eps))
+    /// · wᵀ, then SwiGLU over the two halves with `glu`, then + residual.
+    pub fn qmatmul_fused(
+        &mut self,
+        a: NodeId,
+        w: NodeId,
+        format: QFormat,
+        norm: Option<(NodeId, f32)>,
+        glu: bool,
+        residual: Option<NodeId>,
+    ) -> Result<NodeId> {
+        let mut ins = vec![a, w];
+        ins.extend(norm.map(|n| n.0));
+        ins.extend(residual);
+        self.push(Op::QMatMulFused { format, norm_eps: norm.map(|n| n.1), glu, residual: residual.is_some() }, ins, None)
+    }
+
     /// Embedding lookup from a block-quantized table `U8 [V, row_bytes]`.
     pub fn qgather(&mut self, table: NodeId, ids: NodeId, format: QFormat) -> Result<NodeId> {
         self.push(Op::QGather { format }, vec![table, ids], None)

@@ -137,6 +137,16 @@ pub enum Op {
     // Fused ops produced by passes.
     /// inputs: a, b, [bias `[N]`], [residual `[.., M, N]`] — act(a·b + bias) + residual.
     MatMulFused { transpose_rhs: bool, bias: bool, act: Option<Activation>, residual: bool },
+    /// inputs: a `[.., M, K]`, w `U8 [R, row_bytes]` (as [`Op::QMatMul`]),
+    /// then gamma `[K]` when `norm_eps` is set, then residual `[.., M, N]`
+    /// when `residual` → `[.., M, N]` in a's dtype, where N = R, or R/2
+    /// with `glu`:
+    /// 1. h = RmsNorm(a) · gamma with that eps (else h = a);
+    /// 2. y = h · wᵀ;
+    /// 3. with `glu`, y = silu(y[.., :N]) · y[.., N:] (the weight's first
+    ///    half of rows is the gate, the second the up projection);
+    /// 4. + residual.
+    QMatMulFused { format: QFormat, norm_eps: Option<f32>, glu: bool, residual: bool },
     /// inputs: x, residual, gamma, beta — LayerNorm(x + residual).
     ResidualLayerNorm { eps: f32 },
     /// inputs: x, residual, gamma — RmsNorm(x + residual).
@@ -193,6 +203,7 @@ impl Op {
             Op::QGather { .. } => "qgather",
             Op::Sample => "sample",
             Op::MatMulFused { .. } => "matmul_fused",
+            Op::QMatMulFused { .. } => "qmatmul_fused",
             Op::ResidualLayerNorm { .. } => "residual_layer_norm",
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
             Op::SwiGlu => "swiglu",
@@ -230,6 +241,7 @@ impl Op {
             Op::MatMul { .. }
                 | Op::MatMulFused { .. }
                 | Op::QMatMul { .. }
+                | Op::QMatMulFused { .. }
                 | Op::LayerNorm { .. }
                 | Op::RmsNorm { .. }
                 | Op::ResidualLayerNorm { .. }

@@ -51,6 +51,19 @@ fn attrs(op: &Op) -> String {
         ),
         Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
         Op::QMatMul { format } | Op::QGather { format } => format!("{format}"),
+        Op::QMatMulFused { format, norm_eps, glu, residual } => {
+            let mut s = vec![format!("{format}")];
+            if let Some(eps) = norm_eps {
+                s.push(format!("rms_norm eps={eps}"));
+            }
+            if *glu {
+                s.push("swiglu".into());
+            }
+            if *residual {
+                s.push("+residual".into());
+            }
+            s.join(" ")
+        }
         _ => String::new(),
     }
 }

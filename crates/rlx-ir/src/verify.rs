@@ -56,6 +56,38 @@ fn last_dim_vec(op: &str, what: &str, x: &Shape, v: &Shape) -> Result<()> {
 
 /// Shape and dtype of an op's output given its inputs. `declared` is the
 /// shape/dtype given by the caller for ops that cannot infer them.
+/// Shape and dtype of a · wᵀ for a block-quantized weight (QMatMul and the
+/// first two inputs of QMatMulFused).
+fn qmatmul_shape(name: &str, format: crate::QFormat, ins: &[(&Shape, DType)]) -> Result<(Shape, DType)> {
+    float(name, ins[0].1)?;
+    let (a, w) = (ins[0].0, ins[1].0);
+    if ins[1].1 != DType::U8 || w.rank() != 2 {
+        return Err(IrError::dtype(name, format!("weight must be u8 [N, row_bytes] ({format} blocks), found {w} {}", ins[1].1)));
+    }
+    if a.rank() < 2 {
+        return Err(IrError::shape(name, format!("a must have rank >= 2, found {a}")));
+    }
+    let k = a.last();
+    match format.row_bytes(k) {
+        Some(rb) if rb == w.0[1] => {}
+        Some(rb) => {
+            return Err(IrError::shape(
+                name,
+                format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1]),
+            ))
+        }
+        None => {
+            return Err(IrError::shape(
+                name,
+                format!("K = {k} is not a multiple of {format}'s block of {} elements", format.block_elems()),
+            ))
+        }
+    }
+    let mut out = a.0.clone();
+    *out.last_mut().unwrap_or(&mut 0) = w.0[0];
+    Ok((Shape(out), ins[0].1))
+}
+
 pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, DType)>) -> Result<(Shape, DType)> {
     let name = op.name();
     let need_declared =
@@ -355,33 +387,38 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
         }
         Op::QMatMul { format } => {
             arity(name, ins.len(), 2..=2)?;
-            float(name, ins[0].1)?;
-            let (a, w) = (ins[0].0, ins[1].0);
-            if ins[1].1 != DType::U8 || w.rank() != 2 {
-                return Err(IrError::dtype(name, format!("weight must be u8 [N, row_bytes] ({format} blocks), found {w} {}", ins[1].1)));
-            }
-            if a.rank() < 2 {
-                return Err(IrError::shape(name, format!("a must have rank >= 2, found {a}")));
-            }
-            let k = a.last();
-            match format.row_bytes(k) {
-                Some(rb) if rb == w.0[1] => {}
-                Some(rb) => {
-                    return Err(IrError::shape(
-                        name,
-                        format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1]),
-                    ))
+            qmatmul_shape(name, *format, ins)
+        }
+        Op::QMatMulFused { format, norm_eps, glu, residual } => {
+            let want = 2 + norm_eps.is_some() as usize + *residual as usize;
+            arity(name, ins.len(), want..=want)?;
+            let (mut out, dt) = qmatmul_shape(name, *format, ins)?;
+            if *glu {
+                let r = out.last();
+                if r % 2 != 0 {
+                    return Err(IrError::shape(name, format!("a gated (glu) weight needs an even row count, found {r}")));
                 }
-                None => {
-                    return Err(IrError::shape(
-                        name,
-                        format!("K = {k} is not a multiple of {format}'s block of {} elements", format.block_elems()),
-                    ))
+                let l = out.0.len() - 1;
+                out.0[l] = r / 2;
+            }
+            let mut next = 2;
+            if let Some(eps) = norm_eps {
+                if eps.is_nan() || *eps < 0.0 {
+                    return Err(IrError::attr(name, format!("eps must be >= 0, found {eps}")));
+                }
+                same_dtype(name, dt, ins[next].1, "gamma")?;
+                if ins[next].0 .0 != [ins[0].0.last()] {
+                    return Err(IrError::shape(name, format!("gamma must be [{}], found {}", ins[0].0.last(), ins[next].0)));
+                }
+                next += 1;
+            }
+            if *residual {
+                same_dtype(name, dt, ins[next].1, "residual")?;
+                if ins[next].0 != &out {
+                    return Err(IrError::shape(name, format!("residual must be {out}, found {}", ins[next].0)));
                 }
             }
-            let mut out = a.0.clone();
-            *out.last_mut().unwrap_or(&mut 0) = w.0[0];
-            Ok((Shape(out), ins[0].1))
+            Ok((out, dt))
         }
         Op::QGather { format } => {
             arity(name, ins.len(), 2..=2)?;

@@ -202,9 +202,10 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             rd("value", *value, prod(&[*batch, *new_rows, *width]), *dtype),
             rd("position", *position, if *positions_per_batch { *batch } else { 1 }, DType::I32),
         ],
-        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out } => {
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {
             let row_bytes = format.row_bytes(*k).unwrap_or(usize::MAX);
-            vec![
+            let wrows = if *glu { n.saturating_mul(2) } else { *n };
+            let mut ops = vec![
                 Operand {
                     what: "a",
                     buf: *a,
@@ -212,9 +213,16 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                     align: dtype.size(),
                     write: false,
                 },
-                rd("w", *w, prod(&[*n, row_bytes]), DType::U8),
+                rd("w", *w, prod(&[wrows, row_bytes]), DType::U8),
                 wr("out", *out, prod(&[*rows, *n]), *dtype),
-            ]
+            ];
+            if let Some(nm) = norm {
+                ops.push(rd("gamma", nm.gamma, *k, *dtype));
+            }
+            if let Some(r) = residual {
+                ops.push(rd("residual", *r, prod(&[*rows, *n]), *dtype));
+            }
+            ops
         }
         Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
             let row_bytes = format.row_bytes(*dim).unwrap_or(usize::MAX);
@@ -278,9 +286,14 @@ pub fn check_operands(t: &Thunk) -> Result<(), String> {
     }
     // gemm reads its operands while it writes the output, so they must not
     // share bytes (elementwise kernels may run in place; a matmul cannot).
-    if let Thunk::QMatMul { a, w, out, .. } = t {
-        if overlaps(out, a) || overlaps(out, w) {
-            return Err("qmatmul output overlaps an operand (a or w)".into());
+    if let Thunk::QMatMul { a, w, out, norm, residual, .. } = t {
+        if overlaps(out, a) || overlaps(out, w) || norm.is_some_and(|nm| overlaps(out, &nm.gamma)) {
+            return Err("qmatmul output overlaps an operand (a, w or gamma)".into());
+        }
+        if let Some(r) = residual {
+            if overlaps(out, r) && r != out {
+                return Err("qmatmul residual partly overlaps the output (it must be the same buffer or disjoint)".into());
+            }
         }
     }
     if let Thunk::MatMul(mm) = t {

@@ -133,8 +133,18 @@ fn describe(t: &Thunk) -> String {
             let per = if *positions_per_batch { " per row" } else { "" };
             format!("{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}{per}")
         }
-        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out } => {
-            format!("{dtype} [{rows}, {k}] x {format}[{n}, {k}]ᵀ a={a} lda={lda} w={w} -> {out}")
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {
+            let mut s = String::new();
+            if let Some(nm) = norm {
+                s += &format!(" rms_norm(gamma={} eps={})", nm.gamma, nm.eps);
+            }
+            if *glu {
+                s += &format!(" swiglu(2x{n} rows)");
+            }
+            if let Some(r) = residual {
+                s += &format!(" +residual={r}");
+            }
+            format!("{dtype} [{rows}, {k}] x {format}[{n}, {k}]ᵀ a={a} lda={lda} w={w}{s} -> {out}")
         }
         Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
             format!("{format} table={table} [{vocab}, {dim}] ids={ids}:{id_dtype} n={n} -> {out}:f32")

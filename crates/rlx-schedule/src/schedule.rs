@@ -17,6 +17,14 @@ pub enum Space {
     Const(u32),
 }
 
+/// The RmsNorm a fused quantized matmul applies to its activation rows:
+/// gamma `[k]` in the activations' dtype, and eps.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct QNorm {
+    pub gamma: BufRef,
+    pub eps: f32,
+}
+
 /// A byte range in one memory space. Element (0, 0, ..) of the tensor it
 /// holds sits at `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -296,8 +304,12 @@ pub enum Thunk {
         positions_per_batch: bool,
     },
     /// out[r, :] = a[r, :] · wᵀ for `rows` rows of `k` elements (row stride
-    /// `lda`); w is `n` rows of `format` blocks read as stored; out is
-    /// contiguous `[rows, n]`. f32 accumulation.
+    /// `lda`); w is `n` rows of `format` blocks read as stored (2n with
+    /// `glu`); out is contiguous `[rows, n]`. f32 accumulation. The fused
+    /// forms (`Op::QMatMulFused`), in order: `norm` replaces each a row by
+    /// its RmsNorm times gamma; `glu` makes out = silu(a·w[..n]ᵀ) ·
+    /// (a·w[n..2n]ᵀ); `residual` (`[rows, n]` contiguous, a's dtype, either
+    /// disjoint from out or out itself) is added last.
     QMatMul {
         format: QFormat,
         dtype: DType,
@@ -308,6 +320,12 @@ pub enum Thunk {
         lda: u64,
         w: BufRef,
         out: BufRef,
+        #[serde(default)]
+        norm: Option<QNorm>,
+        #[serde(default)]
+        glu: bool,
+        #[serde(default)]
+        residual: Option<BufRef>,
     },
     /// out[i, :] = dequantised table row ids[i] (f32); `vocab` rows of `dim`
     /// elements in `format` blocks. An id outside 0..vocab is an error.

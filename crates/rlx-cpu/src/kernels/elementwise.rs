@@ -59,7 +59,7 @@ fn coalesce(shape: &[usize], strides: &[&[u64]]) -> (Vec<usize>, Vec<Vec<u64>>) 
 }
 
 crate::simd::multiversion! {
-    fn combine(op: BinaryOp, x: &mut [f32], y: &[f32]) {
+    pub(crate) fn combine(op: BinaryOp, x: &mut [f32], y: &[f32]) {
         match op {
             BinaryOp::Add => x.iter_mut().zip(y).for_each(|(a, b)| *a += b),
             BinaryOp::Sub => x.iter_mut().zip(y).for_each(|(a, b)| *a -= b),
@@ -70,7 +70,9 @@ crate::simd::multiversion! {
 }
 
 crate::simd::multiversion! {
-    fn silu_mul(x: &mut [f32], y: &[f32]) {
+    /// x = silu(x) · y, the SwiGLU kernel's arithmetic (fused quantized
+    /// matmuls reuse it, so fusing does not change a bit).
+    pub(crate) fn silu_mul(x: &mut [f32], y: &[f32]) {
         x.iter_mut().zip(y).for_each(|(a, b)| *a = act::silu(*a) * b);
     }
 }

@@ -112,9 +112,22 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
             },
             mem,
         ),
-        Thunk::QMatMul { format, rows, n, k, a, lda, w, out, .. } => {
-            qlinear::matmul(&qlinear::QMatMulArgs { format: *format, rows: *rows, n: *n, k: *k, a, lda: *lda, w, out }, mem)
-        }
+        Thunk::QMatMul { format, rows, n, k, a, lda, w, out, norm, glu, residual, .. } => qlinear::matmul(
+            &qlinear::QMatMulArgs {
+                format: *format,
+                rows: *rows,
+                n: *n,
+                k: *k,
+                a,
+                lda: *lda,
+                w,
+                out,
+                norm: norm.as_ref(),
+                glu: *glu,
+                residual: residual.as_ref(),
+            },
+            mem,
+        ),
         Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => qlinear::gather(
             &qlinear::QGatherArgs { format: *format, id_dtype: *id_dtype, n: *n, dim: *dim, vocab: *vocab, table, ids, out },
             mem,

@@ -132,6 +132,12 @@ crate::simd::multiversion! {
     }
 }
 
+/// out = RmsNorm(v) · gamma, the RmsNorm kernel's arithmetic (fused
+/// quantized matmuls reuse it, so fusing does not change a bit).
+pub(crate) fn rms_to(v: &[f32], out: &mut [f32], gamma: &[f32], eps: f32) {
+    norm_to(v, out, gamma, None, eps, true, 1.0 / v.len().max(1) as f32)
+}
+
 crate::simd::multiversion! {
     /// out = LayerNorm or RmsNorm of v (v is not changed).
     fn norm_to(v: &[f32], out: &mut [f32], gamma: &[f32], beta: Option<&[f32]>, eps: f32, rms: bool, inv_n: f32) {

@@ -1,0 +1,284 @@
+//! `rlx bench --model smollm2`: text generation speed of a GGUF decoder
+//! (prefill of a prompt, decode at batch 1, aggregate decode of a batch),
+//! with llama.cpp's own benchmark tools run on the same file in the same
+//! run when `--llama-cpp DIR` names them, and the ratio printed.
+//!
+//! Prompts are seeded random token ids (speed does not depend on them), so
+//! no prompt is served from the prefix cache; every sequence runs to its
+//! token count (end-of-sequence ignored), greedy.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use rlx::Device;
+use rlx_models::{Generator, GeneratorOptions, SamplingParams};
+
+/// What one generation benchmark measures.
+pub struct GenBench<'a> {
+    pub gguf: PathBuf,
+    pub device: Device,
+    pub device_name: &'a str,
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// Batched decode: tokens per sequence (llama-batched-bench's -ntg).
+    pub batch_tokens: usize,
+    pub batches: Vec<usize>,
+    pub runs: usize,
+    pub seed: u64,
+    pub llama_cpp: Option<PathBuf>,
+    pub threads: usize,
+}
+
+/// One measured figure: RLX's, the peer's (or why there is none).
+struct Line {
+    what: String,
+    rlx: Result<f64, String>,
+    peer: Result<f64, String>,
+    unit: &'static str,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// splitmix64: seeded prompt ids without a random-number crate.
+struct Ids(u64);
+
+impl Ids {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+fn random_prompt(rng: &mut Ids, vocab: usize, n: usize) -> Vec<u32> {
+    // Ids from 1000 up skip the special and byte tokens at the start of
+    // BPE vocabularies.
+    let lo = 1000.min(vocab.saturating_sub(1)) as u64;
+    let span = (vocab as u64).saturating_sub(lo).max(1);
+    (0..n).map(|_| (lo + rng.next() % span) as u32).collect()
+}
+
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, ..SamplingParams::greedy() }
+}
+
+/// Prefill tok/s and batch-1 decode tok/s, medians of `runs`.
+fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
+    let ctx = (b.prompt_tokens + b.new_tokens + 16).next_power_of_two();
+    let buckets = vec![b.prompt_tokens.next_power_of_two().min(ctx)];
+    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, ..Default::default() };
+    let t0 = Instant::now();
+    let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let vocab = g.config().vocab;
+    let mut rng = Ids(b.seed);
+    let (mut pre, mut dec) = (vec![], vec![]);
+    // One untimed warm-up run, then the timed ones.
+    for run in 0..=b.runs {
+        let prompt = random_prompt(&mut rng, vocab, b.prompt_tokens);
+        let mut gen = g.generate_ids(&prompt, &params(b.new_tokens)).map_err(|e| e.to_string())?;
+        for piece in gen.by_ref() {
+            piece.map_err(|e| e.to_string())?;
+        }
+        let st = gen.stats().clone();
+        if st.cached_tokens > 0 {
+            return Err(format!("{} prompt tokens came from the cache; the benchmark needs cold prompts", st.cached_tokens));
+        }
+        if run > 0 {
+            pre.push(st.prefill_tok_s());
+            dec.push(st.decode_tok_s());
+        }
+    }
+    Ok((median(pre), median(dec), load_s))
+}
+
+/// Aggregate decode tok/s of `batch` sequences decoding together (after
+/// all of them are prefilled), median of `runs`.
+fn batched(b: &GenBench, batch: usize) -> Result<f64, String> {
+    let ctx = (b.prompt_tokens + b.batch_tokens + 16).next_power_of_two();
+    let buckets = vec![b.prompt_tokens.next_power_of_two().min(ctx)];
+    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, batch, ..Default::default() };
+    let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
+    let vocab = g.config().vocab;
+    let mut rng = Ids(b.seed ^ batch as u64);
+    let mut rates = vec![];
+    for run in 0..=b.runs.min(3) {
+        for _ in 0..batch {
+            let prompt = random_prompt(&mut rng, vocab, b.prompt_tokens);
+            g.add_sequence(&prompt, &params(b.batch_tokens)).map_err(|e| e.to_string())?;
+        }
+        let t0 = Instant::now();
+        let mut tokens = 0usize;
+        while g.active_sequences() > 0 {
+            tokens += g.step_batch().map_err(|e| e.to_string())?.len();
+        }
+        if run > 0 {
+            rates.push(tokens as f64 / t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(rates))
+}
+
+/// llama-bench's prefill and decode tok/s on the same file: the faster of
+/// flash attention off and on (CUDA graphs are on by default).
+fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
+    let exe = dir.join("llama-bench");
+    let mut cmd = Command::new(&exe);
+    cmd.arg("-m").arg(&b.gguf).args(["-p", &b.prompt_tokens.to_string(), "-n", &b.new_tokens.to_string()]);
+    cmd.args(["-r", &b.runs.max(2).to_string(), "-fa", "0,1", "-o", "json"]);
+    match b.device {
+        Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
+        _ => cmd.args(["-ngl", "99"]),
+    };
+    let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("llama-bench output is not the JSON expected: {e}"))?;
+    let rows = v.as_array().ok_or("llama-bench JSON: expected an array of results")?;
+    let (mut pp, mut tg, mut build) = (0f64, 0f64, String::new());
+    for r in rows {
+        let ts = r["avg_ts"].as_f64().unwrap_or(0.0);
+        if r["n_prompt"].as_u64().unwrap_or(0) > 0 && r["n_gen"].as_u64() == Some(0) {
+            pp = pp.max(ts);
+        } else if r["n_gen"].as_u64().unwrap_or(0) > 0 {
+            tg = tg.max(ts);
+        }
+        if let Some(c) = r["build_commit"].as_str() {
+            build = c.to_string();
+        }
+    }
+    if pp == 0.0 || tg == 0.0 {
+        return Err("llama-bench reported no prefill or no decode result".into());
+    }
+    Ok((pp, tg, build))
+}
+
+/// llama-batched-bench's aggregate decode tok/s per batch size (flash
+/// attention on; CUDA graphs on by default).
+fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64)>, String> {
+    let exe = dir.join("llama-batched-bench");
+    let max_b = b.batches.iter().copied().max().unwrap_or(1);
+    let ctx = max_b * (b.prompt_tokens + b.batch_tokens) + 64;
+    let pl: Vec<String> = b.batches.iter().map(|x| x.to_string()).collect();
+    let mut cmd = Command::new(&exe);
+    cmd.arg("-m").arg(&b.gguf).args(["-c", &ctx.to_string(), "-npp", &b.prompt_tokens.to_string()]);
+    cmd.args(["-ntg", &b.batch_tokens.to_string(), "-npl", &pl.join(","), "-fa", "on", "--output-format", "jsonl"]);
+    match b.device {
+        Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
+        _ => cmd.args(["-ngl", "99"]),
+    };
+    let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut res = vec![];
+    for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("llama-batched-bench line {line:?}: {e}"))?;
+        if let (Some(pl), Some(s)) = (v["pl"].as_u64(), v["speed_tg"].as_f64()) {
+            res.push((pl as usize, s));
+        }
+    }
+    if res.is_empty() {
+        return Err(format!("llama-batched-bench printed no results: {}", tail(&out.stderr)));
+    }
+    Ok(res)
+}
+
+fn tail(bytes: &[u8]) -> String {
+    let s = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = s.lines().rev().take(3).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
+/// Runs the benchmark and returns its markdown report.
+pub fn run(b: &GenBench) -> Result<String, String> {
+    if b.runs == 0 {
+        return Err("--runs: expected at least 1".into());
+    }
+    if !b.gguf.is_file() {
+        return Err(format!("--gguf {}: no such file (run `rlx fetch` for the default SmolLM2 file)", b.gguf.display()));
+    }
+    let mut notes = vec![];
+    eprintln!("rlx: prefill {} tokens, decode {} tokens at batch 1...", b.prompt_tokens, b.new_tokens);
+    let single = single(b);
+    let (pre, dec, load) = match &single {
+        Ok((p, d, l)) => (Ok(*p), Ok(*d), Some(*l)),
+        Err(e) => (Err(e.clone()), Err(e.clone()), None),
+    };
+    let mut rlx_batched = vec![];
+    for &bs in &b.batches {
+        eprintln!("rlx: batch {bs}, {} tokens each...", b.batch_tokens);
+        rlx_batched.push((bs, batched(b, bs)));
+    }
+    let (peer_single, peer_batched) = match &b.llama_cpp {
+        Some(dir) => {
+            eprintln!("llama.cpp: llama-bench and llama-batched-bench from {}...", dir.display());
+            let s = llama_bench(b, dir);
+            if let Ok((_, _, build)) = &s {
+                notes.push(format!("llama.cpp build {build}: fastest of flash attention off/on for prefill and decode; CUDA graphs on (its default)."));
+            }
+            (s.map(|(p, t, _)| (p, t)), llama_batched(b, dir))
+        }
+        None => {
+            let why = "not run (pass --llama-cpp DIR, the folder holding llama-bench)".to_string();
+            (Err(why.clone()), Err(why))
+        }
+    };
+    let mut lines = vec![
+        Line {
+            what: format!("prefill, {}-token prompt", b.prompt_tokens),
+            rlx: pre,
+            peer: peer_single.as_ref().map(|x| x.0).map_err(Clone::clone),
+            unit: "tok/s",
+        },
+        Line {
+            what: format!("decode, batch 1, {} tokens", b.new_tokens),
+            rlx: dec,
+            peer: peer_single.as_ref().map(|x| x.1).map_err(Clone::clone),
+            unit: "tok/s",
+        },
+    ];
+    for (bs, r) in rlx_batched {
+        let peer = match &peer_batched {
+            Ok(v) => v.iter().find(|(p, _)| *p == bs).map(|x| x.1).ok_or_else(|| format!("no batch {bs} row")),
+            Err(e) => Err(e.clone()),
+        };
+        lines.push(Line { what: format!("aggregate decode, batch {bs}, {} tokens each", b.batch_tokens), rlx: r, peer, unit: "tok/s" });
+    }
+    if let Some(l) = load {
+        notes.push(format!("RLX model load and compile: {l:.2} s."));
+    }
+    let mut md = format!(
+        "# RLX generation benchmark\n\nmodel: {}\ndevice: {}\nruns: {} (medians)\n\n| measurement | RLX | llama.cpp | RLX / llama.cpp |\n|---|---:|---:|---:|\n",
+        b.gguf.display(),
+        b.device_name,
+        b.runs
+    );
+    let fmt = |r: &Result<f64, String>, unit: &str| match r {
+        Ok(v) => format!("{v:.0} {unit}"),
+        Err(e) => format!("– ({e})"),
+    };
+    for l in &lines {
+        let ratio = match (&l.rlx, &l.peer) {
+            (Ok(a), Ok(p)) if *p > 0.0 => format!("{:.2}×", a / p),
+            _ => "–".into(),
+        };
+        md += &format!("| {} | {} | {} | {ratio} |\n", l.what, fmt(&l.rlx, l.unit), fmt(&l.peer, l.unit));
+    }
+    if !notes.is_empty() {
+        md += "\n";
+        for n in notes {
+            md += &format!("- {n}\n");
+        }
+    }
+    Ok(md)
+}
