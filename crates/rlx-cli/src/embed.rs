@@ -8,13 +8,22 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rlx::{DType, Device};
-use rlx_models::{cosine, EmbedderOptions, EmbeddingWriter, OutputFormat, SentenceEmbedder, TextLines};
+use rlx_models::{cosine, EmbedderOptions, EmbeddingWriter, ModelError, OutputFormat, SentenceEmbedder, TextLines};
 
 use crate::model_dir::{default_model_dir, fetch_hint, Env};
 
 /// Texts read from a file or stdin per round: bounded memory, and enough
 /// texts that sorting by length keeps batches tightly padded.
 const TEXTS_PER_ROUND: usize = 1024;
+
+/// The first round is this small and each next one twice as large up to
+/// [`TEXTS_PER_ROUND`], so output starts soon (`| head -1` gets its line, and
+/// a reader that leaves is noticed, after a fraction of a second).
+const FIRST_ROUND: usize = 32;
+
+/// A round also ends once its texts hold this many bytes, so a file of long
+/// lines does not hold 1024 of them at once.
+const BYTES_PER_ROUND: usize = 64 << 20;
 
 /// Work that has run this long gets a progress bar (on a terminal only).
 const PROGRESS_AFTER: Duration = Duration::from_secs(2);
@@ -46,8 +55,9 @@ pub struct ModelArgs {
 pub struct EmbedArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Write to FILE instead of stdout (written to FILE.tmp-<pid>, renamed
-    /// when complete).
+    /// Write to FILE instead of stdout (written to a temporary file beside
+    /// it and renamed when complete; a symlink is written through; devices
+    /// and FIFOs are refused: redirect stdout to them instead).
     #[arg(long, short)]
     pub output: Option<PathBuf>,
     /// jsonl (one {"index", "embedding"} object per line) or npy. Default:
@@ -78,6 +88,8 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
         return Err("give texts as arguments or --input FILE, not both".into());
     }
     let embedder = load(&args.model)?;
+    // A signal must not leave the temporary output (or npy spool) behind.
+    EmbeddingWriter::remove_temp_files_on_signals();
     let mut writer = match &args.output {
         Some(p) => EmbeddingWriter::to_file(p, format, embedder.dim()),
         None => EmbeddingWriter::to_stdout(format, embedder.dim()),
@@ -85,30 +97,49 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
 
     let start = Instant::now();
-    let mut count = Counts::default();
-    if !args.texts.is_empty() {
+    let mut count = Counts { watch_stdout: args.output.is_none(), ..Counts::default() };
+    let mut from_stdin = false;
+    let flow = if !args.texts.is_empty() {
         let mut bar = Progress::new(Some(args.texts.len() as u64));
+        let mut flow = Flow::Go;
         for chunk in args.texts.chunks(TEXTS_PER_ROUND) {
-            embed_round(&embedder, chunk, &mut writer, &mut bar, &mut count)?;
+            flow = embed_round(&embedder, chunk, &mut writer, &mut bar, &mut count)?;
+            if flow == Flow::ReaderGone {
+                break;
+            }
         }
         bar.finish();
+        flow
     } else if let Some(path) = &args.input {
-        let total = count_lines(path)?;
         let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        // Only a regular file can be read twice (counted, then embedded):
+        // a pipe (`-i <(...)`) would be drained by the count.
+        let is_file = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
+        let total = if is_file { Some(count_lines(path)?) } else { None };
         let lines = TextLines::new(BufReader::new(file), path.display().to_string());
-        stream(&embedder, lines, &mut writer, Progress::new(Some(total)), &mut count)?;
+        stream(&embedder, lines, &mut writer, Progress::new(total), &mut count)?
     } else {
         let stdin = std::io::stdin();
         let typed = stdin.is_terminal();
         if typed {
             eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
         }
+        from_stdin = true;
         // No bar over the lines someone is typing.
         let bar = if typed { Progress::hidden() } else { Progress::new(None) };
-        stream(&embedder, TextLines::new(stdin.lock(), "stdin"), &mut writer, bar, &mut count)?;
+        stream(&embedder, TextLines::new(stdin.lock(), "stdin"), &mut writer, bar, &mut count)?
+    };
+    if flow == Flow::ReaderGone {
+        return Ok(stopped_early(count.texts));
     }
-    let written = writer.finish().map_err(|e| e.to_string())?;
-    debug_assert_eq!(written, count.texts);
+    match writer.finish() {
+        Ok(written) => debug_assert_eq!(written, count.texts),
+        Err(e) if count.watch_stdout && is_broken_pipe(&e) => return Ok(stopped_early(count.texts)),
+        Err(e) => return Err(e.to_string()),
+    }
+    if from_stdin && count.texts == 0 {
+        eprintln!("note: stdin had no lines, so there was nothing to embed (give texts as arguments, --input FILE or lines on stdin)");
+    }
     if let Some(note) = truncation_note(count.truncated, count.texts, embedder.max_tokens()) {
         eprintln!("{note}");
     }
@@ -171,6 +202,26 @@ pub fn truncation_note(truncated: u64, texts: u64, max_tokens: usize) -> Option<
 struct Counts {
     texts: u64,
     truncated: u64,
+    /// Output goes to stdout: stop when its reader goes away.
+    watch_stdout: bool,
+}
+
+/// Whether to go on after a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Go,
+    /// stdout's reader went away (`rlx embed ... | head -1`).
+    ReaderGone,
+}
+
+/// The end of a run whose output nobody reads any more: not an error (the
+/// reader took what it wanted), so exit 0 with a word on stderr.
+fn stopped_early(texts: u64) {
+    eprintln!("stopped after {texts} texts: stdout was closed");
+}
+
+fn is_broken_pipe(e: &ModelError) -> bool {
+    matches!(e, ModelError::Io { source, .. } if source.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
 fn stream<R: BufRead>(
@@ -179,16 +230,19 @@ fn stream<R: BufRead>(
     writer: &mut EmbeddingWriter,
     mut bar: Progress,
     count: &mut Counts,
-) -> Result<(), String> {
-    loop {
-        let texts = lines.next_batch(TEXTS_PER_ROUND).map_err(|e| e.to_string())?;
+) -> Result<Flow, String> {
+    let mut flow = Flow::Go;
+    let mut round = FIRST_ROUND;
+    while flow == Flow::Go {
+        let texts = lines.next_batch_within(round, BYTES_PER_ROUND).map_err(|e| e.to_string())?;
         if texts.is_empty() {
             break;
         }
-        embed_round(embedder, &texts, writer, &mut bar, count)?;
+        flow = embed_round(embedder, &texts, writer, &mut bar, count)?;
+        round = (round * 2).min(TEXTS_PER_ROUND);
     }
     bar.finish();
-    Ok(())
+    Ok(flow)
 }
 
 fn embed_round(
@@ -197,16 +251,33 @@ fn embed_round(
     writer: &mut EmbeddingWriter,
     bar: &mut Progress,
     count: &mut Counts,
-) -> Result<(), String> {
+) -> Result<Flow, String> {
+    let first = count.texts + 1;
+    let place = |e: ModelError| format!("texts {first} to {}: {e}", count.texts + texts.len() as u64);
     let refs: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
-    let (ids, truncated) = embedder.tokenize_counting(&refs).map_err(|e| e.to_string())?;
-    let vectors = embedder.embed_ids_with_progress(&ids, &mut |n| bar.advance(n as u64)).map_err(|e| e.to_string())?;
+    let (ids, truncated) = embedder.tokenize_counting(&refs).map_err(place)?;
+    let watch = count.watch_stdout;
+    // Between batches: is anyone still reading stdout?
+    let vectors = embedder
+        .embed_ids_cancellable(&ids, &mut |n| {
+            bar.advance(n as u64);
+            !(watch && crate::stdout::reader_gone())
+        })
+        .map_err(place)?;
+    let Some(vectors) = vectors else { return Ok(Flow::ReaderGone) };
     for v in &vectors {
-        writer.write(v).map_err(|e| e.to_string())?;
+        match writer.write(v) {
+            Ok(()) => count.texts += 1,
+            Err(e) if watch && is_broken_pipe(&e) => return Ok(Flow::ReaderGone),
+            Err(e) => return Err(e.to_string()),
+        }
     }
-    count.texts += vectors.len() as u64;
     count.truncated += truncated as u64;
-    Ok(())
+    match writer.flush() {
+        Ok(()) => Ok(Flow::Go),
+        Err(e) if watch && is_broken_pipe(&e) => Ok(Flow::ReaderGone),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
@@ -221,15 +292,30 @@ fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
     let env = Env::process();
     let dir = match &m.model {
         Some(d) => {
-            if !d.is_dir() {
-                return Err(format!("model directory {} does not exist; {}", d.display(), fetch_hint(&env)));
-            }
+            check_model_dir(d, &env)?;
             d.clone()
         }
         None => default_model_dir(&env)?,
     };
     SentenceEmbedder::load_with(&dir, device, EmbedderOptions { dtype, batch_size: m.batch_size, approximate_gelu: m.approximate_gelu })
         .map_err(|e| e.to_string())
+}
+
+/// `--model DIR` must be a directory; a file, a dangling link or a link loop
+/// each get their own message (only a missing path suggests fetching).
+fn check_model_dir(d: &Path, env: &Env) -> Result<(), String> {
+    let shown = d.display();
+    match std::fs::metadata(d) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(format!(
+            "--model {shown} is a file, not a directory: expected a model directory holding config.json, model.safetensors and tokenizer.json"
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::symlink_metadata(d) {
+            Ok(_) => Err(format!("--model {shown} is a symbolic link to a path that does not exist")),
+            Err(_) => Err(format!("model directory {shown} does not exist; {}", fetch_hint(env))),
+        },
+        Err(e) => Err(format!("--model {shown}: {e}")),
+    }
 }
 
 fn count_lines(path: &Path) -> Result<u64, String> {

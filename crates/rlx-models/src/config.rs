@@ -8,6 +8,7 @@ use rlx::Activation;
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::error::{read_regular_file, read_regular_file_if_present};
 use crate::{ModelError, Result};
 
 /// The shape of a BERT encoder.
@@ -40,6 +41,17 @@ struct RawBert {
     position_embedding_type: Option<String>,
 }
 
+/// Upper bounds on a config's sizes, far above any published BERT (the
+/// largest have 48 layers, hidden 4096, 250k tokens, 8192 positions). They
+/// keep a corrupt config from asking for unbounded memory before the
+/// weights are checked against it; the weights then decide.
+const MAX_LAYERS: usize = 1024;
+const MAX_HIDDEN: usize = 1 << 16;
+const MAX_INTERMEDIATE: usize = 1 << 18;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_POSITIONS: usize = 1 << 20;
+const MAX_TYPE_VOCAB: usize = 1 << 16;
+
 /// BERT-family classes whose encoder weights are a plain BertModel's.
 const BERT_ARCHS: &[&str] = &["BertModel", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification"];
 
@@ -71,7 +83,7 @@ impl BertConfig {
     /// Reads a Hugging Face `config.json`; anything but a BERT encoder with
     /// absolute positions is refused.
     pub fn from_file(path: &Path) -> Result<BertConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let text = read_regular_file(path)?;
         BertConfig::from_json(path, &text)
     }
 
@@ -128,6 +140,27 @@ impl BertConfig {
             max_position_embeddings: need(raw.max_position_embeddings, "max_position_embeddings")?,
             type_vocab_size: raw.type_vocab_size.unwrap_or(2),
         };
+        for (key, value, limit) in [
+            ("vocab_size", cfg.vocab_size, MAX_VOCAB),
+            ("hidden_size", cfg.hidden_size, MAX_HIDDEN),
+            ("num_hidden_layers", cfg.num_hidden_layers, MAX_LAYERS),
+            ("intermediate_size", cfg.intermediate_size, MAX_INTERMEDIATE),
+            ("max_position_embeddings", cfg.max_position_embeddings, MAX_POSITIONS),
+            ("type_vocab_size", cfg.type_vocab_size, MAX_TYPE_VOCAB),
+        ] {
+            if value > limit {
+                return Err(ModelError::format(
+                    path,
+                    format!("{key} is {value}, more than any BERT model has (at most {limit} accepted): the config is corrupt"),
+                ));
+            }
+        }
+        if !(cfg.layer_norm_eps.is_finite() && cfg.layer_norm_eps > 0.0 && cfg.layer_norm_eps < 1.0) {
+            return Err(ModelError::format(
+                path,
+                format!("layer_norm_eps is {}: expected a small positive number such as 1e-12", raw.layer_norm_eps.unwrap_or(f64::NAN)),
+            ));
+        }
         if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(ModelError::format(
                 path,
@@ -205,11 +238,22 @@ impl SentenceConfig {
         }
 
         let pooling = pooling_dir.join("config.json");
-        if pooling_named && !pooling.is_file() {
+        if pooling_named && !pooling.exists() {
             return Err(ModelError::format(&modules, format!("names a Pooling module but {} is missing", pooling.display())));
         }
         if let Some(v) = read_json_if_present(&pooling)? {
             let on = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+            // Unsupported modes first: "max only" is not "neither mean nor CLS".
+            for k in [
+                "pooling_mode_max_tokens",
+                "pooling_mode_mean_sqrt_len_tokens",
+                "pooling_mode_weightedmean_tokens",
+                "pooling_mode_lasttoken",
+            ] {
+                if on(k) {
+                    return Err(ModelError::format(&pooling, format!("{k} is not supported (only mean and CLS pooling)")));
+                }
+            }
             cfg.pooling = match (on("pooling_mode_mean_tokens"), on("pooling_mode_cls_token")) {
                 (true, false) => Pooling::Mean,
                 (false, true) => Pooling::Cls,
@@ -222,15 +266,16 @@ impl SentenceConfig {
                     ))
                 }
             };
-            for k in [
-                "pooling_mode_max_tokens",
-                "pooling_mode_mean_sqrt_len_tokens",
-                "pooling_mode_weightedmean_tokens",
-                "pooling_mode_lasttoken",
-            ] {
-                if on(k) {
-                    return Err(ModelError::format(&pooling, format!("{k} is not supported (only mean and CLS pooling)")));
-                }
+            match v.get("word_embedding_dimension") {
+                None | Some(Value::Null) => {}
+                Some(d) if d.as_u64() == Some(model.hidden_size as u64) => {}
+                Some(d) => return Err(ModelError::format(
+                    &pooling,
+                    format!(
+                        "word_embedding_dimension is {d}, but config.json's hidden_size is {}: the pooling module belongs to another model",
+                        model.hidden_size
+                    ),
+                )),
             }
         }
         Ok(cfg)
@@ -238,9 +283,8 @@ impl SentenceConfig {
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => serde_json::from_str(&text).map(Some).map_err(|e| ModelError::format(path, format!("invalid JSON: {e}"))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(ModelError::io(path, e)),
+    match read_regular_file_if_present(path)? {
+        Some(text) => serde_json::from_str(&text).map(Some).map_err(|e| ModelError::format(path, format!("invalid JSON: {e}"))),
+        None => Ok(None),
     }
 }

@@ -62,8 +62,15 @@ impl SentenceEmbedder {
 
     pub fn load_with(dir: impl AsRef<Path>, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
         let dir = dir.as_ref();
-        if !dir.is_dir() {
-            return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")));
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(ModelError::format(dir, "is a file, not a model directory (config.json, model.safetensors, tokenizer.json)"))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")))
+            }
+            Err(e) => return Err(ModelError::io(dir, e)),
         }
         check_options(&options)?;
         check_file_formats(dir)?;
@@ -187,6 +194,17 @@ impl SentenceEmbedder {
     /// [`embed_ids`](Self::embed_ids), calling `progress(n)` after each batch
     /// of `n` sequences.
     pub fn embed_ids_with_progress(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize)) -> Result<Vec<Vec<f32>>> {
+        let all = self.embed_ids_cancellable(ids, &mut |n| {
+            progress(n);
+            true
+        })?;
+        all.ok_or_else(|| ModelError::Input("embedding was cancelled".into()))
+    }
+
+    /// [`embed_ids_with_progress`](Self::embed_ids_with_progress) whose
+    /// callback may stop the work between batches by returning false (say,
+    /// when the reader of the output has gone); `Ok(None)` then.
+    pub fn embed_ids_cancellable(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize) -> bool) -> Result<Option<Vec<Vec<f32>>>> {
         self.check_ids(ids.iter().map(|r| r.as_slice()))?;
         // Sorting by length keeps the padding inside each batch small.
         let mut order: Vec<usize> = (0..ids.len()).collect();
@@ -201,11 +219,17 @@ impl SentenceEmbedder {
                 return Err(ModelError::Input(format!("the compiled graph returned {} rows for {} texts", pooled.len(), group.len())));
             }
             for (&i, v) in group.iter().zip(pooled) {
+                if let Some(at) = v.iter().position(|x| !x.is_finite()) {
+                    let hint = if self.options.dtype == DType::F32 { "" } else { " (an activation may have overflowed: try dtype f32)" };
+                    return Err(ModelError::Input(format!("text {i}: the model's output is not finite ({} at element {at}){hint}", v[at])));
+                }
                 out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
             }
-            progress(group.len());
+            if !progress(group.len()) {
+                return Ok(None);
+            }
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// The hidden states of one id sequence: the embedding-LayerNorm output,

@@ -1,8 +1,17 @@
 //! Writes embeddings as JSON lines or a `.npy` matrix. A file is written to
-//! `FILE.tmp-<pid>` and renamed into place only by [`EmbeddingWriter::finish`];
+//! a temporary file beside it (`.rlx-tmp-<pid>-<n>`, short whatever the
+//! name's length) and renamed into place only by [`EmbeddingWriter::finish`];
 //! on any error (or a drop without finish) the temporary file is removed, so
-//! no half-written output ever looks complete.
+//! no half-written output ever looks complete. After
+//! [`EmbeddingWriter::remove_temp_files_on_signals`], SIGINT, SIGTERM and
+//! SIGHUP remove it too before the process ends.
+//!
+//! Only regular files are written: a destination that is a symlink is
+//! written through (its target is replaced, the link stays), and one that
+//! is (or links to) a device, FIFO, socket or directory is refused, since
+//! renaming a file over it would replace the node itself.
 
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -44,14 +53,30 @@ impl OutputFormat {
 struct AtomicFile {
     tmp: PathBuf,
     dest: Option<PathBuf>,
+    /// The name errors give: the user's path, not the temporary one.
+    name: PathBuf,
     file: Option<BufWriter<File>>,
+    /// Where the signal handler knows the temporary file.
+    signal_slot: Option<usize>,
 }
 
 impl AtomicFile {
-    fn create(tmp: PathBuf, dest: Option<PathBuf>) -> Result<AtomicFile> {
+    fn create(tmp: PathBuf, dest: Option<PathBuf>, name: PathBuf) -> Result<AtomicFile> {
+        // Known to the signal handler before it exists, so no moment is left
+        // in which a signal could strand it.
+        let signal_slot = signal_cleanup::register(&tmp);
         // Readable too: a spool is copied out of it at the end.
-        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
-        Ok(AtomicFile { tmp, dest, file: Some(BufWriter::new(f)) })
+        let opened = OpenOptions::new().read(true).write(true).create_new(true).open(&tmp);
+        let f = match opened {
+            Ok(f) => f,
+            Err(e) => {
+                signal_cleanup::unregister(signal_slot);
+                let place = tmp.parent().map(|p| p.display().to_string()).unwrap_or_default();
+                let detail = std::io::Error::new(e.kind(), format!("cannot create a temporary file in '{place}': {e}"));
+                return Err(ModelError::io(&name, detail));
+            }
+        };
+        Ok(AtomicFile { tmp, dest, name, file: Some(BufWriter::new(f)), signal_slot })
     }
 
     fn writer(&mut self) -> Result<&mut BufWriter<File>> {
@@ -59,21 +84,26 @@ impl AtomicFile {
     }
 
     fn flush(&mut self) -> Result<&mut File> {
-        let tmp = self.tmp.clone();
+        let name = self.name.clone();
         let w = self.writer()?;
-        w.flush().map_err(|e| ModelError::io(&tmp, e))?;
+        w.flush().map_err(|e| ModelError::io(&name, e))?;
         Ok(w.get_mut())
     }
 
     /// Renames into place (or, without a destination, leaves the data for
     /// the caller to copy; it is removed on drop).
     fn commit(mut self) -> Result<()> {
-        let tmp = self.tmp.clone();
+        let name = self.name.clone();
         let f = self.flush()?;
-        f.sync_all().map_err(|e| ModelError::io(&tmp, e))?;
+        f.sync_all().map_err(|e| ModelError::io(&name, e))?;
         self.file = None;
         if let Some(dest) = self.dest.take() {
-            std::fs::rename(&self.tmp, &dest).map_err(|e| ModelError::io(&dest, e))?;
+            if let Err(e) = std::fs::rename(&self.tmp, &dest) {
+                // Dropped below with no destination: remove the temporary.
+                self.dest = Some(dest);
+                return Err(ModelError::io(&name, e));
+            }
+            signal_cleanup::unregister(self.signal_slot.take());
         }
         Ok(())
     }
@@ -85,6 +115,128 @@ impl Drop for AtomicFile {
         if self.dest.is_some() || self.tmp.exists() {
             // Best effort: nothing sensible to do if removal fails.
             let _ = std::fs::remove_file(&self.tmp);
+        }
+        signal_cleanup::unregister(self.signal_slot.take());
+    }
+}
+
+/// Where a file written to `path` must go: `path` itself, or the final
+/// target of the symlink(s) it names, which must be a regular file or not
+/// exist yet.
+fn destination(path: &Path) -> Result<PathBuf> {
+    let mut at = path.to_path_buf();
+    // The kernel's own limit on links followed.
+    for _ in 0..40 {
+        let meta = match std::fs::symlink_metadata(&at) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(at),
+            Err(e) => return Err(ModelError::io(path, e)),
+        };
+        let kind = meta.file_type();
+        if kind.is_symlink() {
+            let target = std::fs::read_link(&at).map_err(|e| ModelError::io(path, e))?;
+            at = match at.parent() {
+                Some(dir) if target.is_relative() => dir.join(target),
+                _ => target,
+            };
+            continue;
+        }
+        if kind.is_file() {
+            return Ok(at);
+        }
+        let what = crate::error::file_kind(&meta);
+        let via = if at == path { String::new() } else { format!(" (through the link to {})", at.display()) };
+        return Err(ModelError::format(
+            path,
+            format!(
+                "is {what}{via}, not a regular file: the output is written to a temporary file and renamed over it, which \
+                 would replace it; to write into it, leave out --output and redirect stdout"
+            ),
+        ));
+    }
+    Err(ModelError::format(path, "too many levels of symbolic links"))
+}
+
+/// A temporary name beside `dest`, short whatever `dest`'s length.
+fn temp_beside(dest: &Path) -> PathBuf {
+    static TEMPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = TEMPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!(".rlx-tmp-{}-{n}", std::process::id());
+    match dest.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.join(name),
+        _ => PathBuf::from(name),
+    }
+}
+
+/// Temporary files that a signal handler removes before the process dies.
+/// The handler may only make async-signal-safe calls, so the paths wait in
+/// fixed slots as C strings; a path is leaked (a few bytes per output file)
+/// rather than freed while a handler on another thread might read it.
+mod signal_cleanup {
+    use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
+    use super::*;
+
+    const SLOTS: usize = 16;
+    static PATHS: [AtomicPtr<libc::c_char>; SLOTS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; SLOTS];
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+    /// Remembers `path` for the handler; `None` if every slot is taken (the
+    /// file is then still removed on drop, only not on a signal).
+    pub(super) fn register(path: &Path) -> Option<usize> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = CString::new(path.as_os_str().as_bytes()).ok()?.into_raw();
+        for (i, slot) in PATHS.iter().enumerate() {
+            if slot.compare_exchange(std::ptr::null_mut(), c, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                return Some(i);
+            }
+        }
+        // SAFETY: `c` came from into_raw above and was never shared.
+        drop(unsafe { CString::from_raw(c) });
+        None
+    }
+
+    pub(super) fn unregister(slot: Option<usize>) {
+        if let Some(i) = slot {
+            PATHS[i].store(std::ptr::null_mut(), Ordering::SeqCst);
+        }
+    }
+
+    extern "C" fn on_signal(sig: libc::c_int) {
+        for slot in &PATHS {
+            let p = slot.load(Ordering::SeqCst);
+            if !p.is_null() {
+                // SAFETY: a registered pointer is a leaked, NUL-terminated
+                // CString that is never freed; unlink is async-signal-safe.
+                unsafe { libc::unlink(p) };
+            }
+        }
+        // SA_RESETHAND restored the default action: raising the signal again
+        // ends the process the way the signal would have.
+        // SAFETY: raise is async-signal-safe.
+        unsafe { libc::raise(sig) };
+    }
+
+    /// Installs the handler for SIGINT, SIGTERM and SIGHUP, except where the
+    /// signal is ignored (`nohup`), which stays so.
+    pub(super) fn install() {
+        if INSTALLED.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            // SAFETY: plain sigaction calls on zero-initialised structs; the
+            // handler only calls async-signal-safe functions.
+            unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                if libc::sigaction(sig, std::ptr::null(), &mut old) != 0 || old.sa_sigaction == libc::SIG_IGN {
+                    continue;
+                }
+                let mut act: libc::sigaction = std::mem::zeroed();
+                act.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                act.sa_flags = libc::SA_RESETHAND;
+                libc::sigemptyset(&mut act.sa_mask);
+                libc::sigaction(sig, &act, std::ptr::null_mut());
+            }
         }
     }
 }
@@ -110,12 +262,29 @@ pub struct EmbeddingWriter {
 const NPY_HEADER: usize = 128;
 
 impl EmbeddingWriter {
-    /// Writes to `path` (through `path.tmp-<pid>`).
+    /// From now on SIGINT, SIGTERM and SIGHUP remove every temporary file
+    /// of a writer that has not finished, then end the process as the
+    /// signal would have. For programs (the CLI) that own their signals; a
+    /// library embedding RLX leaves them alone.
+    pub fn remove_temp_files_on_signals() {
+        signal_cleanup::install();
+    }
+
+    /// Writes to `path` through a temporary file beside it (see the module
+    /// documentation for symlinks and non-regular files).
     pub fn to_file(path: &Path, format: OutputFormat, dim: usize) -> Result<EmbeddingWriter> {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".tmp-{}", std::process::id()));
-        let f = AtomicFile::create(PathBuf::from(tmp), Some(path.to_path_buf()))?;
+        let dest = destination(path)?;
+        let f = AtomicFile::create(temp_beside(&dest), Some(dest), path.to_path_buf())?;
         Self::start(Target::File(f), format, dim, path.to_path_buf())
+    }
+
+    /// The temporary file being written, until `finish` renames it (for
+    /// tests and messages).
+    pub fn temp_path(&self) -> Option<&Path> {
+        match &self.target {
+            Target::Stream(_) => None,
+            Target::File(f) | Target::Spool(f, _) => Some(&f.tmp),
+        }
     }
 
     pub fn to_stdout(format: OutputFormat, dim: usize) -> Result<EmbeddingWriter> {
@@ -131,7 +300,7 @@ impl EmbeddingWriter {
                 static SPOOLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
                 let n = SPOOLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let tmp = std::env::temp_dir().join(format!("rlx-embed-{}-{n}.npy", std::process::id()));
-                Target::Spool(AtomicFile::create(tmp, None)?, out)
+                Target::Spool(AtomicFile::create(tmp.clone(), None, tmp)?, out)
             }
         };
         Self::start(target, format, dim, PathBuf::from(name))
@@ -170,12 +339,13 @@ impl EmbeddingWriter {
                     if i > 0 {
                         line.push(',');
                     }
-                    // JSON has no NaN/inf; a finite model never makes them.
-                    if x.is_finite() {
-                        line.push_str(&format!("{x}"));
-                    } else {
-                        line.push_str("null");
+                    // JSON has no NaN/inf: refuse rather than write `null`.
+                    if !x.is_finite() {
+                        return Err(ModelError::Input(format!(
+                            "embedding {index} has a non-finite value ({x}) at element {i}: JSON cannot hold it"
+                        )));
                     }
+                    line.push_str(&format!("{x}"));
                 }
                 line.push_str("]}\n");
                 out.write_all(line.as_bytes())
@@ -188,6 +358,15 @@ impl EmbeddingWriter {
         r.map_err(|e| ModelError::io(&name, e))?;
         self.rows += 1;
         Ok(())
+    }
+
+    /// Pushes JSON lines written so far to the stream, so a reader sees
+    /// each round as it completes (files and npy wait for `finish`).
+    pub fn flush(&mut self) -> Result<()> {
+        match &mut self.target {
+            Target::Stream(w) => w.flush().map_err(|e| ModelError::io(&self.name, e)),
+            Target::File(_) | Target::Spool(..) => Ok(()),
+        }
     }
 
     /// Completes the output: fixes the npy header, renames the file into

@@ -10,6 +10,7 @@ use memmap2::Mmap;
 use rlx::{DType, Tensor};
 use serde::Deserialize;
 
+use crate::error::open_regular_file;
 use crate::{ModelError, Result};
 
 /// Element types a safetensors file may declare. Only the float ones can be
@@ -96,7 +97,7 @@ pub struct SafetensorsFile {
 impl SafetensorsFile {
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let file: File = open_regular_file(path)?;
         // SAFETY: the map is read-only; a file changed underneath us while
         // mapped gives wrong numbers, never memory unsafety in our code,
         // since every access is bounds-checked against the mapped length.
@@ -136,7 +137,39 @@ impl SafetensorsFile {
     }
 }
 
-fn parse_header(path: &Path, map: &[u8]) -> Result<(usize, BTreeMap<String, TensorInfo>)> {
+/// The header's entries in file order. A name that appears twice is an
+/// error: a plain map would keep one of the two silently, and which tensor
+/// a model then loads would depend on the parser.
+struct UniqueEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for UniqueEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> serde::de::Visitor<'de> for Entries {
+            type Value = UniqueEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensor entries")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<UniqueEntries, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                let mut out = Vec::new();
+                while let Some((name, value)) = map.next_entry::<String, serde_json::Value>()? {
+                    if !seen.insert(name.clone()) {
+                        return Err(serde::de::Error::custom(format!("tensor '{name}' appears twice")));
+                    }
+                    out.push((name, value));
+                }
+                Ok(UniqueEntries(out))
+            }
+        }
+        d.deserialize_map(Entries)
+    }
+}
+
+/// Checks a safetensors image (the whole file's bytes) and returns where its
+/// data section starts and its tensor table. Public so fuzzing can drive it
+/// without a file.
+pub fn parse_header(path: &Path, map: &[u8]) -> Result<(usize, BTreeMap<String, TensorInfo>)> {
     let file_len = map.len() as u64;
     if file_len < 8 {
         return Err(ModelError::format(
@@ -158,11 +191,11 @@ fn parse_header(path: &Path, map: &[u8]) -> Result<(usize, BTreeMap<String, Tens
     }
     let data_start = 8 + header_len as usize;
     let header = std::str::from_utf8(&map[8..data_start]).map_err(|e| ModelError::format(path, format!("header is not UTF-8: {e}")))?;
-    let raw: BTreeMap<String, serde_json::Value> =
+    let raw: UniqueEntries =
         serde_json::from_str(header.trim_end()).map_err(|e| ModelError::format(path, format!("header is not a JSON object: {e}")))?;
     let data_len = map.len() - data_start;
     let mut tensors = BTreeMap::new();
-    for (name, value) in raw {
+    for (name, value) in raw.0 {
         if name == "__metadata__" {
             continue;
         }

@@ -28,10 +28,21 @@ impl<R: BufRead> TextLines<R> {
 
     /// Up to `max` next texts; an empty vector at the end of the input.
     pub fn next_batch(&mut self, max: usize) -> Result<Vec<String>> {
+        self.next_batch_within(max, usize::MAX)
+    }
+
+    /// Up to `max` next texts, stopping early once they hold `max_bytes`
+    /// (so a round of very long lines stays bounded; one line is always
+    /// taken whole). An empty vector at the end of the input.
+    pub fn next_batch_within(&mut self, max: usize, max_bytes: usize) -> Result<Vec<String>> {
         let mut out = Vec::with_capacity(max.min(4096));
-        while out.len() < max {
+        let mut bytes = 0usize;
+        while out.len() < max && bytes < max_bytes {
             match self.next_line()? {
-                Some(t) => out.push(t),
+                Some(t) => {
+                    bytes = bytes.saturating_add(t.len());
+                    out.push(t);
+                }
                 None => break,
             }
         }
@@ -57,13 +68,14 @@ impl<R: BufRead> TextLines<R> {
                 self.buf.pop();
             }
         }
-        match std::str::from_utf8(&self.buf) {
-            Ok(s) => Ok(Some(s.to_string())),
+        // The buffer becomes the text (no copy of a long line).
+        match String::from_utf8(std::mem::take(&mut self.buf)) {
+            Ok(s) => Ok(Some(s)),
             Err(e) => Err(ModelError::Input(format!(
                 "{} line {}: not valid UTF-8 (bad byte at column {})",
                 self.source,
                 self.line,
-                e.valid_up_to() + 1
+                e.utf8_error().valid_up_to() + 1
             ))),
         }
     }

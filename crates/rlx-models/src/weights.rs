@@ -76,9 +76,17 @@ pub fn load_bert_weights(path: &Path, cfg: &BertConfig, dtype: DType, store: &We
             return Err(ModelError::tensor(path, stored, format!("is the same weight as '{prev}' (both map to '{c}')")));
         }
     }
+    check_config_against_file(path, cfg, &file, &by_name)?;
     let specs = bert_weight_specs(cfg);
     let wanted: BTreeSet<&str> = specs.iter().map(|(n, _)| n.as_str()).collect();
-    let extra: Vec<&str> = by_name.iter().filter(|(c, _)| !wanted.contains(c.as_str()) && !ignorable(c)).map(|(_, s)| s.as_str()).collect();
+    // With type_vocab_size 0 an empty token-type table may still be stored.
+    let empty_type_table =
+        |c: &str| c == TOKEN_TYPE_TABLE && cfg.type_vocab_size == 0 && file.info(&by_name[c]).is_some_and(|i| i.shape.first() == Some(&0));
+    let extra: Vec<&str> = by_name
+        .iter()
+        .filter(|(c, _)| !wanted.contains(c.as_str()) && !ignorable(c) && !empty_type_table(c))
+        .map(|(_, s)| s.as_str())
+        .collect();
     if let Some(first) = extra.first() {
         return Err(ModelError::tensor(
             path,
@@ -108,8 +116,90 @@ pub fn load_bert_weights(path: &Path, cfg: &BertConfig, dtype: DType, store: &We
             return Err(ModelError::tensor(path, stored, format!("shape {:?} in the file, but config.json needs {shape:?}", info.shape)));
         }
         let t = file.tensor(stored)?;
+        check_finite(path, stored, &t)?;
         let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype) };
         store.set(name, t)?;
+    }
+    Ok(())
+}
+
+const TOKEN_TYPE_TABLE: &str = "embeddings.token_type_embeddings.weight";
+
+/// The config's sizes against what the file holds, before the list of
+/// expected tensors is built: a config that lies (a billion layers, a zero
+/// type vocabulary beside a stored table) gets a message about the config
+/// rather than about one tensor among thousands.
+fn check_config_against_file(path: &Path, cfg: &BertConfig, file: &SafetensorsFile, by_name: &BTreeMap<String, String>) -> Result<()> {
+    let layers_in_file = by_name
+        .keys()
+        .filter_map(|c| c.strip_prefix("encoder.layer.")?.split('.').next()?.parse::<usize>().ok())
+        .max()
+        .map_or(0, |l| l + 1);
+    // More layers in the file than in the config: the unexpected-tensor
+    // report below names them.
+    if cfg.num_hidden_layers > layers_in_file {
+        return Err(ModelError::format(
+            path,
+            format!(
+                "config.json says num_hidden_layers {}, but the file holds {layers_in_file} encoder layer(s) (encoder.layer.0 to .{}): the config and the weights belong to different models",
+                cfg.num_hidden_layers,
+                layers_in_file.saturating_sub(1)
+            ),
+        ));
+    }
+    if let Some(info) = by_name.get("embeddings.word_embeddings.weight").and_then(|s| file.info(s)) {
+        if info.shape != [cfg.vocab_size, cfg.hidden_size] {
+            return Err(ModelError::format(
+                path,
+                format!(
+                    "embeddings.word_embeddings.weight has shape {:?}, but config.json's vocab_size {} and hidden_size {} need [{}, {}]",
+                    info.shape, cfg.vocab_size, cfg.hidden_size, cfg.vocab_size, cfg.hidden_size
+                ),
+            ));
+        }
+    }
+    if cfg.type_vocab_size == 0 {
+        if let Some(info) = by_name.get(TOKEN_TYPE_TABLE).and_then(|s| file.info(s)) {
+            if info.shape.first().is_some_and(|&n| n > 0) {
+                return Err(ModelError::format(
+                    path,
+                    format!(
+                        "config.json says type_vocab_size 0, but the file holds {TOKEN_TYPE_TABLE} with shape {:?}: set type_vocab_size to {} in config.json",
+                        info.shape, info.shape[0]
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A NaN or infinite weight makes every output NaN; refuse it at load time
+/// with its place rather than write `null` vectors later.
+fn check_finite(path: &Path, name: &str, t: &Tensor) -> Result<()> {
+    // Straight from the stored bits: no converted copy of a large table.
+    let bytes = t.bytes();
+    let not_finite: Box<dyn Iterator<Item = bool>> = match t.dtype() {
+        DType::F32 => Box::new(bytes.chunks_exact(4).map(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())),
+        // An all-ones exponent is an infinity or a NaN.
+        DType::F16 => Box::new(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00)),
+        DType::BF16 => Box::new(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80)),
+        _ => return Ok(()),
+    };
+    let (mut bad, mut first, mut total) = (0usize, None, 0usize);
+    for (i, b) in not_finite.enumerate() {
+        total += 1;
+        if b {
+            bad += 1;
+            first.get_or_insert(i);
+        }
+    }
+    if let Some(first) = first {
+        return Err(ModelError::tensor(
+            path,
+            name,
+            format!("{bad} of {total} values are NaN or infinite (the first at flat index {first}): the file is corrupt"),
+        ));
     }
     Ok(())
 }

@@ -269,11 +269,13 @@ fn an_invalid_utf8_line_is_named_and_empty_lines_are_texts() {
 fn output_is_complete_or_absent() {
     let dir = temp_dir("output");
     let dest = dir.join("out.npy");
-    let tmp = dir.join(format!("out.npy.tmp-{}", std::process::id()));
+    let tmp: PathBuf;
 
     // Dropped before finish (an error half-way): nothing is left behind.
     {
         let mut w = EmbeddingWriter::to_file(&dest, OutputFormat::Npy, 3).expect("create");
+        tmp = w.temp_path().expect("a temporary file").to_path_buf();
+        assert_eq!(tmp.parent(), Some(dir.as_path()), "beside the destination, so the rename stays on one file system");
         w.write(&[1.0, 2.0, 3.0]).expect("write");
         assert!(tmp.exists() && !dest.exists(), "written to the temporary name first");
         let e = w.write(&[1.0]).expect_err("wrong width").to_string();
@@ -283,6 +285,7 @@ fn output_is_complete_or_absent() {
 
     // Finished: the npy header carries the final row count.
     let mut w = EmbeddingWriter::to_file(&dest, OutputFormat::Npy, 3).expect("create");
+    let tmp = w.temp_path().expect("a temporary file").to_path_buf();
     w.write(&[1.0, 2.0, 3.0]).expect("write");
     w.write(&[4.0, 5.0, 6.5]).expect("write");
     assert_eq!(w.finish().expect("finish"), 2);
