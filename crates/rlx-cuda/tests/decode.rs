@@ -93,7 +93,7 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
     for f in QFormat::ALL {
         let be = f.block_elems();
         for (rows, n, nblk, dt) in
-            [(1, 37, 3, DType::F32), (3, 64, 2, DType::F32), (17, 9, 1, DType::F32), (1, 20, 2, DType::F16), (6, 11, 2, DType::BF16)]
+            [(1, 37, 3, DType::F32), (3, 64, 2, DType::F32), (17, 9, 1, DType::F32), (1, 20, 2, DType::F16), (6, 11, 2, DType::BF16), (43, 10, 1, DType::F32)]
         {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
@@ -187,7 +187,7 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
     for f in QFormat::ALL {
         let k = 2 * f.block_elems();
         for (rows, n, norm, glu, res) in
-            [(1, 24, true, false, false), (1, 12, false, true, false), (3, 20, false, false, true), (1, 16, true, true, true), (5, 9, true, true, true)]
+            [(1, 24, true, false, false), (1, 12, false, true, false), (3, 20, false, false, true), (1, 16, true, true, true), (5, 9, true, true, true), (19, 7, true, true, true)]
         {
             let lda = k + 4;
             let mut sb = Sb::new();
