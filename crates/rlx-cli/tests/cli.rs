@@ -1,45 +1,11 @@
 //! The `rlx` binary as a user runs it: output formats, notices, errors for
 //! model directories it cannot read, `rlx fetch` on a verified directory.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn rlx(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rlx"))
-        .args(args)
-        .env_remove("RLX_MODEL_DIR")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run rlx: {e}"))
-}
+use std::process::Command;
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("rlx-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
-    d
-}
-
-/// models/all-MiniLM-L6-v2 when present. Absent: the test prints the skip
-/// marker and returns, unless RLX_REQUIRE_MODELS=1 (CI), where it fails.
-fn model_dir(test: &str) -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2");
-    if dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file() {
-        return Some(dir);
-    }
-    if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
-        panic!("{test}: {} is missing and RLX_REQUIRE_MODELS=1: run scripts/fetch-models", dir.display());
-    }
-    eprintln!("SKIPPED {test}: {} is missing (run scripts/fetch-models)", dir.display());
-    None
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().unwrap_or_else(|| panic!("non-UTF-8 temp path {}", p.display()))
-}
+use common::{model_dir, path_str, rlx, stderr, temp_dir};
 
 #[test]
 fn output_format_follows_the_extension() {

@@ -206,8 +206,21 @@ impl SentenceEmbedder {
     /// when the reader of the output has gone); `Ok(None)` then.
     pub fn embed_ids_cancellable(&self, ids: &[Vec<u32>], progress: &mut dyn FnMut(usize) -> bool) -> Result<Option<Vec<Vec<f32>>>> {
         self.check_ids(ids.iter().map(|r| r.as_slice()))?;
+        // Identical sequences (empty lines, repeated texts) run once and
+        // share the vector: a file of a million empty lines costs one row per
+        // call, not a million.
+        let mut first: HashMap<&[u32], usize> = HashMap::new();
+        let mut source: Vec<usize> = Vec::with_capacity(ids.len());
+        let mut order: Vec<usize> = Vec::new();
+        for (i, row) in ids.iter().enumerate() {
+            let at = *first.entry(row.as_slice()).or_insert(i);
+            if at == i {
+                order.push(i);
+            }
+            source.push(at);
+        }
+        let repeats = ids.len() - order.len();
         // Sorting by length keeps the padding inside each batch small.
-        let mut order: Vec<usize> = (0..ids.len()).collect();
         order.sort_by_key(|&i| ids[i].len());
         let mut out = vec![Vec::new(); ids.len()];
         for group in order.chunks(self.options.batch_size) {
@@ -228,6 +241,14 @@ impl SentenceEmbedder {
             if !progress(group.len()) {
                 return Ok(None);
             }
+        }
+        for (i, &at) in source.iter().enumerate() {
+            if at != i {
+                out[i] = out[at].clone();
+            }
+        }
+        if repeats > 0 && !progress(repeats) {
+            return Ok(None);
         }
         Ok(Some(out))
     }

@@ -364,3 +364,24 @@ fn a_huge_text_is_cut_before_tokenising_and_keeps_its_first_tokens() {
     let padded = format!("{}hello world", " ".repeat(2 * budget));
     assert_eq!(tok.encode(&padded).unwrap_or_else(|e| panic!("{e}")), tok.encode("hello world").unwrap_or_else(|e| panic!("{e}")));
 }
+
+#[test]
+fn repeated_sequences_run_once_and_get_the_vector_they_get_alone() {
+    use rlx_models::{EmbedderOptions, Pooling, SentenceEmbedder};
+    let cfg = tiny();
+    let weights = random_weights(&cfg, 11, DType::F32).unwrap_or_else(|e| panic!("{e}"));
+    let sentence = SentenceConfig { max_seq_length: 32, pooling: Pooling::Mean, normalize: true };
+    let e = SentenceEmbedder::from_weights(cfg, sentence, None, weights, rlx::Device::Cpu, EmbedderOptions::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ids: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![4, 5], vec![1, 2, 3], vec![1, 2, 3], vec![4, 5], vec![6]];
+    let mut progressed = 0;
+    let all = e.embed_ids_with_progress(&ids, &mut |n| progressed += n).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(progressed, ids.len(), "progress counts every text, repeats included");
+    for (row, v) in ids.iter().zip(&all) {
+        let alone = e.embed_ids(std::slice::from_ref(row)).unwrap_or_else(|e| panic!("{e}"));
+        let worst = v.iter().zip(&alone[0]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{row:?}: differs from its own embedding by {worst}");
+    }
+    assert_eq!(all[0], all[2]);
+    assert_eq!(all[1], all[4]);
+}
