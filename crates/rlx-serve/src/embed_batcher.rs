@@ -1,0 +1,151 @@
+//! Dynamic batching for embeddings. One thread owns the model work; HTTP
+//! handlers hand it token ids through a bounded queue and await their rows.
+//! A job that finds the thread idle runs at once (with whatever else is
+//! already queued). Jobs that arrive while it is busy queue up; when a call
+//! ends with jobs waiting, the next call takes them together, up to
+//! `max_batch_rows` rows, waiting at most `max_wait` for more to arrive.
+//! The embedder sorts a call's rows by length and runs one forward per batch
+//! of similar lengths; each job gets its own rows back, in order.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rlx_models::SentenceEmbedder;
+use tokio::sync::oneshot;
+
+use crate::error::ApiError;
+use crate::metrics::{Metrics, Queue};
+
+type Rows = Vec<Vec<f32>>;
+
+struct Job {
+    ids: Vec<Vec<u32>>,
+    reply: oneshot::Sender<Result<Rows, ApiError>>,
+}
+
+/// The handlers' side of the queue.
+pub struct EmbedBatcher {
+    tx: SyncSender<Job>,
+    max_queue: usize,
+    metrics: Arc<Metrics>,
+}
+
+pub struct BatchLimits {
+    pub max_rows: usize,
+    pub max_wait: Duration,
+    pub max_queue: usize,
+}
+
+impl EmbedBatcher {
+    /// Starts the model thread; it ends when every `EmbedBatcher` clone is
+    /// dropped and the queue is empty.
+    pub fn start(
+        embedder: Arc<SentenceEmbedder>,
+        limits: BatchLimits,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<(EmbedBatcher, JoinHandle<()>)> {
+        let (tx, rx) = sync_channel(limits.max_queue);
+        let m = metrics.clone();
+        let (max_rows, max_wait) = (limits.max_rows, limits.max_wait);
+        let handle = std::thread::Builder::new().name("rlx-embed".into()).spawn(move || run(rx, &embedder, max_rows, max_wait, &m))?;
+        Ok((EmbedBatcher { tx, max_queue: limits.max_queue, metrics }, handle))
+    }
+
+    /// The vectors of `ids` (already checked against the model), in order.
+    pub async fn embed(&self, ids: Vec<Vec<u32>>) -> Result<Rows, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.metrics.enqueued(Queue::Embeddings);
+        match self.tx.try_send(Job { ids, reply }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.metrics.dequeued(Queue::Embeddings);
+                return Err(ApiError::overloaded("embeddings", self.max_queue));
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.metrics.dequeued(Queue::Embeddings);
+                return Err(ApiError::unavailable("the embedding worker has stopped"));
+            }
+        }
+        rx.await.unwrap_or_else(|_| Err(ApiError::internal("the embedding worker dropped the request")))
+    }
+}
+
+/// The model thread: takes a call's worth of jobs, runs them, repeats.
+fn run(rx: Receiver<Job>, embedder: &SentenceEmbedder, max_rows: usize, max_wait: Duration, metrics: &Metrics) {
+    let mut carry: Option<Job> = None;
+    loop {
+        // Busy: a job was left over or already waiting when the last call ended.
+        let (first, busy) = match carry.take() {
+            Some(j) => (j, true),
+            None => match rx.try_recv() {
+                Ok(j) => {
+                    metrics.dequeued(Queue::Embeddings);
+                    (j, true)
+                }
+                Err(TryRecvError::Empty) => match rx.recv() {
+                    Ok(j) => {
+                        metrics.dequeued(Queue::Embeddings);
+                        (j, false)
+                    }
+                    Err(_) => return,
+                },
+                Err(TryRecvError::Disconnected) => return,
+            },
+        };
+        let mut rows = first.ids.len();
+        let mut jobs = vec![first];
+        let deadline = Instant::now() + max_wait;
+        while rows < max_rows {
+            let next = if busy {
+                let left = deadline.saturating_duration_since(Instant::now());
+                rx.recv_timeout(left).ok()
+            } else {
+                rx.try_recv().ok()
+            };
+            let Some(j) = next else { break };
+            metrics.dequeued(Queue::Embeddings);
+            if rows + j.ids.len() > max_rows {
+                carry = Some(j);
+                break;
+            }
+            rows += j.ids.len();
+            jobs.push(j);
+        }
+        run_call(embedder, jobs, metrics);
+    }
+}
+
+/// One embedder call over every job's rows; each job gets its slice.
+fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
+    // A caller that has gone (timed out, disconnected) costs nothing.
+    let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
+    if jobs.is_empty() {
+        return;
+    }
+    let all: Vec<Vec<u32>> = jobs.iter().flat_map(|j| j.ids.iter().cloned()).collect();
+    let tokens = all.iter().map(Vec::len).sum();
+    let result = match catch_unwind(AssertUnwindSafe(|| embedder.embed_ids(&all))) {
+        Ok(Ok(v)) if v.len() == all.len() => Ok(v),
+        Ok(Ok(v)) => Err(ApiError::internal(format!("the embedder returned {} vectors for {} texts", v.len(), all.len()))),
+        Ok(Err(e)) => Err(ApiError::from_model(&e)),
+        Err(_) => Err(ApiError::internal("the embedder panicked")),
+    };
+    metrics.embed_batch(all.len(), tokens);
+    match result {
+        Ok(vectors) => {
+            let mut vectors = vectors.into_iter();
+            for j in jobs {
+                let mine: Rows = vectors.by_ref().take(j.ids.len()).collect();
+                let _ = j.reply.send(Ok(mine));
+            }
+        }
+        Err(e) => {
+            for j in jobs {
+                let _ = j.reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
