@@ -287,6 +287,10 @@ impl Lowerer<'_> {
                     positions: self.dense(i, pos)?,
                     positions_per_batch: g.nodes[pos].shape.rank() == 2,
                     out: self.buf(i),
+                    freq_factors: match node.inputs.get(2) {
+                        Some(f) => Some(self.dense(i, f.0)?),
+                        None => None,
+                    },
                 }
             }
             Op::MaskedMean => {

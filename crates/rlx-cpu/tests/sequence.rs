@@ -28,9 +28,12 @@ fn rope_random() {
         let x = values(&mut r, batch * seq * row, dtype);
         let npos = if per_batch { batch * seq } else { seq };
         let pos: Vec<i64> = (0..npos).map(|_| r.random_range(0..4000)).collect();
+        // Every third seed scales the frequencies (llama3-style factors).
+        let factors: Option<Vec<f64>> = (seed % 3 == 0).then(|| (0..hd / 2).map(|_| r.random_range(1.0..8.0f32) as f64).collect());
         let mut p = Plan::new();
         let xb = p.input("x", &[batch, seq, row], dtype);
         let pb = p.input("pos", &[npos], DType::I32);
+        let fb = factors.as_ref().map(|_| p.input("factors", &[hd / 2], DType::F32));
         let out = p.output("y", &[batch, seq, w], dtype);
         p.push(Thunk::Rope {
             dtype,
@@ -44,6 +47,7 @@ fn rope_random() {
             positions: pb,
             positions_per_batch: per_batch,
             out,
+            freq_factors: fb,
         });
         let mut want = vec![0.0; batch * seq * w];
         for b in 0..batch {
@@ -53,7 +57,8 @@ fn rope_random() {
                     let xi = |d: usize| x[(b * seq + s) * row + h * hd + d];
                     let o = (b * seq + s) * w + h * hd;
                     for i in 0..hd / 2 {
-                        let ang = ps * (theta as f64).powf(-2.0 * i as f64 / hd as f64);
+                        let f = factors.as_ref().map_or(1.0, |f| f[i]);
+                        let ang = ps * (theta as f64).powf(-2.0 * i as f64 / hd as f64) / f;
                         let (sn, cs) = ang.sin_cos();
                         let (a, bb) = match mode {
                             RopeMode::RotateHalf => (i, i + hd / 2),
@@ -67,8 +72,13 @@ fn rope_random() {
         }
         let xt = tensor(&[batch, seq, row], dtype, &x);
         let pt = ints(&[npos], DType::I32, &pos);
-        let got = p.run(&[("x", &xt), ("pos", &pt)]).expect("rope runs");
-        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("rope seed {seed} {dtype} {mode:?} per_batch {per_batch}"));
+        let mut ins = vec![("x", &xt), ("pos", &pt)];
+        let ft = factors.as_ref().map(|f| tensor(&[hd / 2], DType::F32, f));
+        if let Some(ft) = &ft {
+            ins.push(("factors", ft));
+        }
+        let got = p.run(&ins).expect("rope runs");
+        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("rope seed {seed} {dtype} {mode:?} per_batch {per_batch} factors {}", factors.is_some()));
     }
 }
 

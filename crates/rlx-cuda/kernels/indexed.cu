@@ -78,9 +78,10 @@ extern "C" __global__ void write_state(const WriteStateP p) {
 }
 
 // mode 0: rotate-half (pairs d, d + hd/2); 1: interleaved (pairs 2i, 2i+1).
-// Pair i turns by position * theta^(-2i / head_dim).
+// Pair i turns by position * theta^(-2i / head_dim) (divided by factors[i]
+// when the frequency factors are given: llama3's RoPE scaling).
 struct RopeP {
-    const void* x; const int* pos; void* out;
+    const void* x; const int* pos; void* out; const float* factors;
     i64 batch; i64 seq; i64 heads; i64 hd; i64 xbs; i64 xrs; i64 mode; i64 per_batch; double theta;
 };
 
@@ -92,7 +93,9 @@ __device__ void rope_body(const RopeP& p) {
     for (i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x; t < total; t += (i64)gridDim.x * blockDim.x) {
         i64 i = t % half, h = (t / half) % p.heads, s = (t / (half * p.heads)) % p.seq, b = t / (half * p.heads * p.seq);
         i64 pos = p.per_batch ? p.pos[b * p.seq + s] : p.pos[s];
-        float inv = (float)pow(p.theta, -2.0 * (double)i / (double)p.hd);
+        double invd = pow(p.theta, -2.0 * (double)i / (double)p.hd);
+        if (p.factors) invd /= (double)p.factors[i];
+        float inv = (float)invd;
         float ang = (float)pos * inv, c = cosf(ang), sn = sinf(ang);
         i64 i0 = p.mode == 0 ? i : 2 * i, i1 = p.mode == 0 ? i + half : 2 * i + 1;
         const i64 xo = b * p.xbs + s * p.xrs + h * p.hd;

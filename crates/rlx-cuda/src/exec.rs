@@ -623,7 +623,11 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
             .into_iter()
             .flatten()
             .collect(),
-        Thunk::Rope { x, positions, out, .. } => vec![&x.buf, positions, out],
+        Thunk::Rope { x, positions, out, freq_factors, .. } => {
+            let mut v = vec![&x.buf, positions, out];
+            v.extend(freq_factors.as_ref());
+            v
+        }
         Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
         Thunk::MaskedMean { x, mask, out, .. } => vec![x, mask, out],
         Thunk::EmbedNorm { table, ids, addends, gamma, beta, out, .. } => {

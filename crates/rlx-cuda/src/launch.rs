@@ -692,12 +692,16 @@ pub(crate) fn lower(
             };
             steps.push(Step::new(Op::kernel(func, grid, block, smem, [1, 1, 1], &p)?, kind));
         }
-        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => {
+        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
             let p = params::RopeP {
                 x: b.ptr(&x.buf)?,
                 pos: b.ptr(positions)?,
                 out: b.ptr(out)?,
+                factors: match freq_factors {
+                    Some(f) => b.ptr(f)?,
+                    None => 0,
+                },
                 batch: i(*batch),
                 seq: i(*seq),
                 heads: i(*heads),

@@ -95,7 +95,8 @@ kernel_params! {
     struct WriteStateP { state: u64, value: u64, pos: u64, err: u64, batch: i64, max_rows: i64, new_rows: i64, width: i64, esize: i64, per_batch: i64 }
     /// Rotary position embeddings.
     struct RopeP {
-        x: u64, pos: u64, out: u64, batch: i64, seq: i64, heads: i64, hd: i64, xbs: i64, xrs: i64, mode: i64, per_batch: i64, theta: f64,
+        x: u64, pos: u64, out: u64, factors: u64, batch: i64, seq: i64, heads: i64, hd: i64, xbs: i64, xrs: i64, mode: i64, per_batch: i64,
+        theta: f64,
     }
     /// LayerNorm / RmsNorm (kernels/rows.cu).
     struct NormP { x: u64, res: u64, gamma: u64, beta: u64, out: u64, rows: i64, cols: i64, rms: i64, eps: f64 }

@@ -557,7 +557,7 @@ fn rope_both_modes() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(7);
     for dt in FLOATS {
-        for (mode, per_batch) in [(RopeMode::RotateHalf, false), (RopeMode::Interleaved, true)] {
+        for (mode, per_batch, scaled) in [(RopeMode::RotateHalf, false, false), (RopeMode::Interleaved, true, false), (RopeMode::Interleaved, false, true)] {
             let (batch, seq, heads, hd) = (2, 9, 3, 32);
             let width = heads * hd;
             let mut sb = Sb::new();
@@ -565,6 +565,7 @@ fn rope_both_modes() {
             let x = sb.input("qkv", &[batch, seq, 3 * width], dt);
             let pshape = if per_batch { vec![batch, seq] } else { vec![seq] };
             let positions = sb.input("pos", &pshape, DType::I32);
+            let factors = scaled.then(|| sb.input("factors", &[hd / 2], DType::F32));
             let out = sb.output("out", &[batch, seq, width], dt);
             sb.thunk(Thunk::Rope {
                 dtype: dt,
@@ -578,14 +579,19 @@ fn rope_both_modes() {
                 positions,
                 positions_per_batch: per_batch,
                 out,
+                freq_factors: factors,
             });
             let pv: Vec<i32> = (0..pshape.iter().product::<usize>()).map(|_| r.random_range(0..200)).collect();
             let (s, w) = sb.finish();
-            let inputs = vec![
+            let mut inputs = vec![
                 ("qkv", rand_tensor(&mut r, &[batch, seq, 3 * width], dt)),
                 ("pos", Tensor::from_i32(pshape.clone(), &pv).unwrap_or_else(|e| panic!("{e}"))),
             ];
-            check(&format!("rope {mode:?} {dt}"), &g, &s, &w, &named(inputs), 2.0);
+            if scaled {
+                let f: Vec<f32> = (0..hd / 2).map(|_| r.random_range(1.0f32..8.0)).collect();
+                inputs.push(("factors", Tensor::from_f32(vec![hd / 2], &f).unwrap_or_else(|e| panic!("{e}"))));
+            }
+            check(&format!("rope {mode:?} {dt} scaled {scaled}"), &g, &s, &w, &named(inputs), 2.0);
         }
     }
 }

@@ -151,6 +151,20 @@ impl Graph {
         self.push(Op::Rope { theta, mode, head_dim }, vec![x, positions], None)
     }
 
+    /// [`rope`](Self::rope) with per-pair frequency factors f32
+    /// `[head_dim/2]` (each pair's frequency is divided by its factor).
+    pub fn rope_scaled(
+        &mut self,
+        x: NodeId,
+        positions: NodeId,
+        factors: NodeId,
+        head_dim: usize,
+        theta: f32,
+        mode: RopeMode,
+    ) -> Result<NodeId> {
+        self.push(Op::Rope { theta, mode, head_dim }, vec![x, positions, factors], None)
+    }
+
     /// Writes `value` into `state` at rows `position..` (axis 1), in place.
     pub fn write_state(&mut self, state: NodeId, value: NodeId, position: NodeId) -> Result<NodeId> {
         self.push(Op::WriteState, vec![state, value, position], None)

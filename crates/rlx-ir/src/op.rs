@@ -104,7 +104,10 @@ pub enum Op {
     TopK { k: usize, indices: bool },
     /// inputs: q, k, v, [mask], [valid_len] — see [`AttentionSpec`].
     Attention(AttentionSpec),
-    /// inputs: x `[B, S, heads*head_dim]`, positions i32 `[S]` or `[B, S]`.
+    /// inputs: x `[B, S, heads*head_dim]`, positions i32 `[S]` or `[B, S]`,
+    /// optionally frequency factors f32 `[head_dim/2]`: pair i turns by
+    /// position · theta^(-2i/head_dim) / factor[i] (llama3's RoPE scaling,
+    /// GGUF's `rope_freqs.weight`).
     Rope { theta: f32, mode: RopeMode, head_dim: usize },
     /// inputs: state `[B, Smax, W]`, value `[B, Snew, W]`, position i32 `[1]`
     /// (shared by every batch row) or `[B]` (per row). Writes value into

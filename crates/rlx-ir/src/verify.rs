@@ -356,7 +356,12 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             Ok((q.clone(), ins[0].1))
         }
         Op::Rope { theta, mode: _, head_dim } => {
-            arity(name, ins.len(), 2..=2)?;
+            arity(name, ins.len(), 2..=3)?;
+            if let Some((f, fd)) = ins.get(2) {
+                if *fd != DType::F32 || f.0 != [head_dim / 2] {
+                    return Err(IrError::shape(name, format!("frequency factors must be f32 [{}], found {f} {fd}", head_dim / 2)));
+                }
+            }
             float(name, ins[0].1)?;
             let (x, p) = (ins[0].0, ins[1].0);
             if ins[1].1 != DType::I32 {

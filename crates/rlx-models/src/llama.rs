@@ -49,6 +49,11 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     pub rope_theta: f32,
     pub rope_mode: RopeMode,
+    /// RoPE scaling as per-pair frequency factors `[head_dim/2]` (pair i's
+    /// frequency is divided by factor i): llama3's scaling (from
+    /// `rope_scaling` in config.json, or a GGUF's `rope_freqs.weight`), or
+    /// linear scaling (every factor the same). `None`: no scaling.
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub rms_eps: f32,
     /// The context length the model was trained for.
     pub max_context: usize,
@@ -106,6 +111,53 @@ fn check_config(c: &LlamaConfig, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Per-pair RoPE frequency factors for a config.json `rope_scaling` entry
+/// (`None` for none or `default`). llama3: a pair whose wavelength is
+/// shorter than `original_max_position_embeddings / high_freq_factor`
+/// keeps its frequency, one longer than `.. / low_freq_factor` is divided
+/// by `factor`, and those between blend the two linearly in
+/// `original_max_position_embeddings / wavelength`. linear: every pair
+/// divided by `factor`. Others are refused.
+pub fn rope_scaling_factors(s: &serde_json::Value, theta: f32, head_dim: usize) -> std::result::Result<Option<Vec<f32>>, String> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    let kind = s["rope_type"].as_str().or_else(|| s["type"].as_str()).unwrap_or("");
+    let num = |k: &str| -> std::result::Result<f64, String> {
+        s[k].as_f64().filter(|v| v.is_finite() && *v > 0.0).ok_or_else(|| format!("rope_scaling.{k} must be a positive number, found {}", s[k]))
+    };
+    let half = head_dim / 2;
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(vec![num("factor")? as f32; half])),
+        "llama3" => {
+            let (factor, low, high, old) =
+                (num("factor")?, num("low_freq_factor")?, num("high_freq_factor")?, num("original_max_position_embeddings")?);
+            if high <= low {
+                return Err(format!("rope_scaling: high_freq_factor {high} must exceed low_freq_factor {low}"));
+            }
+            let (low_wavelen, high_wavelen) = (old / low, old / high);
+            let v = (0..half)
+                .map(|i| {
+                    let freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    let scaled = if wavelen < high_wavelen {
+                        freq
+                    } else if wavelen > low_wavelen {
+                        freq / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    };
+                    (freq / scaled) as f32
+                })
+                .collect();
+            Ok(Some(v))
+        }
+        other => Err(format!("rope_scaling type '{other}' is not supported (default, linear, llama3)")),
+    }
+}
+
 impl LlamaConfig {
     /// The config from a GGUF file's `{arch}.*` metadata.
     pub fn from_gguf(f: &GgufFile, path: &Path) -> Result<LlamaConfig> {
@@ -123,10 +175,29 @@ impl LlamaConfig {
             return Err(fmt_err(path, format!("{} is 0", key("attention.head_count"))));
         }
         let head_dim = f.get_opt_u32(&key("rope.dimension_count")).map_err(g)?.map_or(hidden / heads, |v| v as usize);
-        if let Some(t) = f.get_opt_str(&key("rope.scaling.type")).map_err(g)? {
-            if t != "none" {
-                return Err(fmt_err(path, format!("RoPE scaling '{t}' is not supported yet")));
+        let half = head_dim / 2;
+        let mut rope_freq_factors = None;
+        match f.get_opt_str(&key("rope.scaling.type")).map_err(g)? {
+            None | Some("none") => {}
+            Some("linear") => {
+                let factor = f.get_f32(&key("rope.scaling.factor")).map_err(g)?;
+                if !(factor.is_finite() && factor > 0.0) {
+                    return Err(fmt_err(path, format!("{} must be a positive number, found {factor}", key("rope.scaling.factor"))));
+                }
+                rope_freq_factors = Some(vec![factor; half]);
             }
+            Some(t) => return Err(fmt_err(path, format!("RoPE scaling '{t}' is not supported (none, linear, or llama3's rope_freqs)"))),
+        }
+        // llama3 files carry their scaling as per-pair frequency factors.
+        if let Some(t) = f.tensor("rope_freqs.weight") {
+            if t.ttype != crate::gguf::TensorType::F32 || t.dims != [half as u64] {
+                return Err(fmt_err(path, format!("tensor rope_freqs.weight must be f32 [{half}], found {} {:?}", t.ttype.name(), t.dims)));
+            }
+            let v: Vec<f32> = f.tensor_data(t).chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            if v.len() != half || v.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err(fmt_err(path, "tensor rope_freqs.weight must hold positive finite factors"));
+            }
+            rope_freq_factors = Some(v);
         }
         let embd = f.tensor("token_embd.weight").ok_or_else(|| fmt_err(path, "missing tensor token_embd.weight"))?;
         let vocab = match f.get_opt_u32(&key("vocab_size")).map_err(g)? {
@@ -145,6 +216,7 @@ impl LlamaConfig {
             // llama.cpp's converter permutes Q/K rows for llama and
             // mistral; qwen2 keeps Hugging Face's layout (NeoX RoPE).
             rope_mode: if arch == "qwen2" { RopeMode::RotateHalf } else { RopeMode::Interleaved },
+            rope_freq_factors,
             rms_eps: f.get_f32(&key("attention.layer_norm_rms_epsilon")).map_err(g)?,
             max_context: u("context_length")?,
             qkv_bias: f.tensor("blk.0.attn_q.bias").is_some(),
@@ -170,9 +242,6 @@ impl LlamaConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| fmt_err(path, format!("'{k}' must be a non-negative integer, found {}", json[k])))
         };
-        if !json["rope_scaling"].is_null() {
-            return Err(fmt_err(path, format!("rope_scaling {} is not supported yet", json["rope_scaling"])));
-        }
         let hidden = u("hidden_size")?;
         let heads = u("num_attention_heads")?;
         let kv_heads = if json["num_key_value_heads"].is_null() { heads } else { u("num_key_value_heads")? };
@@ -180,6 +249,8 @@ impl LlamaConfig {
             return Err(fmt_err(path, "num_attention_heads is 0"));
         }
         let head_dim = if json["head_dim"].is_u64() { u("head_dim")? } else { hidden / heads };
+        let rope_theta = json["rope_theta"].as_f64().unwrap_or(10000.0) as f32;
+        let rope_freq_factors = rope_scaling_factors(&json["rope_scaling"], rope_theta, head_dim).map_err(|e| fmt_err(path, e))?;
         let c = LlamaConfig {
             vocab: u("vocab_size")?,
             hidden,
@@ -188,8 +259,9 @@ impl LlamaConfig {
             heads,
             kv_heads,
             head_dim,
-            rope_theta: json["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+            rope_theta,
             rope_mode: RopeMode::RotateHalf,
+            rope_freq_factors,
             rms_eps: json["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
             max_context: u("max_position_embeddings")?,
             qkv_bias: arch == "Qwen2ForCausalLM" || json["attention_bias"].as_bool().unwrap_or(false),
@@ -508,6 +580,10 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
         mask: false,
         valid_len: true,
     };
+    let factors = match &c.rope_freq_factors {
+        Some(v) => Some(bl.g.constant_f32([v.len()], v)?),
+        None => None,
+    };
     for l in 0..c.layers {
         let n = |p: &str| format!("blk.{l}.{p}");
         let g1 = bl.param(&n("attn_norm.weight"))?;
@@ -521,8 +597,16 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
             k = bl.g.add(k, kb)?;
             v = bl.g.add(v, vb)?;
         }
-        let q = bl.g.rope(q, positions, c.head_dim, c.rope_theta, c.rope_mode)?;
-        let k = bl.g.rope(k, positions, c.head_dim, c.rope_theta, c.rope_mode)?;
+        let (q, k) = match factors {
+            Some(f) => (
+                bl.g.rope_scaled(q, positions, f, c.head_dim, c.rope_theta, c.rope_mode)?,
+                bl.g.rope_scaled(k, positions, f, c.head_dim, c.rope_theta, c.rope_mode)?,
+            ),
+            None => (
+                bl.g.rope(q, positions, c.head_dim, c.rope_theta, c.rope_mode)?,
+                bl.g.rope(k, positions, c.head_dim, c.rope_theta, c.rope_mode)?,
+            ),
+        };
         let kc = bl.g.state(&state::k_cache(l), [b, s.ctx, kvw], DType::F32)?;
         let vc = bl.g.state(&state::v_cache(l), [b, s.ctx, kvw], DType::F32)?;
         let kc = bl.g.write_state(kc, k, start)?;
@@ -573,4 +657,52 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
         bl.g.set_name(logits, io::LOGITS_OUT);
     }
     Ok(bl.g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_scaling_factors;
+    use serde_json::json;
+
+    /// Llama 3.1's published settings: pairs with wavelengths under 2048
+    /// positions keep their frequency, those over 8192 are slowed 8×, and
+    /// the band between blends the two.
+    #[test]
+    fn llama3_rope_factors() {
+        let s = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192});
+        let (theta, hd) = (500000.0f32, 128);
+        let f = rope_scaling_factors(&s, theta, hd).expect("llama3").expect("factors");
+        assert_eq!(f.len(), 64);
+        let wavelen = |i: usize| 2.0 * std::f64::consts::PI * (theta as f64).powf(2.0 * i as f64 / hd as f64);
+        for (i, &v) in f.iter().enumerate() {
+            let w = wavelen(i);
+            if w < 2048.0 {
+                assert_eq!(v, 1.0, "pair {i} (wavelength {w})");
+            } else if w > 8192.0 {
+                assert!((v - 8.0).abs() < 1e-6, "pair {i} (wavelength {w}): {v}");
+            } else {
+                // 1 / ((1 - t)/8 + t) with t = (8192/w - 1) / 3.
+                let t = (8192.0 / w - 1.0) / 3.0;
+                let want = 1.0 / ((1.0 - t) / 8.0 + t);
+                assert!((v as f64 - want).abs() < 1e-5 * want, "pair {i}: {v} vs {want}");
+                assert!(v > 1.0 && v < 8.0);
+            }
+        }
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "factors grow with the wavelength");
+        assert!(f.iter().any(|&v| v > 1.0 && v < 8.0), "some pairs blend");
+    }
+
+    #[test]
+    fn other_rope_scalings() {
+        assert_eq!(rope_scaling_factors(&serde_json::Value::Null, 1e4, 64), Ok(None));
+        assert_eq!(rope_scaling_factors(&json!({"rope_type": "default"}), 1e4, 64), Ok(None));
+        assert_eq!(rope_scaling_factors(&json!({"type": "linear", "factor": 2.0}), 1e4, 8), Ok(Some(vec![2.0; 4])));
+        let e = rope_scaling_factors(&json!({"rope_type": "yarn", "factor": 4.0}), 1e4, 64).unwrap_err();
+        assert!(e.contains("'yarn' is not supported"), "{e}");
+        let e = rope_scaling_factors(&json!({"rope_type": "llama3", "factor": 8.0}), 1e4, 64).unwrap_err();
+        assert!(e.contains("low_freq_factor"), "{e}");
+        let e = rope_scaling_factors(&json!({"rope_type": "linear", "factor": -1.0}), 1e4, 64).unwrap_err();
+        assert!(e.contains("positive"), "{e}");
+    }
 }

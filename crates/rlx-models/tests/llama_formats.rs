@@ -211,6 +211,39 @@ fn hf_and_gguf_f32_agree() {
     }
 }
 
+/// llama3 RoPE scaling, from config.json's `rope_scaling` (factors computed
+/// at load) and from a GGUF's `rope_freqs.weight` (factors stored in the
+/// file): both give the same logits, and they differ from the unscaled
+/// model's (a small original context, so the scaling reaches the positions
+/// of the test).
+#[test]
+fn llama3_rope_scaling_from_hf_and_gguf() {
+    let m = random_model(31, false);
+    let dir = std::env::temp_dir().join(format!("rlx-llama-rope-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    hf_dir(&m, &dir);
+    let (_, plain) = run(LlamaWeights::from_hf_dir(&dir).expect("hf weights"), false);
+    let scaling = serde_json::json!({"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+                                     "original_max_position_embeddings": 16});
+    let cfg_path = dir.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).expect("read")).expect("json");
+    cfg["rope_scaling"] = scaling.clone();
+    std::fs::write(&cfg_path, cfg.to_string()).expect("config");
+    let factors = rlx_models::llama::rope_scaling_factors(&scaling, 10000.0, HD).expect("factors").expect("some");
+    assert!(factors.iter().any(|&f| f > 1.0 && f < 4.0), "the test's settings must blend some pairs: {factors:?}");
+    let mut g = Model { w: m.w.clone(), bias: false };
+    g.w.insert("rope_freqs.weight".into(), (vec![HD / 2], factors));
+    gguf(&g, None, &dir.join("model.gguf"));
+    let (hi, hl) = run(LlamaWeights::from_hf_dir(&dir).expect("hf weights"), false);
+    let (gi, gl) = run(LlamaWeights::from_gguf(&dir.join("model.gguf")).expect("gguf weights"), false);
+    let d = max_diff(&hl, &gl);
+    assert!(d < 1e-4, "scaled HF vs GGUF logits differ by {d}");
+    assert_eq!(hi, gi);
+    let moved = max_diff(&hl, &plain);
+    assert!(moved > 1e-3, "the scaling changed the logits by only {moved}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Each block format's kernels (activations quantized to int8 per block)
 /// against the same file's dequantised weights in f32. The bound is loose
 /// (random weights, two layers): it catches a wrong layout, which moves

@@ -153,14 +153,18 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             }
             v
         }
-        Thunk::Rope { dtype, batch, seq: s, heads, head_dim, x, positions, positions_per_batch, out, .. } => {
+        Thunk::Rope { dtype, batch, seq: s, heads, head_dim, x, positions, positions_per_batch, out, freq_factors, .. } => {
             let w = prod(&[*heads, *head_dim]);
             let np = if *positions_per_batch { prod(&[*batch, *s]) } else { *s };
-            vec![
+            let mut v = vec![
                 seq(x, *batch, *s, w, *dtype, "x"),
                 rd("positions", *positions, np, DType::I32),
                 wr("out", *out, prod(&[*batch, *s, w]), *dtype),
-            ]
+            ];
+            if let Some(f) = freq_factors {
+                v.push(rd("freq_factors", *f, *head_dim / 2, DType::F32));
+            }
+            v
         }
         Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => vec![
             rd("x", *x, prod(&[*batch, *seq, *dim]), *dtype),

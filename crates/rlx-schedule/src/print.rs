@@ -113,8 +113,9 @@ fn describe(t: &Thunk) -> String {
             opt(&a.valid_len),
             a.out
         ),
-        Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, .. } => {
-            format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions} -> {out}", seq(x))
+        Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, freq_factors, .. } => {
+            let f = freq_factors.map(|f| format!(" factors={f}")).unwrap_or_default();
+            format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions}{f} -> {out}", seq(x))
         }
         Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq: s, dim, x, mask, out } => {
             format!("{dtype} [{batch}, {s}, {dim}] x={x} mask={mask}:{mask_dtype} -> {out}:{out_dtype}")

@@ -244,6 +244,9 @@ pub enum Thunk {
         positions: BufRef,
         positions_per_batch: bool,
         out: BufRef,
+        /// f32 `[head_dim/2]`: pair i's frequency is divided by factor i.
+        #[serde(default)]
+        freq_factors: Option<BufRef>,
     },
     /// out[b, d] = Σ_s x[b, s, d]·mask[b, s] / max(Σ_s mask[b, s], 1e-9), all
     /// contiguous (`Op::MaskedMean`), accumulated in f32.

@@ -5,7 +5,7 @@
 //! the kernels' job, not the graph's. Two casts are not needed: an input
 //! read only as a mask (attention's, or mean pooling's, which read any
 //! float type) stays as given, and a mean pooling that is an output writes
-//! the output's dtype itself.
+//! the output's dtype itself. RoPE's frequency factors stay f32.
 
 use half::{bf16, f16};
 use rlx_ir::{DType, Graph, IrError, NodeId, Op};
@@ -31,11 +31,21 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
                 })
             })
     };
+    // Leaf i is read only as RoPE frequency factors, which stay f32.
+    let factors_only = |i: usize| {
+        g.nodes[i].op.is_leaf()
+            && !users[i].is_empty()
+            && users[i].iter().all(|&u| {
+                let n = &g.nodes[u];
+                matches!(n.op, Op::Rope { .. }) && n.inputs.iter().enumerate().all(|(k, x)| x.0 != i || k == 2)
+            })
+    };
     let mut out = Graph::new();
     let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         let ins = map_ids(&map, &node.inputs, "precision", i)?;
         let id = match &node.op {
+            _ if factors_only(i) => emit(&mut out, node, ins)?,
             Op::Input { .. } => {
                 let x = emit(&mut out, node, ins)?;
                 if node.dtype.is_float() && node.dtype != dtype && !mask_only(i) {

@@ -61,7 +61,7 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
         }
         Thunk::Cast { from, to, n, src, dst } => elementwise::cast(*from, *to, *n, src, dst, mem),
         Thunk::Attention(a) => attention::run(a, mem),
-        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out } => rope::run(
+        Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => rope::run(
             &rope::RopeArgs {
                 dtype: *dtype,
                 mode: *mode,
@@ -74,6 +74,7 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
                 positions,
                 positions_per_batch: *positions_per_batch,
                 out,
+                freq_factors: freq_factors.as_ref(),
             },
             mem,
         ),

@@ -22,18 +22,26 @@ pub struct RopeArgs<'a> {
     pub positions: &'a BufRef,
     pub positions_per_batch: bool,
     pub out: &'a BufRef,
+    /// f32 `[head_dim/2]`: pair i's frequency is divided by factor i.
+    pub freq_factors: Option<&'a BufRef>,
 }
 
 pub fn run(a: &RopeArgs<'_>, mem: &Mem) -> Result<()> {
     let pos = mem.src::<i32>(a.positions).map_err(exec_err)?;
-    with_float!(a.dtype, T => rows::<T>(a, mem.src::<T>(&a.x.buf).map_err(exec_err)?, pos, mem.dst::<T>(a.out).map_err(exec_err)?));
+    let half = a.head_dim / 2;
+    // freq_i = theta^(-2i / head_dim) / factor_i
+    let mut inv_freq: Vec<f64> = (0..half).map(|i| (a.theta as f64).powf(-2.0 * i as f64 / a.head_dim as f64)).collect();
+    if let Some(f) = a.freq_factors {
+        let mut factors = vec![0f32; half];
+        mem.src::<f32>(f).map_err(exec_err)?.load(0, &mut factors);
+        inv_freq.iter_mut().zip(&factors).for_each(|(v, f)| *v /= *f as f64);
+    }
+    with_float!(a.dtype, T => rows::<T>(a, &inv_freq, mem.src::<T>(&a.x.buf).map_err(exec_err)?, pos, mem.dst::<T>(a.out).map_err(exec_err)?));
     Ok(())
 }
 
-fn rows<T: Elem>(a: &RopeArgs<'_>, x: Src<T>, pos: Src<i32>, out: Dst<T>) {
+fn rows<T: Elem>(a: &RopeArgs<'_>, inv_freq: &[f64], x: Src<T>, pos: Src<i32>, out: Dst<T>) {
     let (hd, half, width) = (a.head_dim, a.head_dim / 2, a.heads * a.head_dim);
-    // freq_i = theta^(-2i / head_dim)
-    let inv_freq: Vec<f64> = (0..half).map(|i| (a.theta as f64).powf(-2.0 * i as f64 / hd as f64)).collect();
     let (bs, rs) = (a.x.batch_stride as usize, a.x.row_stride as usize);
     (0..a.batch * a.seq).into_par_iter().with_min_len((1 << 12) / width.max(1) + 1).for_each_init(
         || (vec![0f32; width], vec![0f32; width], vec![0f32; half], vec![0f32; half]),
