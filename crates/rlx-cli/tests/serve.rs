@@ -174,3 +174,114 @@ fn serve_refuses_bad_flags_before_loading() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("expected 'cpu', 'cuda' or 'cuda:N'"));
 }
+
+/// The test script for the `openai` client: prints one JSON object.
+const OPENAI_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI, NotFoundError, AuthenticationError
+base, key, emb, gen = sys.argv[1:5]
+c = OpenAI(base_url=base, api_key=key, max_retries=0, timeout=120)
+out = {}
+out["emb_default"] = [d.embedding for d in c.embeddings.create(model=emb, input=["first text", "second text"]).data]
+e = c.embeddings.create(model=emb, input="first text", encoding_format="float")
+out["emb_float"], out["emb_tokens"] = e.data[0].embedding, e.usage.prompt_tokens
+msgs = [{"role": "user", "content": "What is 2+2?"}]
+r = c.chat.completions.create(model=gen, messages=msgs, max_tokens=12, temperature=0)
+out["chat"], out["chat_tokens"] = r.choices[0].message.content, r.usage.completion_tokens
+parts = []
+for ch in c.chat.completions.create(model=gen, messages=msgs, max_tokens=12, temperature=0, stream=True):
+    if ch.choices:
+        parts.append(ch.choices[0].delta.content or "")
+out["stream"] = "".join(parts)
+try:
+    c.embeddings.create(model="no-such-model", input="x")
+    out["not_found"] = False
+except NotFoundError:
+    out["not_found"] = True
+try:
+    OpenAI(base_url=base, api_key="wrong-key", max_retries=0).models.list()
+    out["auth"] = False
+except AuthenticationError:
+    out["auth"] = True
+out["models"] = [m.id for m in c.models.list().data]
+print(json.dumps(out))
+"#;
+
+/// A venv with the `openai` package under the target directory (made once).
+/// Without python3 and venv the test skips; a failed install skips too,
+/// unless RLX_REQUIRE_MODELS=1 (CI, which has the network), where it fails.
+fn openai_venv(test: &str) -> Option<PathBuf> {
+    let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    let has_openai = || Command::new(&python).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    if has_openai() {
+        return Some(python);
+    }
+    let made = Command::new("python3").args(["-m", "venv"]).arg(&venv).output();
+    if !made.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED {test}: python3 -m venv is not available ({made:?})");
+        return None;
+    }
+    let pip = Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"]).output();
+    if pip.as_ref().is_ok_and(|o| o.status.success()) && has_openai() {
+        return Some(python);
+    }
+    let why = pip.map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).unwrap_or_else(|e| e.to_string());
+    if std::env::var("RLX_REQUIRE_MODELS").as_deref() == Ok("1") {
+        panic!("{test}: pip install openai failed: {why}");
+    }
+    eprintln!("SKIPPED {test}: pip install openai failed: {why}");
+    None
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).map(|d| if d.is_nan() { f32::INFINITY } else { d }).fold(0.0, f32::max)
+}
+
+fn f32s(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array().unwrap_or_else(|| panic!("not an array: {v}")).iter().map(|x| x.as_f64().unwrap_or(f64::NAN) as f32).collect()
+}
+
+#[test]
+fn the_openai_python_client_embeds_chats_and_streams() {
+    let test = "the_openai_python_client_embeds_chats_and_streams";
+    let (Some(minilm), Some(gguf)) = (model(test, "all-MiniLM-L6-v2"), model(test, "SmolLM2-135M-Instruct.Q4_1.gguf")) else { return };
+    let Some(python) = openai_venv(test) else { return };
+    let want = rlx_models::SentenceEmbedder::load(&minilm, rlx::Device::Cpu)
+        .and_then(|e| e.embed(&["first text", "second text"]))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let server = serve(&[
+        "--embedding-model",
+        minilm.to_str().unwrap_or_default(),
+        "--generation-model",
+        gguf.to_str().unwrap_or_default(),
+        "--max-sequences",
+        "2",
+        "--ctx-size",
+        "1024",
+        "--api-key",
+        "sk-rlx-test",
+    ]);
+    let base = format!("http://{}/v1", server.addr);
+    let o = Command::new(&python)
+        .args(["-c", OPENAI_SCRIPT, &base, "sk-rlx-test", "all-MiniLM-L6-v2", "SmolLM2-135M-Instruct.Q4_1"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    // The client asks for base64 by default and decodes it itself.
+    for (k, got) in v["emb_default"].as_array().cloned().unwrap_or_default().iter().enumerate() {
+        assert!(max_abs_diff(&f32s(got), &want[k]) <= 1e-5, "text {k}");
+    }
+    assert!(max_abs_diff(&f32s(&v["emb_float"]), &want[0]) <= 1e-5);
+    assert_eq!(v["emb_tokens"], 4, "{v}");
+    let chat = v["chat"].as_str().unwrap_or_default();
+    assert!(!chat.is_empty(), "{v}");
+    assert_eq!(v["stream"], chat, "greedy: streamed and whole replies are the same");
+    assert!(v["chat_tokens"].as_u64().is_some_and(|n| (1..=12).contains(&n)), "{v}");
+    assert_eq!(v["not_found"], true, "{v}");
+    assert_eq!(v["auth"], true, "{v}");
+    assert_eq!(v["models"], serde_json::json!(["all-MiniLM-L6-v2", "SmolLM2-135M-Instruct.Q4_1"]));
+}
