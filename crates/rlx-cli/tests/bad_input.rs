@@ -328,3 +328,35 @@ fn signals_during_embed_output_leave_no_file() {
         assert_eq!(leftovers(&dir), Vec::<String>::new(), "{name}: no temporary file");
     }
 }
+
+#[test]
+fn a_full_disk_during_output_is_an_error_and_leaves_no_file() {
+    let Some(model) = model_dir("a_full_disk_during_output_is_an_error_and_leaves_no_file") else { return };
+    let dir = temp_dir("full-disk");
+    let input = dir.join("texts.txt");
+    let lines: Vec<String> = (0..100).map(|i| format!("text {i}")).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap_or_else(|e| panic!("{e}"));
+    for name in ["out.npy", "out.jsonl"] {
+        let out = dir.join(name);
+        let mut command = rlx_command();
+        command.args(["embed", "--model", path_str(&model), "-i", path_str(&input), "-o", path_str(&out)]);
+        // The file-size limit stands in for a full disk: writes past 100 KB
+        // fail (EFBIG instead of ENOSPC, through the same error path).
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            command.pre_exec(|| {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = libc::rlimit { rlim_cur: 100_000, rlim_max: 100_000 };
+                if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let o = command.output().unwrap_or_else(|e| panic!("cannot run rlx: {e}"));
+        refused(&o, 1, &[path_str(&out), "File too large"]);
+        assert!(!out.exists(), "{name}: no partial output");
+        assert_eq!(leftovers(&dir), Vec::<String>::new(), "{name}: no temporary file");
+    }
+}
