@@ -44,9 +44,15 @@ pub fn same_key(given: &[u8], expected: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
+/// The credentials of `Bearer <token>` (the scheme is case-insensitive).
+fn bearer(header: &str) -> Option<&str> {
+    let (scheme, token) = header.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
+}
+
 async fn check_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let Some(key) = &s.options.api_key else { return next.run(req).await };
-    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(bearer);
     match given {
         Some(g) if same_key(g.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
         Some(_) => ApiError::unauthorized("the API key is not valid").into_response(),
@@ -65,7 +71,7 @@ async fn count(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
 
 #[cfg(test)]
 mod tests {
-    use super::same_key;
+    use super::{bearer, same_key};
 
     #[test]
     fn keys_match_only_when_equal() {
@@ -74,5 +80,13 @@ mod tests {
         assert!(!same_key(b"secret1", b"secret"));
         assert!(!same_key(b"secre", b"secret"));
         assert!(!same_key(b"", b"secret"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer"), None);
     }
 }

@@ -183,6 +183,35 @@ fn a_client_that_disconnects_mid_stream_frees_its_slot() {
 }
 
 #[test]
+fn a_request_past_its_time_limit_gets_504_and_frees_its_slot() {
+    let Some(gguf) = smollm2("a_request_past_its_time_limit_gets_504_and_frees_its_slot") else { return };
+    runtime().block_on(async {
+        let options = ServeOptions { max_sequences: 1, ctx_size: CTX, request_timeout: Duration::from_secs(1), ..ServeOptions::default() };
+        let server = Running::start(generation_server(&gguf), options).await;
+        let long = 700;
+        let body = json!({"prompt": "Once upon a time", "max_tokens": long, "ignore_eos": true, "temperature": 0});
+        post(server.addr, "/v1/completions", &body).await.assert_error(504, "timeout");
+        // Streamed: the stream ends with an error event and [DONE].
+        let r =
+            post(server.addr, "/v1/completions", &json!({"prompt": "Once", "max_tokens": long, "ignore_eos": true, "stream": true})).await;
+        assert_eq!(r.status, 200);
+        let events = sse_data(&r.text());
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        let err: Value = serde_json::from_str(&events[events.len() - 2]).unwrap_or_default();
+        assert_eq!(err["error"]["code"], "timeout", "{events:?}");
+        // The one slot is free again.
+        let r =
+            post(server.addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": true})).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let m = Client::connect(server.addr).await.get("/metrics").await.text();
+        let generated = metric(&m, "rlx_generated_tokens_total");
+        assert!(generated < long as f64, "{generated} tokens generated: a timed-out sequence kept running");
+        assert_eq!(metric(&m, "rlx_requests_total{route=\"/v1/completions\",status=\"504\"}"), 1.0, "{m}");
+        server.stop().await;
+    });
+}
+
+#[test]
 fn bad_generation_requests_get_openai_errors() {
     let Some(gguf) = smollm2("bad_generation_requests_get_openai_errors") else { return };
     runtime().block_on(async {

@@ -61,10 +61,12 @@ fn messages(v: &Value) -> Result<Vec<Message>, ApiError> {
                     for (j, p) in parts.iter().enumerate() {
                         match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                             (Some("text"), Some(t)) => text.push_str(t),
-                            (t, _) => return Err(bad(format!(
+                            (t, _) => {
+                                return Err(bad(format!(
                                 "'messages[{i}].content[{j}]': only {{\"type\": \"text\", \"text\": …}} parts are supported, found type {}",
                                 t.unwrap_or("(none)")
-                            ))),
+                            )))
+                            }
                         }
                     }
                     text
