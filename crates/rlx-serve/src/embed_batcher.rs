@@ -4,9 +4,10 @@
 //! already queued). Jobs that arrive while it is busy queue up; when a call
 //! ends with jobs waiting, the next call takes them together, up to
 //! `max_batch_rows` rows, waiting at most `max_wait` for more to arrive.
-//! The embedder sorts a call's rows by length and runs one forward per batch
-//! of similar lengths; each job gets its own rows back, in order.
+//! A call runs one embedder call per sequence bucket (rows of similar
+//! length share a forward); each job gets its own rows back, in order.
 
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
@@ -118,7 +119,7 @@ fn run(rx: Receiver<Job>, embedder: &SentenceEmbedder, max_rows: usize, max_wait
     }
 }
 
-/// One embedder call over every job's rows; each job gets its slice.
+/// One coalesced call over every job's rows; each job gets its slice.
 fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
     // A caller that has gone (timed out, disconnected) costs nothing.
     let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
@@ -126,14 +127,12 @@ fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
         return;
     }
     let all: Vec<Vec<u32>> = jobs.iter().flat_map(|j| j.ids.iter().cloned()).collect();
-    let tokens = all.iter().map(Vec::len).sum();
-    let result = match catch_unwind(AssertUnwindSafe(|| embedder.embed_ids(&all))) {
-        Ok(Ok(v)) if v.len() == all.len() => Ok(v),
-        Ok(Ok(v)) => Err(ApiError::internal(format!("the embedder returned {} vectors for {} texts", v.len(), all.len()))),
-        Ok(Err(e)) => Err(ApiError::from_model(&e)),
+    let (rows, tokens) = (all.len(), all.iter().map(Vec::len).sum());
+    let result = match catch_unwind(AssertUnwindSafe(|| embed_by_bucket(embedder, all))) {
+        Ok(r) => r,
         Err(_) => Err(ApiError::internal("the embedder panicked")),
     };
-    metrics.embed_batch(all.len(), tokens);
+    metrics.embed_batch(rows, tokens);
     match result {
         Ok(vectors) => {
             let mut vectors = vectors.into_iter();
@@ -148,4 +147,27 @@ fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
             }
         }
     }
+}
+
+/// The vectors of `rows`, in order, from one embedder call per sequence
+/// bucket: rows of different buckets never share a forward, so a long text
+/// does not pad a batch of short ones to its length.
+fn embed_by_bucket(embedder: &SentenceEmbedder, rows: Vec<Vec<u32>>) -> Result<Rows, ApiError> {
+    let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, r) in rows.iter().enumerate() {
+        groups.entry(embedder.seq_bucket(r.len()).unwrap_or(usize::MAX)).or_default().push(i);
+    }
+    let mut rows: Vec<Option<Vec<u32>>> = rows.into_iter().map(Some).collect();
+    let mut out: Vec<Vec<f32>> = vec![Vec::new(); rows.len()];
+    for idx in groups.values() {
+        let group: Vec<Vec<u32>> = idx.iter().filter_map(|&i| rows[i].take()).collect();
+        let vectors = embedder.embed_ids(&group).map_err(|e| ApiError::from_model(&e))?;
+        if vectors.len() != idx.len() {
+            return Err(ApiError::internal(format!("the embedder returned {} vectors for {} texts", vectors.len(), idx.len())));
+        }
+        for (&i, v) in idx.iter().zip(vectors) {
+            out[i] = v;
+        }
+    }
+    Ok(out)
 }
