@@ -1,7 +1,8 @@
 //! `/v1/chat/completions` and `/v1/completions` over real HTTP with the
 //! SmolLM2 GGUF: greedy replies (whole and streamed, several at once in the
 //! batched decode) equal the generator's own; a client that disconnects
-//! mid-stream frees its slot; bad requests get OpenAI error objects.
+//! mid-stream (or before a whole reply) frees its slot; a request past its
+//! time limit gets 504; bad requests get OpenAI error objects.
 
 mod common;
 
@@ -143,8 +144,8 @@ fn greedy_chat_and_completions_equal_the_generator_also_when_batched() {
 }
 
 #[test]
-fn a_client_that_disconnects_mid_stream_frees_its_slot() {
-    let Some(gguf) = smollm2("a_client_that_disconnects_mid_stream_frees_its_slot") else { return };
+fn a_client_that_disconnects_mid_stream_or_mid_request_frees_its_slot() {
+    let Some(gguf) = smollm2("a_client_that_disconnects_mid_stream_or_mid_request_frees_its_slot") else { return };
     runtime().block_on(async {
         // One slot: the second request can only run once the first is gone.
         let options =
@@ -165,6 +166,12 @@ fn a_client_that_disconnects_mid_stream_frees_its_slot() {
         }
         drop(stream);
         a.abort();
+        // A whole (not streamed) request whose client gives up frees it too.
+        let mut b = Client::connect(server.addr).await;
+        let body = json!({"prompt": "Once upon a time", "max_tokens": long, "ignore_eos": true, "temperature": 0});
+        let gave_up = tokio::time::timeout(Duration::from_millis(800), b.post("/v1/completions", &body)).await;
+        assert!(gave_up.is_err(), "{long} tokens in 0.8 s?");
+        b.abort();
 
         let start = Instant::now();
         let r =
