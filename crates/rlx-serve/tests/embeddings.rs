@@ -343,3 +343,23 @@ fn a_full_queue_answers_503_with_retry_after() {
         server.stop().await;
     });
 }
+
+#[test]
+fn a_request_that_finds_the_model_idle_does_not_wait_for_company() {
+    let Some(dir) = minilm("a_request_that_finds_the_model_idle_does_not_wait_for_company") else { return };
+    runtime().block_on(async {
+        // A wait for more requests that would show: 3 s.
+        let options = ServeOptions { max_wait: Duration::from_secs(3), ..ServeOptions::default() };
+        let server = Running::start(embedding_server(&dir), options).await;
+        let mut c = Client::connect(server.addr).await;
+        assert_eq!(c.post("/v1/embeddings", &json!({"input": "warm up"})).await.status, 200);
+        for text in ["one lone request", "and another"] {
+            let start = Instant::now();
+            let r = c.post("/v1/embeddings", &json!({"input": text})).await;
+            let took = start.elapsed();
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert!(took < Duration::from_millis(1500), "a lone request took {took:?}: it waited for others");
+        }
+        server.stop().await;
+    });
+}
