@@ -17,11 +17,11 @@ pub struct ServeArgs {
     /// Sentence-embedding model directory, for /v1/embeddings and /v1/rerank.
     /// With neither model flag, both default models are served (the ones
     /// `rlx embed` and `rlx generate` use; a missing one is left out).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub embedding_model: Option<PathBuf>,
     /// Generation model (GGUF file or Hugging Face directory), for
     /// /v1/chat/completions and /v1/completions.
-    #[arg(long)]
+    #[arg(long, value_name = "FILE|DIR")]
     pub generation_model: Option<PathBuf>,
     /// cpu, cuda or cuda:N (both models).
     #[arg(long, default_value = "cpu")]
@@ -58,7 +58,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = D.ctx_size)]
     pub ctx_size: usize,
     /// Require `Authorization: Bearer KEY` on /v1/ routes.
-    #[arg(long)]
+    #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = D.max_body_bytes)]
