@@ -35,9 +35,9 @@ impl TextTokenizer {
     /// Loads `tokenizer.json`; texts are truncated to `max_len` ids, special
     /// tokens included.
     pub fn from_file(path: &Path, max_len: usize) -> Result<TextTokenizer> {
-        crate::error::check_regular_file(path)?;
+        let text = crate::error::read_regular_file(path)?;
         let err = |e: Box<dyn std::error::Error + Send + Sync>| ModelError::Tokenizer { path: path.to_path_buf(), detail: e.to_string() };
-        let mut inner = Tokenizer::from_file(path).map_err(err)?;
+        let mut inner = parse_tokenizer_json(&text).map_err(|detail| ModelError::Tokenizer { path: path.to_path_buf(), detail })?;
         let trunc = TruncationParams { max_length: max_len, ..inner.get_truncation().cloned().unwrap_or_default() };
         inner.with_padding(None);
         inner.with_truncation(Some(trunc)).map_err(err)?;
@@ -98,6 +98,19 @@ impl TextTokenizer {
             .encode(text, true)
             .map_err(|e| ModelError::Tokenizer { path: self.path.clone(), detail: format!("encoding {}: {e}", preview(text)) })?;
         Ok(enc.get_tokens().to_vec())
+    }
+}
+
+/// A tokenizer from the text of a tokenizer.json. The tokenizers crate
+/// panics on some malformed files (a JSON syntax error inside the
+/// `decoder` section hits an `expect`), so the text is first checked to be
+/// JSON at all, and any panic left is caught and reported as an error.
+pub(crate) fn parse_tokenizer_json(text: &str) -> std::result::Result<Tokenizer, String> {
+    serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    match std::panic::catch_unwind(|| text.parse::<Tokenizer>()) {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("not a tokenizer.json the tokenizers library can read (it panicked while parsing)".into()),
     }
 }
 
