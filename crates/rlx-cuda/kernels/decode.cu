@@ -172,8 +172,7 @@ struct QMatMulP {
 
 // A warp per output column (8 per block): each lane decodes 8 weights of a
 // block at a time and multiplies them with RB activation rows, so a weight
-// is decoded once per RB rows (RB 1 for one row, 4 for a few, 8 for a
-// batch or a prefill of 8 rows and more). Lanes of a
+// is decoded once per RB rows (RB 1 for one row, 4 for more). Lanes of a
 // warp read neighbouring chunks: 4 lanes per 32-element block, 32 per
 // 256-element block.
 template <typename T, int F, int RB>
@@ -263,7 +262,7 @@ __device__ void qmatmul_body(const QMatMulP& p) {
     extern "C" __global__ void qmatmul_##FN##_r##RB##_f32(const QMatMulP p) { pdl_enter(); qmatmul_body<float, F, RB>(p); } \
     extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) { pdl_enter(); qmatmul_body<__half, F, RB>(p); } \
     extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) { pdl_enter(); qmatmul_body<__nv_bfloat16, F, RB>(p); }
-#define RLX_QMM_FMT(FN, F) RLX_QMM(FN, F, 1) RLX_QMM(FN, F, 4) RLX_QMM(FN, F, 8)
+#define RLX_QMM_FMT(FN, F) RLX_QMM(FN, F, 1) RLX_QMM(FN, F, 4)
 RLX_QMM_FMT(q4_0, QF_Q4_0)
 RLX_QMM_FMT(q4_1, QF_Q4_1)
 RLX_QMM_FMT(q5_0, QF_Q5_0)

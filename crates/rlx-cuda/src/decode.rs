@@ -113,12 +113,8 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 eps: norm.map_or(0.0, |nm| nm.eps as f64),
             };
             // One row: each warp's weights decoded once; more rows: once
-            // per 4, or per 8 from 8 rows (batched decode, prefill).
-            let rb = match *rows {
-                1 => 1,
-                2..=7 => 4,
-                _ => 8,
-            };
+            // per 4 (more rows per block leave a batch of 8 too few blocks).
+            let rb = if *rows == 1 { 1 } else { 4 };
             let name = format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype));
             let grid = [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, rows.div_ceil(rb).clamp(1, 65535) as u32, 1];
             Step::new(Op::kernel(k.decode()?.get(&name)?, grid, QMM_THREADS, 0, [1, 1, 1], &p)?, kind)
