@@ -219,6 +219,41 @@ fn a_request_past_its_time_limit_gets_504_and_frees_its_slot() {
 }
 
 #[test]
+fn a_full_generation_queue_answers_503_with_retry_after() {
+    let Some(gguf) = smollm2("a_full_generation_queue_answers_503_with_retry_after") else { return };
+    runtime().block_on(async {
+        // One slot, one waiting request: with the slot busy, a second request
+        // waits and a third is refused.
+        let options = ServeOptions { max_sequences: 1, max_queue: 1, ctx_size: CTX, ..ServeOptions::default() };
+        let server = Running::start(generation_server(&gguf), options).await;
+        let mut a = Client::connect(server.addr).await;
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 700, "ignore_eos": true, "temperature": 0, "stream": true});
+        let resp = a.send("POST", "/v1/completions", body.to_string().into_bytes()).await;
+        assert_eq!(resp.status(), 200);
+        let addr = server.addr;
+        let waiting = tokio::spawn(async move {
+            post(addr, "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0, "ignore_eos": true})).await
+        });
+        // The second request is queued once the gauge says so.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&Client::connect(addr).await.get("/metrics").await.text(), "rlx_queue_depth{queue=\"generation\"}") < 1.0 {
+            assert!(Instant::now() < deadline, "the second request never queued");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let r = post(addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})).await;
+        r.assert_error(503, "queue_full");
+        assert_eq!(r.headers.get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        // The first client leaves; the waiting request gets the slot.
+        drop(resp);
+        a.abort();
+        let r = waiting.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["usage"]["completion_tokens"], 2);
+        server.stop().await;
+    });
+}
+
+#[test]
 fn bad_generation_requests_get_openai_errors() {
     let Some(gguf) = smollm2("bad_generation_requests_get_openai_errors") else { return };
     runtime().block_on(async {
