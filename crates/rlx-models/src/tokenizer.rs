@@ -106,11 +106,97 @@ impl TextTokenizer {
 /// `decoder` section hits an `expect`), so the text is first checked to be
 /// JSON at all, and any panic left is caught and reported as an error.
 pub(crate) fn parse_tokenizer_json(text: &str) -> std::result::Result<Tokenizer, String> {
-    serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| format!("not valid JSON: {e}"))?;
-    match std::panic::catch_unwind(|| text.parse::<Tokenizer>()) {
-        Ok(Ok(t)) => Ok(t),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("not a tokenizer.json the tokenizers library can read (it panicked while parsing)".into()),
+    let json: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    check_post_processor(&json["post_processor"])?;
+    let tokenizer = match std::panic::catch_unwind(|| text.parse::<Tokenizer>()) {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err("not a tokenizer.json the tokenizers library can read (it panicked while parsing)".into()),
+    };
+    // A trial run: a tokenizer that panics on these would panic on a user's
+    // text later, mid-run.
+    let trial = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ["", "a", "Hello, world!"].iter().all(|t| tokenizer.encode_fast(*t, true).is_ok())
+    }));
+    match trial {
+        Ok(_) => Ok(tokenizer),
+        Err(_) => Err("the tokenizers library panics when encoding with this tokenizer.json".into()),
+    }
+}
+
+/// The tokenizers crate trusts a TemplateProcessing post-processor read
+/// from JSON: a special token its template names but its `special_tokens`
+/// lack, or a second sequence in the single template, panics at the first
+/// encode. Checked here with a message instead (nested Sequence
+/// post-processors too).
+fn check_post_processor(p: &serde_json::Value) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    // By shape, not by "type": the crate reads post-processors untagged, so
+    // a misspelt type still becomes a TemplateProcessing.
+    let kind = if p.get("processors").is_some() {
+        Some("Sequence")
+    } else if p.get("single").is_some() || p.get("special_tokens").is_some() {
+        Some("TemplateProcessing")
+    } else {
+        None
+    };
+    match kind {
+        Some("Sequence") => {
+            for inner in p["processors"].as_array().map(|a| a.as_slice()).unwrap_or_default() {
+                check_post_processor(inner)?;
+            }
+            Ok(())
+        }
+        Some("TemplateProcessing") => {
+            let specials = p["special_tokens"].as_object();
+            if let Some(map) = specials {
+                for (name, t) in map {
+                    let (ids, tokens) = (t["ids"].as_array().map_or(0, Vec::len), t["tokens"].as_array().map_or(0, Vec::len));
+                    if ids != tokens {
+                        return Err(format!("post_processor: special token '{name}' has {ids} ids but {tokens} tokens"));
+                    }
+                }
+            }
+            for which in ["single", "pair"] {
+                // Each piece: {"SpecialToken": {"id": ..}} or {"Sequence": {"id": "A"|"B"}},
+                // or in the string form "[CLS]:0 $A:0 [SEP]:0".
+                let pieces: Vec<(bool, String)> = match &p[which] {
+                    Value::Array(items) => items
+                        .iter()
+                        .filter_map(|piece| {
+                            if let Some(id) = piece["SpecialToken"]["id"].as_str() {
+                                Some((true, id.to_string()))
+                            } else {
+                                piece["Sequence"]["id"].as_str().map(|id| (false, id.to_string()))
+                            }
+                        })
+                        .collect(),
+                    Value::String(t) => t
+                        .split_whitespace()
+                        .map(|w| {
+                            let name = w.rsplit_once(':').map_or(w, |(n, _)| n);
+                            match name.strip_prefix('$') {
+                                Some(seq) => (false, if seq.eq_ignore_ascii_case("b") { "B".to_string() } else { "A".to_string() }),
+                                None => (true, name.to_string()),
+                            }
+                        })
+                        .collect(),
+                    _ => vec![],
+                };
+                for (special, id) in pieces {
+                    if special && !specials.is_some_and(|m| m.contains_key(&id)) {
+                        return Err(format!(
+                            "post_processor: the {which} template names special token '{id}', which its special_tokens do not define"
+                        ));
+                    }
+                    if !special && which == "single" && id == "B" {
+                        return Err("post_processor: the single template uses a second sequence ($B)".into());
+                    }
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 

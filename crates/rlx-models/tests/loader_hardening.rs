@@ -385,3 +385,48 @@ fn repeated_sequences_run_once_and_get_the_vector_they_get_alone() {
     assert_eq!(all[0], all[2]);
     assert_eq!(all[1], all[4]);
 }
+
+/// The fuzz seed's tiny WordPiece tokenizer.json, as JSON to edit.
+fn tiny_tokenizer_json() -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/tokenizer_json/wordpiece.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn tokenizer_err(dir: &Path, json: &str) -> String {
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, json).unwrap_or_else(|e| panic!("{e}"));
+    TextTokenizer::from_file(&path, 16).err().map(|e| e.to_string()).unwrap_or_default()
+}
+
+#[test]
+fn tokenizer_files_that_made_the_tokenizers_crate_panic_are_errors() {
+    let dir = temp_dir("tokenizer-panics");
+    let good = tiny_tokenizer_json();
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, good.to_string()).unwrap_or_else(|e| panic!("{e}"));
+    let tok = TextTokenizer::from_file(&path, 16).unwrap_or_else(|e| panic!("the seed loads: {e}"));
+    assert_eq!(tok.encode("hello worlds").unwrap_or_else(|e| panic!("{e}")), vec![2, 4, 5, 6, 3]);
+
+    // Found by fuzzing: a JSON syntax error inside "decoder" hit an expect.
+    let text = good.to_string().replacen(r#""decoder":{"#, r#""decoder":{"cleanup" true,"#, 1);
+    assert_ne!(text, good.to_string(), "the edit applies");
+    let e = tokenizer_err(&dir, &text);
+    assert!(e.contains("tokenizer.json") && e.contains("not valid JSON"), "{e}");
+
+    // Found by fuzzing: a template naming a special token that
+    // special_tokens lacks panicked at the first encode (the type's spelling
+    // does not matter to the crate).
+    let mut bad = good.clone();
+    bad["post_processor"]["type"] = "T,emplateProcessing".into();
+    if let Some(m) = bad["post_processor"]["special_tokens"].as_object_mut() {
+        m.remove("[CLS]");
+    }
+    let e = tokenizer_err(&dir, &bad.to_string());
+    assert!(e.contains("special token '[CLS]'") && e.contains("single template"), "{e}");
+
+    let mut bad = good.clone();
+    bad["post_processor"]["single"] = serde_json::json!("[CLS]:0 $A:0 $B:1 [SEP]:0");
+    let e = tokenizer_err(&dir, &bad.to_string());
+    assert!(e.contains("second sequence"), "{e}");
+}
