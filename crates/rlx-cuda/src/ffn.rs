@@ -436,7 +436,9 @@ mod tests {
     #[test]
     fn every_block_of_the_real_minilm_schedule_is_found() {
         // `rlx inspect --model models/all-MiniLM-L6-v2 --precision f16 --json`
-        // (1×128): the arena planner reuses FFN1's output for later tensors.
+        // (1×128; crates/rlx-cli/tests/fixtures.rs checks that the file is
+        // what the compiler makes now): the arena planner reuses FFN1's
+        // output for later tensors.
         let s: rlx_schedule::Schedule =
             serde_json::from_str(include_str!("../tests/data/minilm-f16-1x128.schedule.json")).expect("schedule");
         let outputs: Vec<BufRef> = s.outputs.iter().map(|o| o.buf).collect();
