@@ -25,6 +25,9 @@ type Rows = Vec<Vec<f32>>;
 struct Job {
     ids: Vec<Vec<u32>>,
     reply: oneshot::Sender<Result<Rows, ApiError>>,
+    /// When the handler queued it: a job queued before the last call ended
+    /// arrived while the model was busy.
+    queued: Instant,
 }
 
 /// The handlers' side of the queue.
@@ -59,7 +62,7 @@ impl EmbedBatcher {
     pub async fn embed(&self, ids: Vec<Vec<u32>>) -> Result<Rows, ApiError> {
         let (reply, rx) = oneshot::channel();
         self.metrics.enqueued(Queue::Embeddings);
-        match self.tx.try_send(Job { ids, reply }) {
+        match self.tx.try_send(Job { ids, reply, queued: Instant::now() }) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 self.metrics.dequeued(Queue::Embeddings);
@@ -77,25 +80,30 @@ impl EmbedBatcher {
 /// The model thread: takes a call's worth of jobs, runs them, repeats.
 fn run(rx: Receiver<Job>, embedder: &SentenceEmbedder, max_rows: usize, max_wait: Duration, metrics: &Metrics) {
     let mut carry: Option<Job> = None;
+    // When the last call ended.
+    let mut last_end: Option<Instant> = None;
     loop {
-        // Busy: a job was left over or already waiting when the last call ended.
-        let (first, busy) = match carry.take() {
-            Some(j) => (j, true),
+        let first = match carry.take() {
+            Some(j) => j,
             None => match rx.try_recv() {
                 Ok(j) => {
                     metrics.dequeued(Queue::Embeddings);
-                    (j, true)
+                    j
                 }
                 Err(TryRecvError::Empty) => match rx.recv() {
                     Ok(j) => {
                         metrics.dequeued(Queue::Embeddings);
-                        (j, false)
+                        j
                     }
                     Err(_) => return,
                 },
                 Err(TryRecvError::Disconnected) => return,
             },
         };
+        // Busy: the job was queued while the last call ran (a job that came
+        // after it, even if this thread has not looked yet, found the
+        // model idle and runs at once).
+        let busy = last_end.is_some_and(|e| first.queued <= e);
         let mut rows = first.ids.len();
         let mut jobs = vec![first];
         let deadline = Instant::now() + max_wait;
@@ -116,6 +124,7 @@ fn run(rx: Receiver<Job>, embedder: &SentenceEmbedder, max_rows: usize, max_wait
             jobs.push(j);
         }
         run_call(embedder, jobs, metrics);
+        last_end = Some(Instant::now());
     }
 }
 
