@@ -299,7 +299,9 @@ pub fn gguf_text(path: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u3
 
 fn hf_text(dir: &Path) -> Result<(Tokenizer, Option<ChatTemplate>, Vec<u32>)> {
     let tp = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tp).map_err(|e| tok_err(&tp, e))?;
+    // The checked parser: the tokenizers crate panics on some malformed files.
+    let text = std::fs::read_to_string(&tp).map_err(|e| tok_err(&tp, e))?;
+    let tokenizer = crate::tokenizer::parse_tokenizer_json(&text).map_err(|e| tok_err(&tp, e))?;
     let cp = dir.join("tokenizer_config.json");
     let cfg: serde_json::Value = match std::fs::read_to_string(&cp) {
         Ok(t) => serde_json::from_str(&t).map_err(|e| ModelError::format(&cp, format!("not valid JSON: {e}")))?,

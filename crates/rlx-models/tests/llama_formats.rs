@@ -304,3 +304,28 @@ fn loader_errors_name_the_problem() {
     assert!(e.contains("GPT2LMHeadModel") && e.contains("not supported"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Hugging Face directory whose tokenizer.json makes the tokenizers crate
+/// panic (the fuzzers' findings, kept in fuzz/regressions) is refused with
+/// an error naming the file.
+#[test]
+fn a_malformed_tokenizer_json_is_an_error_for_generation_too() {
+    let m = random_model(41, false);
+    let dir = std::env::temp_dir().join(format!("rlx-llama-badtok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    hf_dir(&m, &dir);
+    let regressions = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/regressions/tokenizer_json");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&regressions).expect("fuzz/regressions/tokenizer_json") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, dir.join("tokenizer.json")).expect("copy");
+        let opts = GeneratorOptions { ctx_size: 64, prefill_buckets: vec![8], ..Default::default() };
+        match Generator::load_with(&dir, Device::Cpu, opts) {
+            Ok(_) => panic!("{} loaded", path.display()),
+            Err(e) => assert!(e.to_string().contains("tokenizer.json"), "{}: {e}", path.display()),
+        }
+        seen += 1;
+    }
+    assert!(seen >= 2, "expected the recorded fuzz findings, found {seen}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
