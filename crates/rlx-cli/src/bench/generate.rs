@@ -70,8 +70,9 @@ fn params(max_tokens: usize) -> SamplingParams {
 
 /// Prefill tok/s and batch-1 decode tok/s, medians of `runs`.
 fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
-    let ctx = (b.prompt_tokens + b.new_tokens + 16).next_power_of_two();
-    let buckets = vec![b.prompt_tokens.next_power_of_two().min(ctx)];
+    let bucket = b.prompt_tokens.next_power_of_two();
+    let ctx = (b.prompt_tokens + b.new_tokens + bucket + 16).next_power_of_two();
+    let buckets = vec![bucket];
     let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, ..Default::default() };
     let t0 = Instant::now();
     let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
@@ -101,8 +102,11 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
 /// Aggregate decode tok/s of `batch` sequences decoding together (after
 /// all of them are prefilled), median of `runs`.
 fn batched(b: &GenBench, batch: usize) -> Result<f64, String> {
-    let ctx = (b.prompt_tokens + b.batch_tokens + 16).next_power_of_two();
-    let buckets = vec![b.prompt_tokens.next_power_of_two().min(ctx)];
+    // Room for one more prefill chunk past every sequence: a slot is
+    // prefilled while the others hold their tokens.
+    let bucket = b.prompt_tokens.next_power_of_two();
+    let ctx = (b.prompt_tokens + b.batch_tokens + bucket + 16).next_power_of_two();
+    let buckets = vec![bucket];
     let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, batch, ..Default::default() };
     let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
     let vocab = g.config().vocab;
@@ -224,7 +228,11 @@ pub fn run(b: &GenBench) -> Result<String, String> {
             eprintln!("llama.cpp: llama-bench and llama-batched-bench from {}...", dir.display());
             let s = llama_bench(b, dir);
             if let Ok((_, _, build)) = &s {
-                notes.push(format!("llama.cpp build {build}: fastest of flash attention off/on for prefill and decode; CUDA graphs on (its default)."));
+                let how = match b.device {
+                    Device::Cpu => format!("on the CPU with {} threads", b.threads),
+                    _ => "all layers on the GPU, CUDA graphs on (its default)".into(),
+                };
+                notes.push(format!("llama.cpp build {build}: fastest of flash attention off/on for prefill and decode; {how}."));
             }
             (s.map(|(p, t, _)| (p, t)), llama_batched(b, dir))
         }
