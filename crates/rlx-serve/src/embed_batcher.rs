@@ -123,13 +123,15 @@ fn run(rx: Receiver<Job>, embedder: &SentenceEmbedder, max_rows: usize, max_wait
             rows += j.ids.len();
             jobs.push(j);
         }
-        run_call(embedder, jobs, metrics);
-        last_end = Some(Instant::now());
+        run_call(embedder, jobs, metrics, &mut last_end);
     }
 }
 
 /// One coalesced call over every job's rows; each job gets its slice.
-fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
+/// `ended` is set when the model work is done, before any reply goes out,
+/// so a request a reply prompts is never taken for one that came while the
+/// model was busy.
+fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics, ended: &mut Option<Instant>) {
     // A caller that has gone (timed out, disconnected) costs nothing.
     let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
     if jobs.is_empty() {
@@ -141,6 +143,7 @@ fn run_call(embedder: &SentenceEmbedder, jobs: Vec<Job>, metrics: &Metrics) {
         Ok(r) => r,
         Err(_) => Err(ApiError::internal("the embedder panicked")),
     };
+    *ended = Some(Instant::now());
     metrics.embed_batch(rows, tokens);
     match result {
         Ok(vectors) => {
