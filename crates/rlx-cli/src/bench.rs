@@ -98,7 +98,9 @@ fn run_generation(args: &BenchArgs, device: Device) -> Result<(), String> {
         .batches
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse::<usize>().ok().filter(|&b| b > 0).ok_or_else(|| format!("--batches: expected positive integers, found '{s}'")))
+        .map(|s| {
+            s.trim().parse::<usize>().ok().filter(|&b| b > 0).ok_or_else(|| format!("--batches: expected positive integers, found '{s}'"))
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let b = generate::GenBench {
         gguf,

@@ -328,38 +328,22 @@ impl Lowerer<'_> {
                     positions_per_batch: g.nodes[pos].shape.dims() != [1],
                 }
             }
-            Op::QMatMul { format } => {
+            Op::QMatMul { .. } | Op::QMatMulFused { .. } => {
+                let (format, norm_eps, glu, residual) = match &node.op {
+                    Op::QMatMulFused { format, norm_eps, glu, residual } => (*format, *norm_eps, *glu, *residual),
+                    Op::QMatMul { format } => (*format, None, false, false),
+                    op => return Err(lower_err(g, i, format!("{} is not a quantized matmul", op.name()))),
+                };
                 let (a, w) = (in0(self)?, self.input(i, 1)?);
                 let (rows, a_rows) = self.rows(i, a)?;
-                Thunk::QMatMul {
-                    format: *format,
-                    dtype,
-                    rows,
-                    n: node.shape.last(),
-                    k: g.nodes[a].shape.last(),
-                    a: a_rows.buf,
-                    lda: a_rows.row_stride,
-                    w: self.dense(i, w)?,
-                    out: self.buf(i),
-                    norm: None,
-                    glu: false,
-                    residual: None,
-                }
-            }
-            Op::QMatMulFused { format, norm_eps, glu, residual } => {
-                let (a, w) = (in0(self)?, self.input(i, 1)?);
-                let (rows, a_rows) = self.rows(i, a)?;
-                let mut next = 2;
                 let norm = match norm_eps {
-                    Some(eps) => {
-                        next += 1;
-                        Some(QNorm { gamma: self.dense(i, self.input(i, 2)?)?, eps: *eps })
-                    }
+                    Some(eps) => Some(QNorm { gamma: self.dense(i, self.input(i, 2)?)?, eps }),
                     None => None,
                 };
-                let residual = if *residual { Some(self.dense(i, self.input(i, next)?)?) } else { None };
+                let next = 2 + norm.is_some() as usize;
+                let residual = if residual { Some(self.dense(i, self.input(i, next)?)?) } else { None };
                 Thunk::QMatMul {
-                    format: *format,
+                    format,
                     dtype,
                     rows,
                     n: node.shape.last(),
@@ -369,7 +353,7 @@ impl Lowerer<'_> {
                     w: self.dense(i, w)?,
                     out: self.buf(i),
                     norm,
-                    glu: *glu,
+                    glu,
                     residual,
                 }
             }

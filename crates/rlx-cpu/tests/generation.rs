@@ -144,7 +144,20 @@ fn quantized_thunks_match_dequantised_reference() {
         let wb = p.weight("w", Tensor::from_bytes([n, rb], DType::U8, w.clone()).expect("w"));
         let ab = p.input("a", &[rows, k], DType::F32);
         let out = p.output("out", &[rows, n], DType::F32);
-        p.push(Thunk::QMatMul { format, dtype: DType::F32, rows, n, k, a: ab, lda: k as u64, w: wb, out, norm: None, glu: false, residual: None });
+        p.push(Thunk::QMatMul {
+            format,
+            dtype: DType::F32,
+            rows,
+            n,
+            k,
+            a: ab,
+            lda: k as u64,
+            w: wb,
+            out,
+            norm: None,
+            glu: false,
+            residual: None,
+        });
         let got = p.run(&[("a", &Tensor::from_f32([rows, k], &a).expect("a"))]).expect("qmatmul")[0].to_f32();
         // Reference: dequantised rows, f64 dot products.
         let mut deq = vec![0f32; n * k];

@@ -78,7 +78,12 @@ fn rope_random() {
             ins.push(("factors", ft));
         }
         let got = p.run(&ins).expect("rope runs");
-        assert_close(&got[0], &want, tol(dtype, TOL_ELEMENTWISE), &format!("rope seed {seed} {dtype} {mode:?} per_batch {per_batch} factors {}", factors.is_some()));
+        assert_close(
+            &got[0],
+            &want,
+            tol(dtype, TOL_ELEMENTWISE),
+            &format!("rope seed {seed} {dtype} {mode:?} per_batch {per_batch} factors {}", factors.is_some()),
+        );
     }
 }
 

@@ -661,12 +661,7 @@ pub(crate) fn lower(
             let (grid, func, block, smem) = match rows {
                 // One query row (a decode step): the keys split over 8 warps.
                 _ if a.q_len == 1 => {
-                    (
-                        [a.heads as u32, a.batch as u32, 1],
-                        k.get(&format!("attention_dec_{hdp}_{}", suffix(a.dtype)))?,
-                        256,
-                        0,
-                    )
+                    ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{}", suffix(a.dtype)))?, 256, 0)
                 }
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];

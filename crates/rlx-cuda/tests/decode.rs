@@ -92,9 +92,14 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
     let mut r = rng(31);
     for f in QFormat::ALL {
         let be = f.block_elems();
-        for (rows, n, nblk, dt) in
-            [(1, 37, 3, DType::F32), (3, 64, 2, DType::F32), (17, 9, 1, DType::F32), (1, 20, 2, DType::F16), (6, 11, 2, DType::BF16), (43, 10, 1, DType::F32)]
-        {
+        for (rows, n, nblk, dt) in [
+            (1, 37, 3, DType::F32),
+            (3, 64, 2, DType::F32),
+            (17, 9, 1, DType::F32),
+            (1, 20, 2, DType::F16),
+            (6, 11, 2, DType::BF16),
+            (43, 10, 1, DType::F32),
+        ] {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
             let lda = k + 8;
@@ -103,7 +108,20 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             let wb = random_blocks(&mut r, f, n, k);
             let w = u8_weight(&mut sb, "w", n, wb.clone());
             let out = sb.output("out", &[rows, n], dt);
-            sb.thunk(Thunk::QMatMul { format: f, dtype: dt, rows, n, k, a, lda: lda as u64, w, out, norm: None, glu: false, residual: None });
+            sb.thunk(Thunk::QMatMul {
+                format: f,
+                dtype: dt,
+                rows,
+                n,
+                k,
+                a,
+                lda: lda as u64,
+                w,
+                out,
+                norm: None,
+                glu: false,
+                residual: None,
+            });
             let at = rand_tensor(&mut r, &[rows, lda], dt);
             let (s, ws) = sb.finish();
             let what = format!("qmatmul {f} {dt} {rows}x{n}x{k}");
@@ -186,9 +204,14 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
     let mut r = rng(37);
     for f in QFormat::ALL {
         let k = 2 * f.block_elems();
-        for (rows, n, norm, glu, res) in
-            [(1, 24, true, false, false), (1, 12, false, true, false), (3, 20, false, false, true), (1, 16, true, true, true), (5, 9, true, true, true), (19, 7, true, true, true)]
-        {
+        for (rows, n, norm, glu, res) in [
+            (1, 24, true, false, false),
+            (1, 12, false, true, false),
+            (3, 20, false, false, true),
+            (1, 16, true, true, true),
+            (5, 9, true, true, true),
+            (19, 7, true, true, true),
+        ] {
             let lda = k + 4;
             let mut sb = Sb::new();
             let a = sb.input("a", &[rows, lda], DType::F32);
@@ -226,7 +249,8 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             let mut dots = vec![(0f64, 0f64); rows * wrows];
             for i in 0..rows {
                 let xr = &x[i * lda..i * lda + k];
-                let inv = if norm { 1.0 / (xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt() } else { 1.0 };
+                let inv =
+                    if norm { 1.0 / (xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt() } else { 1.0 };
                 for j in 0..wrows {
                     dequantize_row(f, &wb[j * rb..(j + 1) * rb], &mut wrow).unwrap_or_else(|e| panic!("{e}"));
                     let (mut v, mut m) = (0f64, 0f64);

@@ -557,7 +557,9 @@ fn rope_both_modes() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(7);
     for dt in FLOATS {
-        for (mode, per_batch, scaled) in [(RopeMode::RotateHalf, false, false), (RopeMode::Interleaved, true, false), (RopeMode::Interleaved, false, true)] {
+        for (mode, per_batch, scaled) in
+            [(RopeMode::RotateHalf, false, false), (RopeMode::Interleaved, true, false), (RopeMode::Interleaved, false, true)]
+        {
             let (batch, seq, heads, hd) = (2, 9, 3, 32);
             let width = heads * hd;
             let mut sb = Sb::new();

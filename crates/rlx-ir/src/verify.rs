@@ -71,16 +71,10 @@ fn qmatmul_shape(name: &str, format: crate::QFormat, ins: &[(&Shape, DType)]) ->
     match format.row_bytes(k) {
         Some(rb) if rb == w.0[1] => {}
         Some(rb) => {
-            return Err(IrError::shape(
-                name,
-                format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1]),
-            ))
+            return Err(IrError::shape(name, format!("a row of {k} {format} elements takes {rb} bytes, weight rows have {}", w.0[1])))
         }
         None => {
-            return Err(IrError::shape(
-                name,
-                format!("K = {k} is not a multiple of {format}'s block of {} elements", format.block_elems()),
-            ))
+            return Err(IrError::shape(name, format!("K = {k} is not a multiple of {format}'s block of {} elements", format.block_elems())))
         }
     }
     let mut out = a.0.clone();

@@ -269,13 +269,15 @@ impl SentenceConfig {
             match v.get("word_embedding_dimension") {
                 None | Some(Value::Null) => {}
                 Some(d) if d.as_u64() == Some(model.hidden_size as u64) => {}
-                Some(d) => return Err(ModelError::format(
-                    &pooling,
-                    format!(
+                Some(d) => {
+                    return Err(ModelError::format(
+                        &pooling,
+                        format!(
                         "word_embedding_dimension is {d}, but config.json's hidden_size is {}: the pooling module belongs to another model",
                         model.hidden_size
                     ),
-                )),
+                    ))
+                }
             }
         }
         Ok(cfg)

@@ -124,7 +124,9 @@ pub fn rope_scaling_factors(s: &serde_json::Value, theta: f32, head_dim: usize) 
     }
     let kind = s["rope_type"].as_str().or_else(|| s["type"].as_str()).unwrap_or("");
     let num = |k: &str| -> std::result::Result<f64, String> {
-        s[k].as_f64().filter(|v| v.is_finite() && *v > 0.0).ok_or_else(|| format!("rope_scaling.{k} must be a positive number, found {}", s[k]))
+        s[k].as_f64()
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .ok_or_else(|| format!("rope_scaling.{k} must be a positive number, found {}", s[k]))
     };
     let half = head_dim / 2;
     match kind {

@@ -467,7 +467,8 @@ fn fused_quantized_block_agrees_bit_for_bit() {
         let x = g.input("x", [rows, k], DType::F32).unwrap();
         let g1 = g.param("g1", [k], DType::F32).unwrap();
         let g2 = g.param("g2", [k], DType::F32).unwrap();
-        let (wq, wk, wv) = (qparam(&mut g, &mut rng, "wq", k, k), qparam(&mut g, &mut rng, "wk", kv, k), qparam(&mut g, &mut rng, "wv", kv, k));
+        let (wq, wk, wv) =
+            (qparam(&mut g, &mut rng, "wq", k, k), qparam(&mut g, &mut rng, "wk", kv, k), qparam(&mut g, &mut rng, "wv", kv, k));
         let wo = qparam(&mut g, &mut rng, "wo", k, k);
         let (wg, wu) = (qparam(&mut g, &mut rng, "wg", inter, k), qparam(&mut g, &mut rng, "wu", inter, k));
         let wd = qparam(&mut g, &mut rng, "wd", k, inter);

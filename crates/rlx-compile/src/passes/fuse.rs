@@ -12,16 +12,7 @@
 
 use rlx_ir::{Activation, BinaryOp, Graph, IrError, NodeId, Op};
 
-use super::{map_ids, map_outputs, users};
-
-#[derive(Clone)]
-enum Plan {
-    Keep,
-    /// Absorbed into a later node.
-    Skip,
-    /// Replaced by a fused op reading these (old) nodes.
-    Replace(Op, Vec<NodeId>),
-}
+use super::{emit_plan, users, Plan};
 
 struct Ctx<'a> {
     g: &'a Graph,
@@ -171,7 +162,7 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
             _ => {}
         }
     }
-    emit_plan(g, &plan)
+    emit_plan(g, &plan, "fuse")
 }
 
 /// Grows an epilogue chain from matmul `mm` and records it in `plan`.
@@ -221,24 +212,4 @@ fn matmul_chain(cx: &Ctx, plan: &mut [Plan], mm: usize, transpose_rhs: bool) {
     ins.extend(residual.map(NodeId));
     let op = Op::MatMulFused { transpose_rhs, bias: bias.is_some(), act, residual: residual.is_some() };
     plan[cur] = Plan::Replace(op, ins);
-}
-
-fn emit_plan(g: &Graph, plan: &[Plan]) -> Result<Graph, IrError> {
-    let mut out = Graph::new();
-    let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
-    for (i, node) in g.nodes.iter().enumerate() {
-        let (op, ins) = match &plan[i] {
-            Plan::Skip => continue,
-            Plan::Keep => (node.op.clone(), &node.inputs),
-            Plan::Replace(op, ins) => (op.clone(), ins),
-        };
-        let ins = map_ids(&map, ins, "fuse", i)?;
-        let id = out.push(op, ins, Some((node.shape.clone(), node.dtype)))?;
-        if let Some(name) = &node.name {
-            out.set_name(id, name.clone());
-        }
-        map[i] = Some(id);
-    }
-    map_outputs(&mut out, g, &map, "fuse")?;
-    Ok(out)
 }

@@ -14,14 +14,7 @@
 
 use rlx_ir::{BinaryOp, Graph, IrError, NodeId, Op};
 
-use super::{map_ids, map_outputs, users};
-
-#[derive(Clone)]
-enum Plan {
-    Keep,
-    Skip,
-    Replace(Op, Vec<NodeId>),
-}
+use super::{emit_plan, users, Plan};
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
     g.verify()?;
@@ -99,23 +92,7 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
         }
         plan[cur] = Plan::Replace(op, ins);
     }
-    let mut out = Graph::new();
-    let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
-    for (i, node) in g.nodes.iter().enumerate() {
-        let (op, ins) = match &plan[i] {
-            Plan::Skip => continue,
-            Plan::Keep => (node.op.clone(), &node.inputs),
-            Plan::Replace(op, ins) => (op.clone(), ins),
-        };
-        let ins = map_ids(&map, ins, "fuse_quant", i)?;
-        let id = out.push(op, ins, Some((node.shape.clone(), node.dtype)))?;
-        if let Some(name) = &node.name {
-            out.set_name(id, name.clone());
-        }
-        map[i] = Some(id);
-    }
-    map_outputs(&mut out, g, &map, "fuse_quant")?;
-    Ok(out)
+    emit_plan(g, &plan, "fuse_quant")
 }
 
 #[cfg(test)]

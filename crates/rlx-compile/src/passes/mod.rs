@@ -57,3 +57,35 @@ pub(crate) fn map_outputs(g: &mut Graph, old: &Graph, map: &[Option<NodeId>], pa
     }
     Ok(())
 }
+
+/// What a fusion pass does with each node.
+#[derive(Clone)]
+pub(crate) enum Plan {
+    Keep,
+    /// Absorbed into a later node.
+    Skip,
+    /// Replaced by a fused op reading these (old) nodes.
+    Replace(rlx_ir::Op, Vec<NodeId>),
+}
+
+/// The graph a fusion plan describes: kept nodes as they are, replaced ones
+/// as their fused op (in the replaced node's place and with its name).
+pub(crate) fn emit_plan(g: &Graph, plan: &[Plan], pass: &str) -> Result<Graph, IrError> {
+    let mut out = Graph::new();
+    let mut map: Vec<Option<NodeId>> = vec![None; g.len()];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let (op, ins) = match &plan[i] {
+            Plan::Skip => continue,
+            Plan::Keep => (node.op.clone(), &node.inputs),
+            Plan::Replace(op, ins) => (op.clone(), ins),
+        };
+        let ins = map_ids(&map, ins, pass, i)?;
+        let id = out.push(op, ins, Some((node.shape.clone(), node.dtype)))?;
+        if let Some(name) = &node.name {
+            out.set_name(id, name.clone());
+        }
+        map[i] = Some(id);
+    }
+    map_outputs(&mut out, g, &map, pass)?;
+    Ok(out)
+}

@@ -53,9 +53,7 @@ pub fn matmul(a: &QMatMulArgs<'_>, mem: &Mem) -> Result<()> {
         }
         None => (x.row(0, a_len), lda),
     };
-    let mm = |dst: &mut [f32]| {
-        quant::matmul(a.format, rows, wn, k, x, lda, w, dst, wn).map_err(|e| exec_err(format!("qmatmul: {e}")))
-    };
+    let mm = |dst: &mut [f32]| quant::matmul(a.format, rows, wn, k, x, lda, w, dst, wn).map_err(|e| exec_err(format!("qmatmul: {e}")));
     let out = mem.dst::<f32>(a.out).map_err(exec_err)?;
     if !a.glu && a.residual.is_none() {
         // SAFETY: the output buffer is disjoint from a, w and gamma (operand checks at prepare) and this call is its only user.
