@@ -193,7 +193,9 @@ fn a_client_that_disconnects_mid_stream_or_mid_request_frees_its_slot() {
 fn a_request_past_its_time_limit_gets_504_and_frees_its_slot() {
     let Some(gguf) = smollm2("a_request_past_its_time_limit_gets_504_and_frees_its_slot") else { return };
     runtime().block_on(async {
-        let options = ServeOptions { max_sequences: 1, ctx_size: CTX, request_timeout: Duration::from_secs(1), ..ServeOptions::default() };
+        // 3 s: long enough for the last short request on a loaded 2-core machine
+        // (it waits for the freed slot, then prefills), far too short for 700 tokens.
+        let options = ServeOptions { max_sequences: 1, ctx_size: CTX, request_timeout: Duration::from_secs(3), ..ServeOptions::default() };
         let server = Running::start(generation_server(&gguf), options).await;
         let long = 700;
         let body = json!({"prompt": "Once upon a time", "max_tokens": long, "ignore_eos": true, "temperature": 0});
