@@ -13,7 +13,12 @@ JOBS.json (written by `rlx bench`) is a list of jobs:
 
 Prints one JSON line per job on stdout:
   {"id", "eager_us", "graph_us" (null when not captured), "graph_mask",
-   "graph_vs_eager_max_abs", "hidden_out", "torch", "transformers", "device"}
+   "graph_vs_eager_max_abs", "plain_graph_us", "hidden_out", "torch",
+   "transformers", "device"}
+On a GPU, two captures are timed: the loaded model (its output is checked
+against the eager pass), and a plain `BertModel(config)` built in memory
+with the same shapes, dtype and inputs (`plain_graph_us`: random weights;
+speed does not depend on values). The caller reports the faster.
 or {"id", "error"}. If torch or transformers cannot be imported it prints one
 line {"error": ...} and exits with status 3, so the caller can tell "no peer"
 from "peer failed".
@@ -166,6 +171,15 @@ def run_job(job, args, torch, transformers, numpy):
             except RuntimeError as e:
                 result["graph_us"] = None
                 result["graph_error"] = str(e)
+            try:
+                plain = transformers.BertModel(model.config, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
+                plain_out = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+                (graph, keep), _, _ = capture_graph(torch, plain, ids, mask, dtype, plain_out)
+                result["plain_graph_us"] = time_cuda(torch, graph.replay, args.runs, args.warmup)
+                del graph, keep, plain
+            except RuntimeError as e:
+                result["plain_graph_us"] = None
+                result["plain_graph_error"] = str(e)
         else:
             result["eager_us"] = time_cpu(eager, args.runs, args.warmup)
             result["graph_us"] = None  # CUDA graphs need --device cuda

@@ -5,7 +5,7 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use clap::Args;
-use rlx::Device;
+use rlx::{DType, Device};
 use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams, StopReason};
 
 use crate::model_dir::{data_dir, Env};
@@ -26,6 +26,20 @@ pub struct ModelArgs {
     /// Cache size in tokens (prompt and reply together), at most the model's context.
     #[arg(long, default_value_t = 4096)]
     pub ctx_size: usize,
+    /// KV cache dtype: auto (f16 on a GPU, f32 on the CPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
+}
+
+/// `--kv-dtype`: `auto` (None: the device's default) or a float dtype.
+pub fn parse_kv_dtype(s: &str) -> Result<Option<DType>, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    match DType::parse(s) {
+        Some(d) if d.is_float() => Ok(Some(d)),
+        _ => Err(format!("--kv-dtype '{s}': expected auto, f32, f16 or bf16")),
+    }
 }
 
 #[derive(Args, Clone)]
@@ -143,7 +157,7 @@ fn load(m: &ModelArgs) -> Result<Generator, String> {
         return Err(format!("{}: no such file or directory", path.display()));
     }
     let device: Device = m.device.parse().map_err(|e: rlx::Error| e.to_string())?;
-    let opts = GeneratorOptions { ctx_size: m.ctx_size, ..Default::default() };
+    let opts = GeneratorOptions { ctx_size: m.ctx_size, kv_dtype: parse_kv_dtype(&m.kv_dtype)?, ..Default::default() };
     Generator::load_with(&path, device, opts).map_err(|e| e.to_string())
 }
 

@@ -57,6 +57,9 @@ pub struct ServeArgs {
     /// less 257 rows, which batched prefill needs.
     #[arg(long, default_value_t = D.ctx_size)]
     pub ctx_size: usize,
+    /// KV cache dtype: auto (f16 on a GPU, f32 on the CPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    pub kv_dtype: String,
     /// Require `Authorization: Bearer KEY` on /v1/ routes.
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
@@ -113,6 +116,7 @@ pub fn run(a: ServeArgs) -> Result<(), String> {
         max_queue: a.max_queue,
         max_sequences: a.max_sequences,
         ctx_size: a.ctx_size,
+        kv_dtype: crate::generate::parse_kv_dtype(&a.kv_dtype)?,
         api_key: a.api_key.clone(),
         max_body_bytes: a.max_body_bytes,
         max_inputs: a.max_inputs,

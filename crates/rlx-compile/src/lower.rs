@@ -255,6 +255,7 @@ impl Lowerer<'_> {
                 let valid_len = valid_len.map(|l| self.dense(i, l)).transpose()?;
                 Thunk::Attention(AttentionThunk {
                     dtype,
+                    kv_dtype: g.nodes[k].dtype,
                     batch: dims[0],
                     heads: spec.heads,
                     kv_heads: spec.kv_heads,
@@ -318,6 +319,7 @@ impl Lowerer<'_> {
                 let vd = g.nodes[val].shape.dims();
                 Thunk::WriteState {
                     dtype,
+                    value_dtype: g.nodes[val].dtype,
                     batch: dims[0],
                     max_rows: dims[1],
                     new_rows: vd[1],

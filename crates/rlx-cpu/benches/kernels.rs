@@ -334,6 +334,7 @@ fn rlx_attention(backend: &CpuBackend, batch: usize, seq: usize, heads: usize, h
     let out = BufRef { space: Space::Arena, offset: 0, bytes: (batch * seq * heads * hd * 4) as u64 };
     let t = Thunk::Attention(rlx_schedule::AttentionThunk {
         dtype: DType::F32,
+        kv_dtype: DType::F32,
         batch,
         heads,
         kv_heads: heads,

@@ -59,6 +59,7 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
         Thunk::Cast { .. } => Ok(()),
         Thunk::Attention(a) => {
             float(a.dtype, "attention dtype")?;
+            float(a.kv_dtype, "attention key/value dtype")?;
             if a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
                 return Err(format!("attention: heads ({}) must be a multiple of kv_heads ({})", a.heads, a.kv_heads));
             }
@@ -87,7 +88,12 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
                 None => Ok(()),
             }
         }
-        Thunk::WriteState { .. } => Ok(()),
+        Thunk::WriteState { dtype, value_dtype, .. } => {
+            if dtype != value_dtype && !(dtype.is_float() && value_dtype.is_float()) {
+                return Err(format!("write_state: a {value_dtype} value cannot be written into a {dtype} state"));
+            }
+            Ok(())
+        }
         Thunk::QMatMul { dtype, format, k, .. } => {
             if *dtype != DType::F32 {
                 return Err(format!("qmatmul on {dtype} activations (f32 only on the CPU)"));

@@ -135,6 +135,7 @@ fn run(seed: u64, c: &Case, fused: bool) {
     let out = p.output("out", &[c.batch, c.q_len, qw], dt);
     p.push(Thunk::Attention(AttentionThunk {
         dtype: dt,
+        kv_dtype: dt,
         batch: c.batch,
         heads: c.heads,
         kv_heads: c.kv_heads,

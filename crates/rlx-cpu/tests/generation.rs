@@ -39,6 +39,7 @@ fn attention_per_row_valid_len_matches_row_by_row() {
             let seq = |buf, len: usize, w: usize| SeqView { buf, batch_stride: (len * w) as u64, row_stride: w as u64 };
             p.push(Thunk::Attention(AttentionThunk {
                 dtype: DType::F32,
+                kv_dtype: DType::F32,
                 batch: b,
                 heads,
                 kv_heads,
@@ -92,6 +93,7 @@ fn write_state_per_row_positions() {
     let position = p.input("pos", &[batch], DType::I32);
     p.push(Thunk::WriteState {
         dtype: DType::F32,
+        value_dtype: DType::F32,
         batch,
         max_rows,
         new_rows,

@@ -129,6 +129,7 @@ fn state_plan(batch: usize, max_rows: usize, new_rows: usize, width: usize) -> P
     let position = p.input("pos", &[1], DType::I32);
     p.push(Thunk::WriteState {
         dtype: DType::F32,
+        value_dtype: DType::F32,
         batch,
         max_rows,
         new_rows,
@@ -187,6 +188,7 @@ fn write_state_of_integers() {
     let position = p.input("pos", &[1], DType::I32);
     p.push(Thunk::WriteState {
         dtype: DType::I64,
+        value_dtype: DType::I64,
         batch: 1,
         max_rows: 4,
         new_rows: 1,

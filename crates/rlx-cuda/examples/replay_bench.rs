@@ -161,6 +161,7 @@ fn build(m: &Model, batch: usize, seq: usize, small_out: bool) -> (Arc<Schedule>
         let att = b.scratch(rows * h);
         b.s.thunks.push(Thunk::Attention(AttentionThunk {
             dtype: dt,
+            kv_dtype: dt,
             batch,
             heads: m.heads,
             kv_heads: m.heads,

@@ -20,14 +20,15 @@ struct AttnP {
     i64 valid_pb;  // valid holds one length per batch row
 };
 
-template <typename T, int HDP, int RPW>
+// T: q's and out's type; TK: k's and v's (an f16 cache under f32 queries).
+template <typename T, typename TK, int HDP, int RPW>
 __device__ void attention_body(const AttnP& p) {
     constexpr int ROWS = 4 * RPW;
     constexpr int NC = HDP / 32;
     __shared__ float sq[ROWS][HDP];
     __shared__ float sk[TILE][HDP + 1];  // +1: lanes read different rows, same column
     __shared__ float sv[TILE][HDP];
-    const T* q = (const T*)p.q; const T* k = (const T*)p.k; const T* v = (const T*)p.v;
+    const T* q = (const T*)p.q; const TK* k = (const TK*)p.k; const TK* v = (const TK*)p.v;
     T* out = (T*)p.out;
     const i64 b = blockIdx.z, h = blockIdx.y, r0 = (i64)blockIdx.x * ROWS;
     const i64 kvh = h / (p.heads / p.kv_heads);
@@ -64,8 +65,8 @@ __device__ void attention_body(const AttnP& p) {
         i64 lim = valid - p.q_len + last_row + 1;
         if (lim < tile_end) tile_end = lim;
     }
-    const T* kb = k + b * p.kbs + kvh * p.hd;
-    const T* vb = v + b * p.vbs + kvh * p.hd;
+    const TK* kb = k + b * p.kbs + kvh * p.hd;
+    const TK* vb = v + b * p.vbs + kvh * p.hd;
 
     for (i64 t0 = 0; t0 < tile_end; t0 += TILE) {
         __syncthreads();
@@ -143,11 +144,19 @@ __device__ void attention_body(const AttnP& p) {
     }
 }
 
-// attention_<HDP>_<RPW>_<dtype>
-#define RLX_ATTN(HDP, RPW)                                                                                              \
-    extern "C" __global__ void attention_##HDP##_##RPW##_f32(const AttnP p) { pdl_enter(); attention_body<float, HDP, RPW>(p); }    \
-    extern "C" __global__ void attention_##HDP##_##RPW##_f16(const AttnP p) { pdl_enter(); attention_body<__half, HDP, RPW>(p); }   \
-    extern "C" __global__ void attention_##HDP##_##RPW##_bf16(const AttnP p) { pdl_enter(); attention_body<__nv_bfloat16, HDP, RPW>(p); }
+// attention_<HDP>_<RPW>_<dtype>, and _f32_kv<dtype> for f32 queries over f16/bf16 keys and values
+#define RLX_ATTN(HDP, RPW)                                                                                                       \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f32(const AttnP p) { pdl_enter(); attention_body<float, float, HDP, RPW>(p); } \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f16(const AttnP p) { pdl_enter(); attention_body<__half, __half, HDP, RPW>(p); } \
+    extern "C" __global__ void attention_##HDP##_##RPW##_bf16(const AttnP p) {                                                   \
+        pdl_enter();                                                                                                             \
+        attention_body<__nv_bfloat16, __nv_bfloat16, HDP, RPW>(p);                                                               \
+    }                                                                                                                            \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f32_kvf16(const AttnP p) { pdl_enter(); attention_body<float, __half, HDP, RPW>(p); } \
+    extern "C" __global__ void attention_##HDP##_##RPW##_f32_kvbf16(const AttnP p) {                                             \
+        pdl_enter();                                                                                                             \
+        attention_body<float, __nv_bfloat16, HDP, RPW>(p);                                                                       \
+    }
 RLX_ATTN(32, 1)
 RLX_ATTN(32, 4)
 RLX_ATTN(64, 1)
@@ -164,12 +173,12 @@ RLX_ATTN(128, 4)
 // are skipped outright (weight 0, and their V rows never read). With one
 // query row the causal rule admits exactly the valid keys.
 #define DEC_WARPS 8
-template <typename T, int HDP>
+template <typename T, typename TK, int HDP>
 __device__ void attention_dec_body(const AttnP& p) {
     constexpr int NC = HDP / 32;
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_o[DEC_WARPS][HDP];
-    const T* q = (const T*)p.q; const T* k = (const T*)p.k; const T* v = (const T*)p.v;
+    const T* q = (const T*)p.q; const TK* k = (const TK*)p.k; const TK* v = (const TK*)p.v;
     const i64 b = blockIdx.y, h = blockIdx.x;
     const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -186,8 +195,8 @@ __device__ void attention_dec_body(const AttnP& p) {
         const int d = lane + 32 * c;
         qv[c] = d < hd ? ld(qb, d) * scale : 0.0f;
     }
-    const T* kb = k + b * p.kbs + kvh * p.hd;
-    const T* vb = v + b * p.vbs + kvh * p.hd;
+    const TK* kb = k + b * p.kbs + kvh * p.hd;
+    const TK* vb = v + b * p.vbs + kvh * p.hd;
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
@@ -251,11 +260,19 @@ __device__ void attention_dec_body(const AttnP& p) {
     }
 }
 
-// attention_dec_<HDP>_<dtype>
-#define RLX_ATTN_DEC(HDP)                                                                                           \
-    extern "C" __global__ void attention_dec_##HDP##_f32(const AttnP p) { pdl_enter(); attention_dec_body<float, HDP>(p); }   \
-    extern "C" __global__ void attention_dec_##HDP##_f16(const AttnP p) { pdl_enter(); attention_dec_body<__half, HDP>(p); }  \
-    extern "C" __global__ void attention_dec_##HDP##_bf16(const AttnP p) { pdl_enter(); attention_dec_body<__nv_bfloat16, HDP>(p); }
+// attention_dec_<HDP>_<dtype>, and _f32_kv<dtype> for f32 queries over f16/bf16 keys and values
+#define RLX_ATTN_DEC(HDP)                                                                                                      \
+    extern "C" __global__ void attention_dec_##HDP##_f32(const AttnP p) { pdl_enter(); attention_dec_body<float, float, HDP>(p); } \
+    extern "C" __global__ void attention_dec_##HDP##_f16(const AttnP p) { pdl_enter(); attention_dec_body<__half, __half, HDP>(p); } \
+    extern "C" __global__ void attention_dec_##HDP##_bf16(const AttnP p) {                                                     \
+        pdl_enter();                                                                                                           \
+        attention_dec_body<__nv_bfloat16, __nv_bfloat16, HDP>(p);                                                              \
+    }                                                                                                                          \
+    extern "C" __global__ void attention_dec_##HDP##_f32_kvf16(const AttnP p) { pdl_enter(); attention_dec_body<float, __half, HDP>(p); } \
+    extern "C" __global__ void attention_dec_##HDP##_f32_kvbf16(const AttnP p) {                                               \
+        pdl_enter();                                                                                                           \
+        attention_dec_body<float, __nv_bfloat16, HDP>(p);                                                                      \
+    }
 RLX_ATTN_DEC(32)
 RLX_ATTN_DEC(64)
 RLX_ATTN_DEC(96)

@@ -58,7 +58,10 @@ extern "C" __global__ void gather_vec(const GatherP p) {
 
 // `per_batch`: pos holds one position per batch row. Any bad position
 // makes the whole write a no-op (as the CPU, which checks every row first).
-struct WriteStateP { void* state; const void* value; const int* pos; int* err; i64 batch; i64 max_rows; i64 new_rows; i64 width; i64 esize; i64 per_batch; };
+// A value whose dtype `from` differs from the state's `to` (both floats) is
+// rounded to the state's dtype; otherwise elements of `esize` bytes move as
+// they are.
+struct WriteStateP { void* state; const void* value; const int* pos; int* err; i64 batch; i64 max_rows; i64 new_rows; i64 width; i64 esize; i64 per_batch; i64 from; i64 to; };
 
 extern "C" __global__ void write_state(const WriteStateP p) {
     pdl_enter();
@@ -73,7 +76,17 @@ extern "C" __global__ void write_state(const WriteStateP p) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         i64 c = i % p.width, s = (i / p.width) % p.new_rows, b = i / (p.width * p.new_rows);
         const i64 pos = (i64)p.pos[p.per_batch ? b : 0];
-        copy_elem(p.state, (b * p.max_rows + pos + s) * p.width + c, p.value, i, p.esize);
+        const i64 di = (b * p.max_rows + pos + s) * p.width + c;
+        if (p.from == p.to) {
+            copy_elem(p.state, di, p.value, i, p.esize);
+        } else {
+            const float v = (float)ld_any(p.value, i, p.from);
+            switch (p.to) {
+                case DT_F16: ((__half*)p.state)[di] = __float2half_rn(v); break;
+                case DT_BF16: ((__nv_bfloat16*)p.state)[di] = __float2bfloat16_rn(v); break;
+                default: ((float*)p.state)[di] = v; break;
+            }
+        }
     }
 }
 

@@ -656,13 +656,14 @@ pub(crate) fn lower(
             // else 16-row blocks whose 4 warps split the keys (batch 1: 12
             // heads x 128 tokens is 24 blocks of 64 rows but 96 of 16). The
             // scalar kernel otherwise (f32, odd head dims).
-            let tensor = a.dtype != DType::F32 && a.head_dim % 16 == 0;
+            let tensor = a.dtype != DType::F32 && a.kv_dtype == a.dtype && a.head_dim % 16 == 0;
             let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count);
+            // The scalar kernels' dtype suffix: f32 queries over an f16 or
+            // bf16 cache read it as stored (`f32_kvf16`, `f32_kvbf16`).
+            let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
             let (grid, func, block, smem) = match rows {
                 // One query row (a decode step): the keys split over 8 warps.
-                _ if a.q_len == 1 => {
-                    ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{}", suffix(a.dtype)))?, 256, 0)
-                }
+                _ if a.q_len == 1 => ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{sfx}"))?, 256, 0),
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
@@ -682,7 +683,7 @@ pub(crate) fn lower(
                 }
                 _ => {
                     let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];
-                    (grid, k.get(&format!("attention_{hdp}_{rpw}_{}", suffix(a.dtype)))?, 128, 0)
+                    (grid, k.get(&format!("attention_{hdp}_{rpw}_{sfx}"))?, 128, 0)
                 }
             };
             steps.push(Step::new(Op::kernel(func, grid, block, smem, [1, 1, 1], &p)?, kind));
@@ -722,7 +723,7 @@ pub(crate) fn lower(
             };
             steps.push(k.flat(k.typed("swiglu", *dtype)?, n, &p, kind)?);
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
+        Thunk::WriteState { dtype, value_dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
             let n = (batch * new_rows * width) as u64;
             let p = params::WriteStateP {
                 state: b.ptr(state)?,
@@ -735,6 +736,8 @@ pub(crate) fn lower(
                 width: i(*width),
                 esize: i(dtype.size()),
                 per_batch: *positions_per_batch as i64,
+                from: dtype_code(*value_dtype),
+                to: dtype_code(*dtype),
             };
             steps.push(k.flat(k.get("write_state")?, n, &p, kind)?);
         }
@@ -863,6 +866,12 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
             Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads))
         }
         Thunk::Attention(a) if !float(&a.dtype) || a.batch > 65535 || a.heads > 65535 => Some("attention dtype or grid".into()),
+        Thunk::Attention(a) if a.kv_dtype != a.dtype && !(a.dtype == DType::F32 && matches!(a.kv_dtype, DType::F16 | DType::BF16)) => {
+            Some(format!("attention of {} queries over {} keys and values (f32 over f16 or bf16 only)", a.dtype, a.kv_dtype))
+        }
+        Thunk::WriteState { dtype, value_dtype, .. } if dtype != value_dtype && !(float(dtype) && float(value_dtype)) => {
+            Some(format!("write_state of a {value_dtype} value into a {dtype} state"))
+        }
         Thunk::Rope { head_dim, .. } if head_dim % 2 != 0 => Some(format!("rope with odd head_dim {head_dim}")),
         Thunk::TopK { k, len, .. } if *k > *len || *k == 0 => Some(format!("topk k={k} of len {len}")),
         Thunk::Norm { rows, .. } | Thunk::EmbedNorm { rows, .. } | Thunk::Softmax { outer: rows, .. } if too_big(*rows) => {

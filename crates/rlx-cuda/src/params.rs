@@ -92,7 +92,10 @@ kernel_params! {
     /// Row gathers (kernels/indexed.cu).
     struct GatherP { table: u64, ids: u64, out: u64, err: u64, n: i64, dim: i64, vocab: i64, id64: i64, esize: i64 }
     /// State writes.
-    struct WriteStateP { state: u64, value: u64, pos: u64, err: u64, batch: i64, max_rows: i64, new_rows: i64, width: i64, esize: i64, per_batch: i64 }
+    struct WriteStateP {
+        state: u64, value: u64, pos: u64, err: u64, batch: i64, max_rows: i64, new_rows: i64, width: i64, esize: i64, per_batch: i64, from: i64,
+        to: i64,
+    }
     /// Rotary position embeddings.
     struct RopeP {
         x: u64, pos: u64, out: u64, factors: u64, batch: i64, seq: i64, heads: i64, hd: i64, xbs: i64, xrs: i64, mode: i64, per_batch: i64,

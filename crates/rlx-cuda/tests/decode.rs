@@ -502,7 +502,18 @@ fn write_state_one_position_per_row() {
         let value = sb.input("value", &[batch, new_rows, width], dt);
         let pos = sb.input("pos", &[batch], DType::I32);
         let state = sb.state("cache", &[batch, max_rows, width], dt);
-        sb.thunk(Thunk::WriteState { dtype: dt, batch, max_rows, new_rows, width, state, value, position: pos, positions_per_batch: true });
+        sb.thunk(Thunk::WriteState {
+            dtype: dt,
+            value_dtype: dt,
+            batch,
+            max_rows,
+            new_rows,
+            width,
+            state,
+            value,
+            position: pos,
+            positions_per_batch: true,
+        });
         let out = sb.output("out", &[batch, max_rows, width], dt);
         let n = batch * max_rows * width;
         sb.thunk(Thunk::Copy { dtype: dt, shape: vec![n], src: state, src_strides: vec![1], dst: out, dst_strides: vec![1] });
@@ -524,23 +535,67 @@ fn write_state_one_position_per_row() {
     }
 }
 
+/// A float value written into a float state of another dtype is rounded to
+/// the state's (f32 keys into an f16 cache), on the GPU as on the CPU.
+#[test]
+fn write_state_converts_floats() {
+    let Some(g) = gpu_or_dry() else { return };
+    let mut r = rng(36);
+    for (vt, st) in [(DType::F32, DType::F16), (DType::F32, DType::BF16), (DType::F16, DType::F32), (DType::BF16, DType::F16)] {
+        let (batch, max_rows, new_rows, width) = (2, 7, 3, 33);
+        let mut sb = Sb::new();
+        let value = sb.input("value", &[batch, new_rows, width], vt);
+        let pos = sb.input("pos", &[batch], DType::I32);
+        let state = sb.state("cache", &[batch, max_rows, width], st);
+        sb.thunk(Thunk::WriteState {
+            dtype: st,
+            value_dtype: vt,
+            batch,
+            max_rows,
+            new_rows,
+            width,
+            state,
+            value,
+            position: pos,
+            positions_per_batch: true,
+        });
+        let out = sb.output("out", &[batch, max_rows, width], st);
+        let n = batch * max_rows * width;
+        sb.thunk(Thunk::Copy { dtype: st, shape: vec![n], src: state, src_strides: vec![1], dst: out, dst_strides: vec![1] });
+        let (s, w) = sb.finish();
+        let v = rand_tensor(&mut r, &[batch, new_rows, width], vt);
+        let inputs = named(vec![("value", v.clone()), ("pos", t_i32(&[batch], &[4, 1]))]);
+        // The CPU's result is checked against plain rounding of each value.
+        let cpu = run(&rlx_cpu::CpuBackend::new(), &s, &w, &inputs, true).expect("cpu").remove(0).to_f32();
+        let vals = v.to_f32();
+        for (b, p) in [(0usize, 4usize), (1, 1)] {
+            for i in 0..new_rows * width {
+                let want = t_f32(&[1], &[vals[b * new_rows * width + i]]).to_dtype(st).to_f32()[0];
+                assert_eq!(cpu[(b * max_rows + p) * width + i].to_bits(), want.to_bits(), "{vt} -> {st}: batch {b} element {i}");
+            }
+        }
+        check(&format!("write_state {vt} into {st}"), &g, &s, &w, &inputs, 1.0);
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attention_per_row(
     g: &Option<rlx_cuda::CudaBackend>,
     r: &mut StdRng,
-    dt: DType,
+    (dt, kvt): (DType, DType),
     (batch, heads, kv_heads, hd, q_len, kv_len): (usize, usize, usize, usize, usize, usize),
     causal: bool,
 ) {
     let (qw, kw) = (heads * hd, kv_heads * hd);
     let mut sb = Sb::new();
     let qb = sb.input("q", &[batch, q_len, qw], dt);
-    let kb = sb.input("k", &[batch, kv_len, kw], dt);
-    let vb = sb.input("v", &[batch, kv_len, kw], dt);
+    let kb = sb.input("k", &[batch, kv_len, kw], kvt);
+    let vb = sb.input("v", &[batch, kv_len, kw], kvt);
     let valid = sb.input("valid", &[batch], DType::I32);
     let out = sb.output("out", &[batch, q_len, qw], dt);
     sb.thunk(Thunk::Attention(AttentionThunk {
         dtype: dt,
+        kv_dtype: kvt,
         batch,
         heads,
         kv_heads,
@@ -563,19 +618,21 @@ fn attention_per_row(
     let vv: Vec<i32> = (0..batch).map(|b| if b == 0 { kv_len as i32 } else { r.random_range(q_len..=kv_len) as i32 }).collect();
     // Keys past a row's valid length hold NaN: they must never be read.
     let mut kv = |name: &str| {
-        let mut x = rand_tensor(r, &[batch, kv_len, kw], dt).to_f32();
+        let mut x = rand_tensor(r, &[batch, kv_len, kw], kvt).to_f32();
         for (i, e) in x.iter_mut().enumerate() {
             if (i / kw) % kv_len >= vv[i / (kv_len * kw)] as usize {
                 *e = f32::NAN;
             }
         }
-        (name.to_string(), t_f32(&[batch, kv_len, kw], &x).to_dtype(dt))
+        (name.to_string(), t_f32(&[batch, kv_len, kw], &x).to_dtype(kvt))
     };
     let (kt, vt) = (kv("k"), kv("v"));
     let mut inputs = named(vec![("q", rand_tensor(r, &[batch, q_len, qw], dt)), ("valid", t_i32(&[batch], &vv))]);
     inputs.push(kt);
     inputs.push(vt);
-    let what = format!("attention per-row valid {dt} b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} valid={vv:?}");
+    let what = format!(
+        "attention per-row valid {dt} (k, v {kvt}) b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} valid={vv:?}"
+    );
     check(&what, g, &s, &w, &inputs, 1.0);
 }
 
@@ -584,16 +641,24 @@ fn attention_one_valid_length_per_row() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(35);
     for dt in FLOATS {
-        attention_per_row(&g, &mut r, dt, (3, 4, 2, 64, 1, 40), true);
-        attention_per_row(&g, &mut r, dt, (4, 3, 3, 32, 5, 33), true);
-        attention_per_row(&g, &mut r, dt, (2, 2, 1, 48, 3, 20), false);
+        attention_per_row(&g, &mut r, (dt, dt), (3, 4, 2, 64, 1, 40), true);
+        attention_per_row(&g, &mut r, (dt, dt), (4, 3, 3, 32, 5, 33), true);
+        attention_per_row(&g, &mut r, (dt, dt), (2, 2, 1, 48, 3, 20), false);
+    }
+    // f32 queries over a half-precision cache (the decoder's f16 KV cache):
+    // the decode kernel (one query row) and the scalar prefill kernels.
+    for kvt in [DType::F16, DType::BF16] {
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (3, 9, 3, 64, 1, 70), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (4, 3, 3, 32, 5, 33), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 96, 17, 60), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 2, 1, 48, 3, 20), false);
     }
     // Shapes that take the tensor-core kernels (f16/bf16, 16-row blocks or
     // 64-row blocks filling the GPU; short and streaming key ranges).
     for dt in [DType::F16, DType::BF16] {
-        attention_per_row(&g, &mut r, dt, (3, 4, 2, 64, 16, 100), true);
-        attention_per_row(&g, &mut r, dt, (20, 8, 4, 64, 64, 120), true);
-        attention_per_row(&g, &mut r, dt, (20, 8, 8, 64, 64, 200), true);
+        attention_per_row(&g, &mut r, (dt, dt), (3, 4, 2, 64, 16, 100), true);
+        attention_per_row(&g, &mut r, (dt, dt), (20, 8, 4, 64, 64, 120), true);
+        attention_per_row(&g, &mut r, (dt, dt), (20, 8, 8, 64, 64, 200), true);
     }
 }
 
@@ -610,6 +675,7 @@ fn shared_state_between_executables() {
         let state = sb.state("kv", &[1, rows, width], DType::F32);
         sb.thunk(Thunk::WriteState {
             dtype: DType::F32,
+            value_dtype: DType::F32,
             batch: 1,
             max_rows: rows,
             new_rows: 2,

@@ -392,6 +392,7 @@ fn state_overflow_is_an_error_and_state_persists() {
     let state = sb.state("cache", &[1, max_rows, width], dt);
     sb.thunk(Thunk::WriteState {
         dtype: dt,
+        value_dtype: dt,
         batch: 1,
         max_rows,
         new_rows: 2,

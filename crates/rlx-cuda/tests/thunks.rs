@@ -739,6 +739,7 @@ fn attention_case_scaled(
     let out = sb.output("out", &[batch, q_len, qw], dt);
     sb.thunk(Thunk::Attention(AttentionThunk {
         dtype: dt,
+        kv_dtype: dt,
         batch,
         heads,
         kv_heads,
@@ -898,6 +899,7 @@ fn write_state_then_read() {
         let state = sb.state("cache", &[batch, max_rows, width], dt);
         sb.thunk(Thunk::WriteState {
             dtype: dt,
+            value_dtype: dt,
             batch,
             max_rows,
             new_rows,

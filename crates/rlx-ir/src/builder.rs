@@ -165,7 +165,8 @@ impl Graph {
         self.push(Op::Rope { theta, mode, head_dim }, vec![x, positions, factors], None)
     }
 
-    /// Writes `value` into `state` at rows `position..` (axis 1), in place.
+    /// Writes `value` into `state` at rows `position..` (axis 1), in place;
+    /// a float value is rounded to a float state's dtype.
     pub fn write_state(&mut self, state: NodeId, value: NodeId, position: NodeId) -> Result<NodeId> {
         self.push(Op::WriteState, vec![state, value, position], None)
     }

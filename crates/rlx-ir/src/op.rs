@@ -37,7 +37,9 @@ pub enum RopeMode {
 }
 
 /// Attention over sequence-major tensors: q is `[B, Sq, heads*head_dim]`, k and
-/// v are `[B, Skv, kv_heads*head_dim]`, the output is `[B, Sq, heads*head_dim]`.
+/// v are `[B, Skv, kv_heads*head_dim]`, the output is `[B, Sq, heads*head_dim]`
+/// in q's dtype. K and V share one float dtype, which may be narrower than
+/// q's (an f16 KV cache under f32 activations).
 ///
 /// Optional inputs follow q, k, v in this order:
 /// - `mask`: key-padding mask `[B, Skv]` (nonzero = attend), any dtype.
@@ -111,7 +113,8 @@ pub enum Op {
     Rope { theta: f32, mode: RopeMode, head_dim: usize },
     /// inputs: state `[B, Smax, W]`, value `[B, Snew, W]`, position i32 `[1]`
     /// (shared by every batch row) or `[B]` (per row). Writes value into
-    /// state rows `position..position+Snew` in place; the output is the
+    /// state rows `position..position+Snew` in place (a float value rounded
+    /// to a float state's dtype); the output is the
     /// updated state (same buffer). Later readers of the state must read this
     /// node so the write is ordered before them.
     WriteState,

@@ -314,8 +314,10 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             let want = 3 + spec.mask as usize + spec.valid_len as usize;
             arity(name, ins.len(), want..=want)?;
             float(name, ins[0].1)?;
-            same_dtype(name, ins[0].1, ins[1].1, "k")?;
-            same_dtype(name, ins[0].1, ins[2].1, "v")?;
+            // K and V share one float dtype, which may differ from q's (an
+            // f16 KV cache read by f32 queries).
+            float(name, ins[1].1)?;
+            same_dtype(name, ins[1].1, ins[2].1, "v")?;
             if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
                 return Err(IrError::attr(
                     name,
@@ -375,7 +377,11 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
         Op::WriteState => {
             arity(name, ins.len(), 3..=3)?;
             let (st, val, pos) = (ins[0].0, ins[1].0, ins[2].0);
-            same_dtype(name, ins[0].1, ins[1].1, "value")?;
+            // A float value is converted to a float state's dtype (e.g. f32
+            // keys into an f16 cache); other dtypes must match.
+            if !(ins[0].1.is_float() && ins[1].1.is_float()) {
+                same_dtype(name, ins[0].1, ins[1].1, "value")?;
+            }
             if st.rank() != 3 || val.rank() != 3 || st.0[0] != val.0[0] || st.0[2] != val.0[2] || val.0[1] > st.0[1] {
                 return Err(IrError::shape(name, format!("value {val} does not fit state {st} (both [B, S, W])")));
             }

@@ -70,6 +70,18 @@ fn attention_and_state_checks() {
     assert_eq!(g.shape(w), &Shape::new([2, 16, 8]));
     let too_long = g.input("big", [2, 17, 8], DType::F32).unwrap();
     assert!(g.write_state(st, too_long, len).is_err());
+
+    // An f16 cache: f32 keys are written into it and read by f32 queries;
+    // K and V must still agree, and integer states take only their dtype.
+    let st16 = g.state("kv16", [2, 16, 8], DType::F16).unwrap();
+    let w16 = g.write_state(st16, k, len).unwrap();
+    assert_eq!(g.dtype(w16), DType::F16);
+    let o16 = g.attention(spec, q, w16, w16, None, Some(len)).unwrap();
+    assert_eq!(g.dtype(o16), DType::F32);
+    assert!(g.attention(spec, q, w16, k, None, None).is_err(), "k f16 with v f32");
+    let ist = g.state("ids", [2, 16, 8], DType::I32).unwrap();
+    assert!(g.write_state(ist, k, len).is_err(), "f32 into an i32 state");
+    g.output(o16).unwrap();
     g.output(o).unwrap();
     g.verify().unwrap();
 }

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rlx::{CompiledGraph, Device, Session, StateSet, Tensor, Ticket};
+use rlx::{CompiledGraph, DType, Device, Session, StateSet, Tensor, Ticket};
 use tokenizers::Tokenizer;
 
 use crate::bpe_vocab::{build_tokenizer, GgufVocab};
@@ -53,6 +53,10 @@ pub struct GeneratorOptions {
     /// Replay each step from its recorded device graph (CUDA); false
     /// launches every kernel one by one (debugging; the same bits).
     pub replay: bool,
+    /// The KV cache's dtype (f32, f16 or bf16); `None`: f16 on a GPU (half
+    /// the memory, and half the bytes a decode step's attention reads), f32
+    /// on the CPU.
+    pub kv_dtype: Option<DType>,
 }
 
 impl Default for GeneratorOptions {
@@ -65,6 +69,7 @@ impl Default for GeneratorOptions {
             dequantize: false,
             batch: 1,
             replay: true,
+            kv_dtype: None,
         }
     }
 }
@@ -352,6 +357,13 @@ impl Generator {
         opts.ctx_size = opts.ctx_size.min(config.max_context);
         opts.pipeline = opts.pipeline.max(1);
         opts.batch = opts.batch.clamp(1, 4096);
+        let kv_dtype = match (opts.kv_dtype, device) {
+            (Some(d), _) if !d.is_float() => return Err(ModelError::Input(format!("KV cache dtype must be f32, f16 or bf16, found {d}"))),
+            (Some(d), _) => d,
+            (None, Device::Cuda(_)) => DType::F16,
+            (None, Device::Cpu) => DType::F32,
+        };
+        opts.kv_dtype = Some(kv_dtype);
         opts.prefill_buckets.retain(|&b| b > 0);
         opts.prefill_buckets.sort_unstable();
         opts.prefill_buckets.dedup();
@@ -399,6 +411,11 @@ impl Generator {
         self.opts.ctx_size
     }
 
+    /// The KV cache's dtype (the option, or the device's default).
+    pub fn kv_dtype(&self) -> DType {
+        self.opts.kv_dtype.unwrap_or(DType::F32)
+    }
+
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
     }
@@ -426,7 +443,14 @@ impl Generator {
 
     fn decode_exe(&mut self) -> Result<&mut CompiledGraph> {
         if self.decode.is_none() {
-            let shape = StepShape { batch: self.opts.batch, seq: 1, decode: true, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let shape = StepShape {
+                batch: self.opts.batch,
+                seq: 1,
+                decode: true,
+                ctx: self.opts.ctx_size,
+                logits: self.opts.logits,
+                kv_dtype: self.kv_dtype(),
+            };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
             self.decode = Some(self.session.compile_shared(&graph, &self.states)?);
         }
@@ -435,7 +459,14 @@ impl Generator {
 
     fn prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
         if !self.prefill.contains_key(&bucket) {
-            let shape = StepShape { batch: self.opts.batch, seq: bucket, decode: false, ctx: self.opts.ctx_size, logits: self.opts.logits };
+            let shape = StepShape {
+                batch: self.opts.batch,
+                seq: bucket,
+                decode: false,
+                ctx: self.opts.ctx_size,
+                logits: self.opts.logits,
+                kv_dtype: self.kv_dtype(),
+            };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
             let exe = self.session.compile_shared(&graph, &self.states)?;
             self.prefill.insert(bucket, exe);

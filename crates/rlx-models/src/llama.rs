@@ -12,7 +12,9 @@
 //!
 //! One step graph serves prefill and decode, for `batch` sequences at once,
 //! over state shared by every step executable of a generator:
-//! - `k_cache.L`, `v_cache.L`: f32 `[batch, ctx, kv_heads*head_dim]`;
+//! - `k_cache.L`, `v_cache.L`: `[batch, ctx, kv_heads*head_dim]` of the
+//!   step's `kv_dtype` (f16 on a GPU by default: half the memory and half
+//!   the bytes each decode step's attention reads);
 //! - `history`: i32 `[batch, ctx, 1]`, every sequence's tokens by position;
 //! - `token`: i32 `[batch, 2, 1]`, row 0 the next token to feed;
 //! - `pos`: i32 `[batch, 2, 1]`, row 0 its position (= tokens in the cache).
@@ -447,6 +449,10 @@ pub struct StepShape {
     pub ctx: usize,
     /// Also output the logits the token was sampled from (tests, tools).
     pub logits: bool,
+    /// The KV cache's dtype (f32, f16 or bf16): keys and values are
+    /// rounded to it as they are written, and attention reads them as
+    /// stored with f32 queries.
+    pub kv_dtype: DType,
 }
 
 /// Input and output names of a step graph.
@@ -527,7 +533,7 @@ impl Builder<'_> {
 /// The graph of one step (see the module docs).
 pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s: StepShape) -> Result<Graph> {
     let (b, sq) = (s.batch, s.seq);
-    if b == 0 || sq == 0 || s.ctx == 0 || (s.decode && sq != 1) || sq > s.ctx {
+    if b == 0 || sq == 0 || s.ctx == 0 || (s.decode && sq != 1) || sq > s.ctx || !s.kv_dtype.is_float() {
         return Err(ModelError::Input(format!("invalid step shape {s:?}")));
     }
     let mut bl = Builder { g: Graph::new(), kinds, shapes: c.weight_shapes().into_iter().collect() };
@@ -609,8 +615,8 @@ pub fn build_step_graph(c: &LlamaConfig, kinds: &HashMap<String, WeightKind>, s:
                 bl.g.rope(k, positions, c.head_dim, c.rope_theta, c.rope_mode)?,
             ),
         };
-        let kc = bl.g.state(&state::k_cache(l), [b, s.ctx, kvw], DType::F32)?;
-        let vc = bl.g.state(&state::v_cache(l), [b, s.ctx, kvw], DType::F32)?;
+        let kc = bl.g.state(&state::k_cache(l), [b, s.ctx, kvw], s.kv_dtype)?;
+        let vc = bl.g.state(&state::v_cache(l), [b, s.ctx, kvw], s.kv_dtype)?;
         let kc = bl.g.write_state(kc, k, start)?;
         let vc = bl.g.write_state(vc, v, start)?;
         let att = bl.g.attention(spec, q, kc, vc, None, Some(valid))?;

@@ -7,8 +7,8 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::smollm2::{greedy, prompt_ids, reference, top};
-use rlx::Device;
+use common::smollm2::{greedy, half_cache_against_f32_cache, prompt_ids, reference, top};
+use rlx::{DType, Device};
 use rlx_models::{Generator, GeneratorOptions, SamplingParams};
 
 fn model(test: &str) -> Option<PathBuf> {
@@ -39,6 +39,21 @@ fn f32_path_matches_transformers() {
         }
         assert_eq!(new, common::u32s(&item["greedy"]["new_ids"]), "item {n}: 32 greedy tokens");
     }
+}
+
+/// An f16 KV cache (the GPU's default; keys and values rounded as they are
+/// written, attention reading them with f32 queries) against the f32 cache
+/// over dequantised weights: logits within 0.08 of each other (0.042 seen) and of
+/// transformers' over 16 greedy steps.
+#[test]
+fn f16_kv_cache_close_to_f32_cache() {
+    let Some(path) = model("f16_kv_cache_close_to_f32_cache") else { return };
+    let mk = |kv| GeneratorOptions { ctx_size: 128, dequantize: true, logits: true, kv_dtype: Some(kv), ..Default::default() };
+    let mut h = Generator::load_with(&path, Device::Cpu, mk(DType::F16)).expect("load f16 cache");
+    let mut f = Generator::load_with(&path, Device::Cpu, mk(DType::F32)).expect("load f32 cache");
+    assert_eq!(h.kv_dtype(), DType::F16);
+    let worst = half_cache_against_f32_cache(&mut h, &mut f, 0.08, 16);
+    assert!(worst > 0.0, "an f16 cache that changes no logit was not used");
 }
 
 /// The quantized kernels (Q4_1 / Q8_0 blocks read as stored, activations

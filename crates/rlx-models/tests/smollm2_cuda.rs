@@ -10,8 +10,8 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::smollm2::{cosine, greedy, prompt_ids, reference, top};
-use rlx::Device;
+use common::smollm2::{cosine, greedy, half_cache_against_f32_cache, prompt_ids, reference, top};
+use rlx::{DType, Device};
 use rlx_models::{Generator, GeneratorOptions, SamplingParams};
 
 /// The model file, and a usable GPU (skip markers as for each).
@@ -22,7 +22,7 @@ fn model(test: &str) -> Option<PathBuf> {
 #[test]
 fn cuda_f32_path_matches_transformers() {
     let Some(path) = model("cuda_f32_path_matches_transformers") else { return };
-    let opts = GeneratorOptions { ctx_size: 256, dequantize: true, logits: true, ..Default::default() };
+    let opts = GeneratorOptions { ctx_size: 256, dequantize: true, logits: true, kv_dtype: Some(DType::F32), ..Default::default() };
     let mut g = Generator::load_with(&path, Device::Cuda(0), opts).expect("load");
     let r = reference();
     for (n, item) in r["items"].as_array().expect("items").iter().enumerate() {
@@ -47,6 +47,37 @@ fn cuda_f32_path_matches_transformers() {
     }
 }
 
+/// The GPU's default f16 KV cache (keys and values rounded as they are
+/// written; the f32-query attention kernels read them as stored) against
+/// an f32 cache on the same device and weights, as the CPU test does; and
+/// against the CPU's own f16 cache, which rounds the same values the same
+/// way, so the two devices agree to summation order.
+#[test]
+fn cuda_f16_kv_cache_against_f32_cache_and_the_cpu() {
+    let Some(path) = model("cuda_f16_kv_cache_against_f32_cache_and_the_cpu") else { return };
+    let mk = |kv| GeneratorOptions { ctx_size: 128, dequantize: true, logits: true, kv_dtype: kv, ..Default::default() };
+    let mut h = Generator::load_with(&path, Device::Cuda(0), mk(None)).expect("load cuda default cache");
+    assert_eq!(h.kv_dtype(), DType::F16, "the GPU's default cache");
+    let mut f = Generator::load_with(&path, Device::Cuda(0), mk(Some(DType::F32))).expect("load cuda f32 cache");
+    let worst = half_cache_against_f32_cache(&mut h, &mut f, 0.08, 16);
+    assert!(worst > 0.0, "an f16 cache that changes no logit was not used");
+    let mut c = Generator::load_with(&path, Device::Cpu, mk(Some(DType::F16))).expect("load cpu f16 cache");
+    for (n, item) in reference()["items"].as_array().expect("items").iter().enumerate() {
+        let ids = prompt_ids(&c, item);
+        let (gi, gl) = greedy(&mut h, &ids, 16);
+        let (ci, cl) = greedy(&mut c, &ids, 16);
+        let mut worst = 0f32;
+        for (k, (a, b)) in gl.iter().zip(&cl).enumerate() {
+            if gi[..k] != ci[..k] {
+                break;
+            }
+            worst = worst.max(common::max_abs_diff(a, b));
+        }
+        eprintln!("item {n}: cuda vs cpu, both f16 caches: max |logit diff| {worst:e}");
+        assert!(worst <= 2e-3, "item {n}: cuda vs cpu f16 caches: {worst}");
+    }
+}
+
 /// The CUDA quantized kernels keep activations in f32 and read the same
 /// block values the f32 path dequantises, so they match the CUDA f32 path
 /// up to summation order (stated tolerance 2e-3). The CPU's quantized path
@@ -57,7 +88,8 @@ fn cuda_f32_path_matches_transformers() {
 fn cuda_quantized_path_against_the_f32_path_and_the_cpu() {
     let Some(path) = model("cuda_quantized_path_against_the_f32_path_and_the_cpu") else { return };
     let r = reference();
-    let base = GeneratorOptions { ctx_size: 256, logits: true, ..Default::default() };
+    // f32 caches on both devices: this test is about the weights' kernels.
+    let base = GeneratorOptions { ctx_size: 256, logits: true, kv_dtype: Some(DType::F32), ..Default::default() };
     let mut q = Generator::load_with(&path, Device::Cuda(0), base.clone()).expect("load cuda quantized");
     let mut f = Generator::load_with(&path, Device::Cuda(0), GeneratorOptions { dequantize: true, ..base.clone() }).expect("load cuda f32");
     let mut c = Generator::load_with(&path, Device::Cpu, base).expect("load cpu quantized");

@@ -141,8 +141,8 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             let kw = prod(&[a.kv_heads, a.head_dim]);
             let mut v = vec![
                 seq(&a.q, a.batch, a.q_len, qw, a.dtype, "q"),
-                seq(&a.k, a.batch, a.kv_len, kw, a.dtype, "k"),
-                seq(&a.v, a.batch, a.kv_len, kw, a.dtype, "v"),
+                seq(&a.k, a.batch, a.kv_len, kw, a.kv_dtype, "k"),
+                seq(&a.v, a.batch, a.kv_len, kw, a.kv_dtype, "v"),
                 wr("out", a.out, prod(&[a.batch, a.q_len, qw]), a.dtype),
             ];
             if let Some(m) = a.mask {
@@ -201,9 +201,9 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
                 wr("out", *out, prod(&[*rows, *cols]), *dtype),
             ]
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => vec![
+        Thunk::WriteState { dtype, value_dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => vec![
             wr("state", *state, prod(&[*batch, *max_rows, *width]), *dtype),
-            rd("value", *value, prod(&[*batch, *new_rows, *width]), *dtype),
+            rd("value", *value, prod(&[*batch, *new_rows, *width]), *value_dtype),
             rd("position", *position, if *positions_per_batch { *batch } else { 1 }, DType::I32),
         ],
         Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {

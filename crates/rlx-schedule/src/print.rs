@@ -96,8 +96,9 @@ fn describe(t: &Thunk) -> String {
         }
         Thunk::Cast { from, to, n, src, dst } => format!("{from}->{to} n={n} {src} -> {dst}"),
         Thunk::Attention(a) => format!(
-            "{} batch={} heads={}/{} head_dim={} q_len={} kv_len={} scale={:.4}{} q={} k={} v={} mask={} valid_len={} -> {}",
+            "{}{} batch={} heads={}/{} head_dim={} q_len={} kv_len={} scale={:.4}{} q={} k={} v={} mask={} valid_len={} -> {}",
             a.dtype,
+            if a.kv_dtype != a.dtype { format!(" kv={}", a.kv_dtype) } else { String::new() },
             a.batch,
             a.heads,
             a.kv_heads,
@@ -130,9 +131,10 @@ fn describe(t: &Thunk) -> String {
         Thunk::SwiGlu { dtype, rows: r, cols, gate, up, out } => {
             format!("{dtype} rows={r} cols={cols} gate={} up={} -> {out}", rows(gate), rows(up))
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
+        Thunk::WriteState { dtype, value_dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
             let per = if *positions_per_batch { " per row" } else { "" };
-            format!("{dtype} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}{per}")
+            let from = if value_dtype != dtype { format!(" from {value_dtype}") } else { String::new() };
+            format!("{dtype}{from} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}{per}")
         }
         Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {
             let mut s = String::new();

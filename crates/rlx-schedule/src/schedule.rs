@@ -94,7 +94,10 @@ pub struct MatMulThunk {
 /// reads kv head `h / (heads / kv_heads)`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttentionThunk {
+    /// q's and out's dtype.
     pub dtype: DType,
+    /// k's and v's dtype (an f16 cache may serve f32 queries).
+    pub kv_dtype: DType,
     pub batch: usize,
     pub heads: usize,
     pub kv_heads: usize,
@@ -289,13 +292,15 @@ pub enum Thunk {
         up: RowsView,
         out: BufRef,
     },
-    /// state[b, pos + s, :] = value[b, s, :] for s < new_rows, pos read from
+    /// state[b, pos + s, :] = value[b, s, :] for s < new_rows (a float value
+    /// rounded to the state's float `dtype`), pos read from
     /// i32 device memory: one value for every batch row, or one per row with
     /// `positions_per_batch`. State is `[batch, max_rows, width]`. A position
     /// with pos + new_rows > max_rows is an error (CPU) or a no-op that
     /// raises the error flag (GPU).
     WriteState {
         dtype: DType,
+        value_dtype: DType,
         batch: usize,
         max_rows: usize,
         new_rows: usize,

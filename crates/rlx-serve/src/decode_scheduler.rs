@@ -322,6 +322,6 @@ impl Loop {
 }
 
 /// The generator options the server runs with.
-pub fn generator_options(max_sequences: usize, ctx_size: usize) -> GeneratorOptions {
-    GeneratorOptions { ctx_size, batch: max_sequences, prefill_buckets: PREFILL_BUCKETS.to_vec(), ..GeneratorOptions::default() }
+pub fn generator_options(max_sequences: usize, ctx_size: usize, kv_dtype: Option<rlx::DType>) -> GeneratorOptions {
+    GeneratorOptions { ctx_size, batch: max_sequences, prefill_buckets: PREFILL_BUCKETS.to_vec(), kv_dtype, ..GeneratorOptions::default() }
 }

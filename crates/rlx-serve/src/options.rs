@@ -36,6 +36,9 @@ pub struct ServeOptions {
     pub max_sequences: usize,
     /// Cache rows per sequence (prompt and reply), at most the model's context.
     pub ctx_size: usize,
+    /// The KV cache's dtype; None: the device's default (f16 on a GPU, f32
+    /// on the CPU).
+    pub kv_dtype: Option<DType>,
     /// Bearer key every `/v1/` request must carry (none: no check).
     pub api_key: Option<String>,
     /// Largest request body.
@@ -56,6 +59,7 @@ impl ServeOptions {
         max_queue: 512,
         max_sequences: 8,
         ctx_size: 2048,
+        kv_dtype: None,
         api_key: None,
         max_body_bytes: 8 << 20,
         max_inputs: 2048,

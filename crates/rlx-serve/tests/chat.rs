@@ -79,7 +79,7 @@ fn greedy_chat_and_completions_equal_the_generator_also_when_batched() {
     ];
     let raw = "The three primary colours are";
     let max_tokens = 24;
-    let mut g = Generator::load_with(&gguf, rlx::Device::Cpu, generator_options(SEQUENCES, CTX)).unwrap_or_else(|e| panic!("{e}"));
+    let mut g = Generator::load_with(&gguf, rlx::Device::Cpu, generator_options(SEQUENCES, CTX, None)).unwrap_or_else(|e| panic!("{e}"));
     let want: Vec<(String, usize, usize)> = chats
         .iter()
         .map(|m| {

@@ -60,17 +60,17 @@ pub fn run(t: &AttentionThunk, mem: &Mem) -> Result<()> {
 
 /// The thunk restricted to batch row `r` (its operands start at that row).
 fn batch_row(t: &AttentionThunk, r: usize) -> AttentionThunk {
-    let es = t.dtype.size() as u64;
+    let (es, kes) = (t.dtype.size() as u64, t.kv_dtype.size() as u64);
     let shift = |b: rlx_schedule::BufRef, elems: u64, size: u64| {
         let d = (r as u64 * elems).saturating_mul(size);
         rlx_schedule::BufRef { offset: b.offset + d, bytes: b.bytes.saturating_sub(d), ..b }
     };
-    let seq = |v: &rlx_schedule::SeqView| rlx_schedule::SeqView { buf: shift(v.buf, v.batch_stride, es), ..*v };
+    let seq = |v: &rlx_schedule::SeqView, es: u64| rlx_schedule::SeqView { buf: shift(v.buf, v.batch_stride, es), ..*v };
     AttentionThunk {
         batch: 1,
-        q: seq(&t.q),
-        k: seq(&t.k),
-        v: seq(&t.v),
+        q: seq(&t.q, es),
+        k: seq(&t.k, kes),
+        v: seq(&t.v, kes),
         mask: t.mask.map(|m| shift(m, t.kv_len as u64, t.mask_dtype.size() as u64)),
         out: shift(t.out, (t.q_len * t.heads * t.head_dim) as u64, es),
         valid_len: None,
@@ -83,10 +83,12 @@ fn run_valid(t: &AttentionThunk, valid: usize, mem: &Mem) -> Result<()> {
     let mask = t.mask.map(|m| mem.src::<u8>(&m)).transpose().map_err(exec_err)?;
     with_float!(t.dtype, T => {
         let q = mem.src::<T>(&t.q.buf).map_err(exec_err)?;
-        let k = mem.src::<T>(&t.k.buf).map_err(exec_err)?;
-        let v = mem.src::<T>(&t.v.buf).map_err(exec_err)?;
         let out = mem.dst::<T>(&t.out).map_err(exec_err)?;
-        tasks::<T>(t, valid, mask, q, k, v, out);
+        with_float!(t.kv_dtype, K => {
+            let k = mem.src::<K>(&t.k.buf).map_err(exec_err)?;
+            let v = mem.src::<K>(&t.v.buf).map_err(exec_err)?;
+            tasks::<T, K>(t, valid, mask, q, k, v, out);
+        })
     });
     Ok(())
 }
@@ -112,7 +114,7 @@ struct TaskBuf {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn tasks<T: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Src<T>, k: Src<T>, v: Src<T>, out: Dst<T>) {
+fn tasks<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8>>, q: Src<T>, k: Src<K>, v: Src<K>, out: Dst<T>) {
     let (hd, group) = (t.head_dim, t.heads / t.kv_heads.max(1));
     let blocks = t.q_len.div_ceil(Q_BLOCK);
     // Rows of the largest block: the task buffers are sized to it.

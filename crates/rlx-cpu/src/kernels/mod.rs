@@ -99,20 +99,23 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
         Thunk::MaskedMean { dtype, mask_dtype, out_dtype, batch, seq, dim, x, mask, out } => {
             reduce::masked_mean(*dtype, *mask_dtype, *out_dtype, [*batch, *seq, *dim], x, mask, out, mem)
         }
-        Thunk::WriteState { dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => state::run(
-            &state::WriteStateArgs {
-                dtype: *dtype,
-                batch: *batch,
-                max_rows: *max_rows,
-                new_rows: *new_rows,
-                width: *width,
-                state,
-                value,
-                position,
-                positions_per_batch: *positions_per_batch,
-            },
-            mem,
-        ),
+        Thunk::WriteState { dtype, value_dtype, batch, max_rows, new_rows, width, state, value, position, positions_per_batch } => {
+            state::run(
+                &state::WriteStateArgs {
+                    dtype: *dtype,
+                    value_dtype: *value_dtype,
+                    batch: *batch,
+                    max_rows: *max_rows,
+                    new_rows: *new_rows,
+                    width: *width,
+                    state,
+                    value,
+                    position,
+                    positions_per_batch: *positions_per_batch,
+                },
+                mem,
+            )
+        }
         Thunk::QMatMul { format, rows, n, k, a, lda, w, out, norm, glu, residual, .. } => qlinear::matmul(
             &qlinear::QMatMulArgs {
                 format: *format,

@@ -1,14 +1,19 @@
 //! WriteState: rows appended to a persistent `[batch, max_rows, width]`
 //! state at a position read from an i32 device scalar (e.g. a KV cache).
+//! A float value of another float dtype is rounded to the state's.
 
 use rlx_ir::DType;
 use rlx_schedule::BufRef;
 
+use crate::elem::with_float;
 use crate::memory::Mem;
 use crate::{exec_err, Result};
 
 pub struct WriteStateArgs<'a> {
+    /// The state's dtype.
     pub dtype: DType,
+    /// The value's dtype: the state's, or (both floats) one converted to it.
+    pub value_dtype: DType,
     pub batch: usize,
     pub max_rows: usize,
     pub new_rows: usize,
@@ -38,8 +43,33 @@ pub fn run(a: &WriteStateArgs<'_>, mem: &Mem) -> Result<()> {
             )));
         }
     }
+    if a.value_dtype != a.dtype {
+        return write_converted(a, mem, &pos_of);
+    }
     for b in 0..a.batch {
         state.copy_from((b * a.max_rows + pos_of(b) as usize) * row, &value, b * block, block);
     }
+    Ok(())
+}
+
+/// The write of a float value into a float state of another dtype, row by
+/// row through f32 (positions already checked).
+fn write_converted(a: &WriteStateArgs<'_>, mem: &Mem, pos_of: &dyn Fn(usize) -> i32) -> Result<()> {
+    if !(a.dtype.is_float() && a.value_dtype.is_float()) {
+        return Err(exec_err(format!("write_state: a {} value cannot be written into a {} state", a.value_dtype, a.dtype)));
+    }
+    let mut row = vec![0.0f32; a.width];
+    with_float!(a.value_dtype, V => {
+        let value = mem.src::<V>(a.value).map_err(exec_err)?;
+        with_float!(a.dtype, S => {
+            let state = mem.dst::<S>(a.state).map_err(exec_err)?;
+            for b in 0..a.batch {
+                for s in 0..a.new_rows {
+                    value.load((b * a.new_rows + s) * a.width, &mut row);
+                    state.store((b * a.max_rows + pos_of(b) as usize + s) * a.width, &row);
+                }
+            }
+        })
+    });
     Ok(())
 }

@@ -240,6 +240,7 @@ pub fn fused_qkv_attention(
     };
     Thunk::Attention(AttentionThunk {
         dtype: dt,
+        kv_dtype: dt,
         batch,
         heads,
         kv_heads: heads,

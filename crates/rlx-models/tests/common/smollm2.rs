@@ -68,3 +68,53 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
     dot / (na * nb)
 }
+
+/// The largest |a - b| over two equally long slices.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// A generator with a half-precision KV cache (`h`) against one with an
+/// f32 cache (`f`) on the same weights, over every reference item: the
+/// largest |logit diff| of `steps` greedy steps must stay within `tol`, the
+/// top-20 logits at the prompt's end within `tol` of transformers', and the
+/// greedy tokens equal while both runs' contexts agree and the f32 run's
+/// top-1 margin exceeds twice `tol`. Returns the largest diff seen.
+pub fn half_cache_against_f32_cache(h: &mut Generator, f: &mut Generator, tol: f32, steps: usize) -> f32 {
+    let r = reference();
+    let mut worst = 0f32;
+    for (n, item) in r["items"].as_array().expect("items").iter().enumerate() {
+        let ids = prompt_ids(f, item);
+        let (hi, hl) = greedy(h, &ids, steps);
+        let (fi, fl) = greedy(f, &ids, steps);
+        let mut item_worst = 0f32;
+        for (k, (a, b)) in hl.iter().zip(&fl).enumerate() {
+            if hi[..k] != fi[..k] {
+                break;
+            }
+            let d = max_diff(a, b);
+            assert!(d <= tol, "item {n}: step {k}: max |logit diff| {d} between the caches (> {tol})");
+            item_worst = item_worst.max(d);
+        }
+        for (id, v) in
+            crate::common::u32s(&item["last_logits"]["top20_ids"]).iter().zip(crate::common::f32s(&item["last_logits"]["top20_values"]))
+        {
+            let d = (hl[0][*id as usize] - v).abs();
+            assert!(d <= tol, "item {n}: logit of {id} with the half cache: {} vs transformers' {v}", hl[0][*id as usize]);
+        }
+        let mut agreed = 0;
+        for (k, a) in hi.iter().enumerate() {
+            let t = top(&fl[k], 2);
+            if hi[..k] != fi[..k] || fl[k][t[0]] - fl[k][t[1]] <= 2.0 * tol {
+                break;
+            }
+            assert_eq!(*a, fi[k], "item {n}: step {k}: greedy token, half vs f32 cache");
+            agreed += 1;
+        }
+        eprintln!(
+            "item {n}: half vs f32 KV cache: max |logit diff| {item_worst:e} over {steps} steps; {agreed} greedy tokens checked equal"
+        );
+        worst = worst.max(item_worst);
+    }
+    worst
+}
