@@ -44,6 +44,9 @@ pub struct BenchArgs {
     /// Generation benchmark: batch sizes for aggregate decode, comma-separated.
     #[arg(long, default_value = "8,32")]
     batches: String,
+    /// Generation benchmark: KV cache dtype (auto: f16 on a GPU, f32 on the CPU; f32, f16, bf16).
+    #[arg(long, default_value = "auto")]
+    kv_dtype: String,
     /// Storage precision: f16, bf16 or f32.
     #[arg(long, default_value = "f16")]
     dtype: String,
@@ -114,6 +117,7 @@ fn run_generation(args: &BenchArgs, device: Device) -> Result<(), String> {
         seed: args.seed,
         llama_cpp: args.llama_cpp.clone(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        kv_dtype: crate::generate::parse_kv_dtype(&args.kv_dtype)?,
     };
     let md = generate::run(&b)?;
     crate::stdout::print(&md)?;

@@ -396,14 +396,14 @@ fn main() {
     if std::env::var("RLX_BENCH_ONLY_ATTENTION").is_ok() {
         // For profiling the attention kernel alone (e.g. under `perf stat`).
         for &t in &threads {
-            let backend = CpuBackend::with_threads(t);
+            let backend = CpuBackend::with_threads(t, rlx_cpu::CpuOptions::default());
             println!("{t} threads: fused attention {:.1} GFLOP/s", rlx_attention(&backend, 1, 128, 12, 32));
         }
         return;
     }
     println!("# rlx-cpu kernels on {} ({cores} cores), best of {rounds} rounds\n", cpu_name());
     for &t in &threads {
-        let backend = CpuBackend::with_threads(t);
+        let backend = CpuBackend::with_threads(t, rlx_cpu::CpuOptions::default());
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool");
         let mut peak: Option<(&str, f64)> = None;
         let mut np = Numpy { header: String::new(), gflops: vec![None; SHAPES.len()] };

@@ -97,6 +97,7 @@ impl Worker {
         shared_states: Option<&Arc<StateSet>>,
         slots: usize,
         pool: Option<Arc<rayon::ThreadPool>>,
+        profile: bool,
     ) -> Result<Worker> {
         let arenas = (0..slots).map(|i| alloc(schedule.arena_bytes, &format!("arena of slot {i}"))).collect::<Result<Vec<_>>>()?;
         let states = schedule
@@ -125,7 +126,7 @@ impl Worker {
             b_cache: Vec::new(),
             scratch: Scratch::default(),
             pool,
-            profile: rlx_runtime::env::flag("RLX_PROFILE", false)?,
+            profile,
             rebind_failed: Arc::new(AtomicBool::new(false)),
         };
         w.bind_weights(resolve_all(&w.schedule, store)?)?;
@@ -363,9 +364,10 @@ impl CpuExecutable {
         states: Option<&Arc<StateSet>>,
         slots: usize,
         pool: Option<Arc<rayon::ThreadPool>>,
+        profile: bool,
     ) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let worker = Worker::new(schedule.clone(), &store, states, slots, pool)?;
+        let worker = Worker::new(schedule.clone(), &store, states, slots, pool, profile)?;
         let rebind_failed = worker.rebind_failed.clone();
         let shared = Arc::new(Mutex::new(worker));
         let (job_tx, job_rx) = channel();

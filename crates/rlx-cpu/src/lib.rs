@@ -13,6 +13,7 @@ mod elem;
 mod exec;
 mod kernels;
 mod memory;
+mod options;
 mod pool;
 mod simd;
 mod validate;
@@ -28,6 +29,7 @@ use rlx_schedule::{Schedule, Thunk};
 
 pub use act::erf;
 pub use exec::CpuExecutable;
+pub use options::CpuOptions;
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 
@@ -40,8 +42,9 @@ pub(crate) fn exec_err(detail: impl Into<String>) -> RuntimeError {
 pub struct CpuBackend {
     /// The workers kernels run on (see `pool.rs`: pinned, one per CPU).
     pool: Option<Arc<rayon::ThreadPool>>,
-    /// Set when the pool could not be built; reported by `prepare`.
+    /// Set when the options or the pool could not be had; reported by `prepare`.
     pool_error: Option<String>,
+    opts: CpuOptions,
 }
 
 impl Default for CpuBackend {
@@ -54,21 +57,35 @@ impl CpuBackend {
     /// Runs kernels on the process-wide RLX pool: one worker per CPU the
     /// process may use (or `RAYON_NUM_THREADS`), each pinned to its CPU
     /// unless `RLX_CPU_PIN=0`. Rayon's global pool is left to the
-    /// application.
+    /// application. Options from the environment (a bad value is
+    /// reported by `prepare`).
     pub fn new() -> CpuBackend {
-        match pool::shared() {
-            Ok(p) => CpuBackend { pool: Some(p), pool_error: None },
-            Err(e) => CpuBackend { pool: None, pool_error: Some(e) },
+        match CpuOptions::from_lookup(rlx_runtime::env::var) {
+            Ok(o) => Self::with_options(o),
+            Err(e) => CpuBackend { pool: None, pool_error: Some(e.to_string()), opts: CpuOptions::default() },
+        }
+    }
+
+    /// As `new`, with these options (the shared pool's pinning is set by
+    /// the first backend that starts it).
+    pub fn with_options(opts: CpuOptions) -> CpuBackend {
+        match pool::shared(opts.pin) {
+            Ok(p) => CpuBackend { pool: Some(p), pool_error: None, opts },
+            Err(e) => CpuBackend { pool: None, pool_error: Some(e), opts },
         }
     }
 
     /// Runs kernels on a pool of its own with `n` threads (at least 1),
-    /// pinned like the shared one.
-    pub fn with_threads(n: usize) -> CpuBackend {
-        match pool::build(n) {
-            Ok(p) => CpuBackend { pool: Some(Arc::new(p)), pool_error: None },
-            Err(e) => CpuBackend { pool: None, pool_error: Some(e) },
+    /// pinned unless `opts.pin` is off.
+    pub fn with_threads(n: usize, opts: CpuOptions) -> CpuBackend {
+        match pool::build(n, opts.pin) {
+            Ok(p) => CpuBackend { pool: Some(Arc::new(p)), pool_error: None, opts },
+            Err(e) => CpuBackend { pool: None, pool_error: Some(e), opts },
         }
+    }
+
+    pub fn options(&self) -> &CpuOptions {
+        &self.opts
     }
 
     /// Threads kernels run on.
@@ -88,7 +105,7 @@ impl Backend for CpuBackend {
 
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
         self.check(&schedule)?;
-        Ok(Box::new(CpuExecutable::new(schedule, weights, None, opts.slots.max(1), self.pool.clone())?))
+        Ok(Box::new(CpuExecutable::new(schedule, weights, None, opts.slots.max(1), self.pool.clone(), self.opts.profile)?))
     }
 
     fn prepare_shared(
@@ -99,7 +116,7 @@ impl Backend for CpuBackend {
         opts: &PrepareOptions,
     ) -> Result<Box<dyn Executable>> {
         self.check(&schedule)?;
-        Ok(Box::new(CpuExecutable::new(schedule, weights, Some(states), opts.slots.max(1), self.pool.clone())?))
+        Ok(Box::new(CpuExecutable::new(schedule, weights, Some(states), opts.slots.max(1), self.pool.clone(), self.opts.profile)?))
     }
 }
 

@@ -29,10 +29,8 @@ fn default_threads() -> usize {
     })
 }
 
-/// A pool of `n` workers named `rlx-cpu-<i>`, pinned unless `RLX_CPU_PIN=0`
-/// (a flag; a bad value is reported when the backend prepares).
-pub fn build(n: usize) -> Result<ThreadPool, String> {
-    let pin = rlx_runtime::env::flag("RLX_CPU_PIN", true).map_err(|e| e.to_string())?;
+/// A pool of `n` workers named `rlx-cpu-<i>`, each pinned to a CPU with `pin`.
+pub fn build(n: usize, pin: bool) -> Result<ThreadPool, String> {
     let cpus = if pin { allowed_cpus() } else { Vec::new() };
     ThreadPoolBuilder::new()
         .num_threads(n.max(1))
@@ -46,10 +44,11 @@ pub fn build(n: usize) -> Result<ThreadPool, String> {
         .map_err(|e| format!("could not start {n} CPU worker threads: {e}"))
 }
 
-/// The pool every `CpuBackend::new()` shares, started on first use.
-pub fn shared() -> Result<Arc<ThreadPool>, String> {
+/// The pool every `CpuBackend::new()` shares, started on first use (with
+/// that caller's `pin`: process-wide by nature).
+pub fn shared(pin: bool) -> Result<Arc<ThreadPool>, String> {
     static POOL: OnceLock<Result<Arc<ThreadPool>, String>> = OnceLock::new();
-    POOL.get_or_init(|| build(default_threads()).map(Arc::new)).clone()
+    POOL.get_or_init(|| build(default_threads(), pin).map(Arc::new)).clone()
 }
 
 /// CPUs in this process's affinity mask, ascending (empty if unknown).
@@ -94,11 +93,10 @@ mod tests {
     fn workers_spread_over_the_allowed_cpus() {
         let cpus = allowed_cpus();
         let n = 3;
-        let pool = build(n).unwrap_or_else(|e| panic!("{e}"));
+        let pool = build(n, true).unwrap_or_else(|e| panic!("{e}"));
         let seen: Vec<Vec<usize>> = pool.broadcast(|_| allowed_cpus());
         assert_eq!(seen.len(), n);
-        let pin = rlx_runtime::env::flag("RLX_CPU_PIN", true).unwrap_or(true);
-        if cfg!(target_os = "linux") && pin && !cpus.is_empty() {
+        if cfg!(target_os = "linux") && !cpus.is_empty() {
             for (i, s) in seen.iter().enumerate() {
                 assert_eq!(s, &vec![cpus[i % cpus.len()]], "worker {i}");
             }

@@ -175,7 +175,7 @@ fn missing_weight_is_a_prepare_error() {
 fn own_thread_pool() {
     let p = scale_plan(&[2.0; 4]);
     let schedule = Arc::new(p.schedule());
-    let backend = CpuBackend::with_threads(1);
+    let backend = CpuBackend::with_threads(1, rlx_cpu::CpuOptions::default());
     assert_eq!(backend.threads(), 1);
     let mut exe = backend.prepare(schedule, Arc::new(p.store), &Default::default()).expect("prepare");
     assert_close(&exe.run(&[("x", &x(1.0))]).expect("run")[0], &want(1.0, 2.0), 0.0, "one thread");

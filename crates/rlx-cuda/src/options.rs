@@ -1,7 +1,8 @@
-//! Every setting of the CUDA backend: one `CudaOptions`, read from the
-//! environment once when a backend is created (`CudaBackend::new`) and
-//! passed down to each executable it prepares, or built in code
-//! (`CudaBackend::with_options`). Nothing below reads the environment.
+//! Every setting of the CUDA backend: one `CudaOptions`, the `cuda` part of
+//! the facade's `rlx::Options` (whose `from_env` reads the environment for a
+//! session), passed to `CudaBackend::with_options` and down to each
+//! executable it prepares. `CudaBackend::new` reads the environment itself
+//! for callers of this crate alone. Nothing else here reads it.
 //!
 //! | variable | type | default | meaning |
 //! |---|---|---|---|

@@ -50,8 +50,9 @@ fn cuda_f32_path_matches_transformers() {
 /// The GPU's default f16 KV cache (keys and values rounded as they are
 /// written; the f32-query attention kernels read them as stored) against
 /// an f32 cache on the same device and weights, as the CPU test does; and
-/// against the CPU's own f16 cache, which rounds the same values the same
-/// way, so the two devices agree to summation order.
+/// against the CPU's own f16 cache. The two devices' keys differ in the
+/// last f32 bits (summation order), which flips the f16 rounding of some
+/// elements, so they agree only to the caches' own tolerance (0.025 seen).
 #[test]
 fn cuda_f16_kv_cache_against_f32_cache_and_the_cpu() {
     let Some(path) = model("cuda_f16_kv_cache_against_f32_cache_and_the_cpu") else { return };
@@ -74,7 +75,7 @@ fn cuda_f16_kv_cache_against_f32_cache_and_the_cpu() {
             worst = worst.max(common::max_abs_diff(a, b));
         }
         eprintln!("item {n}: cuda vs cpu, both f16 caches: max |logit diff| {worst:e}");
-        assert!(worst <= 2e-3, "item {n}: cuda vs cpu f16 caches: {worst}");
+        assert!(worst <= 0.08, "item {n}: cuda vs cpu f16 caches: {worst}");
     }
 }
 

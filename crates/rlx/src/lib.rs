@@ -21,10 +21,14 @@
 
 mod device;
 mod error;
+mod options;
 mod session;
 
 pub use device::Device;
 pub use error::Error;
+pub use options::{CpuOptions, Options};
+#[cfg(feature = "cuda")]
+pub use options::{CudaOptions, MatmulChoice};
 pub use session::{CompiledGraph, Session};
 
 pub use rlx_compile::{compile, CompileOptions, Compiled, Schedule, Thunk};

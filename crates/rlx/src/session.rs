@@ -4,7 +4,7 @@ use rlx_compile::{CompileOptions, Compiled, Schedule};
 use rlx_ir::Graph;
 use rlx_runtime::{Backend, ExecStats, Executable, PrepareOptions, StateSet, Tensor, Ticket, WeightStore};
 
-use crate::{Device, Error, Result};
+use crate::{Device, Error, Options, Result};
 
 /// A device plus the weights of one model. Every graph compiled from a
 /// session shares its [`WeightStore`].
@@ -12,16 +12,16 @@ pub struct Session {
     device: Device,
     backend: Arc<dyn Backend>,
     weights: Arc<WeightStore>,
-    compile_options: CompileOptions,
-    prepare_options: PrepareOptions,
+    options: Options,
 }
 
-fn backend_for(device: Device) -> Result<Arc<dyn Backend>> {
+fn backend_for(device: Device, options: &Options) -> Result<Arc<dyn Backend>> {
     match device {
-        Device::Cpu => Ok(Arc::new(rlx_cpu::CpuBackend::new())),
+        Device::Cpu => Ok(Arc::new(rlx_cpu::CpuBackend::with_options(options.cpu.clone()))),
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => {
-            let b = rlx_cuda::CudaBackend::new(n).map_err(|e| Error::Device(device.to_string(), e.to_string()))?;
+            let b = rlx_cuda::CudaBackend::with_options(n, options.cuda.clone())
+                .map_err(|e| Error::Device(device.to_string(), e.to_string()))?;
             Ok(Arc::new(b))
         }
         #[cfg(not(feature = "cuda"))]
@@ -32,20 +32,26 @@ fn backend_for(device: Device) -> Result<Arc<dyn Backend>> {
 }
 
 impl Session {
-    /// A session with an empty weight store.
+    /// A session with an empty weight store and the options of the
+    /// environment ([`Options::from_env`]).
     pub fn new(device: Device) -> Result<Session> {
         Self::with_weights(device, Arc::new(WeightStore::new()))
     }
 
-    /// A session over an existing store (e.g. the same weights on two devices).
+    /// A session over an existing store (e.g. the same weights on two
+    /// devices), with the options of the environment.
     pub fn with_weights(device: Device, weights: Arc<WeightStore>) -> Result<Session> {
-        Ok(Session {
-            device,
-            backend: backend_for(device)?,
-            weights,
-            compile_options: CompileOptions::default(),
-            prepare_options: PrepareOptions::default(),
-        })
+        Self::with_options(device, weights, Options::from_env()?)
+    }
+
+    /// A session with these options (the environment is not read).
+    pub fn with_options(device: Device, weights: Arc<WeightStore>, options: Options) -> Result<Session> {
+        Ok(Session { device, backend: backend_for(device, &options)?, weights, options })
+    }
+
+    /// Every setting of this session.
+    pub fn options(&self) -> &Options {
+        &self.options
     }
 
     pub fn device(&self) -> Device {
@@ -66,26 +72,26 @@ impl Session {
     }
 
     pub fn compile_options(&self) -> &CompileOptions {
-        &self.compile_options
+        &self.options.compile
     }
 
     pub fn set_compile_options(&mut self, opts: CompileOptions) {
-        self.compile_options = opts;
+        self.options.compile = opts;
     }
 
     pub fn prepare_options(&self) -> &PrepareOptions {
-        &self.prepare_options
+        &self.options.prepare
     }
 
     pub fn set_prepare_options(&mut self, opts: PrepareOptions) {
-        self.prepare_options = opts;
+        self.options.prepare = opts;
     }
 
     /// Compiles a graph for this session's device and binds the weights.
     pub fn compile(&self, graph: &Graph) -> Result<CompiledGraph> {
-        let compiled = rlx_compile::compile(graph, &self.compile_options)?;
+        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
         let schedule = Arc::new(compiled.schedule.clone());
-        let exec = self.backend.prepare(schedule, self.weights.clone(), &self.prepare_options)?;
+        let exec = self.backend.prepare(schedule, self.weights.clone(), &self.options.prepare)?;
         Ok(CompiledGraph { compiled, exec })
     }
 
@@ -95,9 +101,9 @@ impl Session {
     /// prefill of every length bucket and by the decode step. The caller
     /// orders calls of different executables that touch the set.
     pub fn compile_shared(&self, graph: &Graph, states: &Arc<StateSet>) -> Result<CompiledGraph> {
-        let compiled = rlx_compile::compile(graph, &self.compile_options)?;
+        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
         let schedule = Arc::new(compiled.schedule.clone());
-        let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &self.prepare_options)?;
+        let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &self.options.prepare)?;
         Ok(CompiledGraph { compiled, exec })
     }
 }

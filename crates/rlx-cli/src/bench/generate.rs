@@ -28,6 +28,8 @@ pub struct GenBench<'a> {
     pub seed: u64,
     pub llama_cpp: Option<PathBuf>,
     pub threads: usize,
+    /// The KV cache's dtype (None: the device's default).
+    pub kv_dtype: Option<rlx::DType>,
 }
 
 /// One measured figure: RLX's, the peer's (or why there is none).
@@ -73,7 +75,7 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
     let bucket = b.prompt_tokens.next_power_of_two();
     let ctx = (b.prompt_tokens + b.new_tokens + bucket + 16).next_power_of_two();
     let buckets = vec![bucket];
-    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, ..Default::default() };
+    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, kv_dtype: b.kv_dtype, ..Default::default() };
     let t0 = Instant::now();
     let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
@@ -107,7 +109,7 @@ fn batched(b: &GenBench, batch: usize) -> Result<f64, String> {
     let bucket = b.prompt_tokens.next_power_of_two();
     let ctx = (b.prompt_tokens + b.batch_tokens + bucket + 16).next_power_of_two();
     let buckets = vec![bucket];
-    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, batch, ..Default::default() };
+    let opts = GeneratorOptions { ctx_size: ctx, prefill_buckets: buckets, batch, kv_dtype: b.kv_dtype, ..Default::default() };
     let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
     let vocab = g.config().vocab;
     let mut rng = Ids(b.seed ^ batch as u64);
@@ -264,6 +266,8 @@ pub fn run(b: &GenBench) -> Result<String, String> {
     }
     if let Some(l) = load {
         notes.push(format!("RLX model load and compile: {l:.2} s."));
+        let kv = b.kv_dtype.unwrap_or(if matches!(b.device, rlx::Device::Cuda(_)) { rlx::DType::F16 } else { rlx::DType::F32 });
+        notes.push(format!("RLX KV cache: {kv} (llama.cpp's default cache is f16)."));
     }
     let mut md = format!(
         "# RLX generation benchmark\n\nmodel: {}\ndevice: {}\nruns: {} (medians)\n\n| measurement | RLX | llama.cpp | RLX / llama.cpp |\n|---|---:|---:|---:|\n",

@@ -171,7 +171,14 @@ fn parse_line(line: &str) -> Line {
     }
     if let Some(form) = s("graph_mask") {
         let diff = v.get("graph_vs_eager_max_abs").and_then(Value::as_f64).map(|d| format!("{d:.1e}")).unwrap_or_else(|| "?".into());
-        r.notes.push(format!("PyTorch CUDA graph captured with the {form} mask (max abs diff to its eager output {diff})"));
+        let forms = v
+            .get("graph_mask_us")
+            .and_then(Value::as_object)
+            .map(|m| m.iter().filter_map(|(k, t)| t.as_f64().map(|t| format!("{k} {t:.1} µs"))).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
+        r.notes.push(format!(
+            "PyTorch CUDA graph: the fastest mask form was {form} (max abs diff to its eager output {diff}; forms timed: {forms})"
+        ));
     }
     let version = format!(
         "torch {}, transformers {} on {}",
@@ -320,10 +327,11 @@ mod tests {
 
     #[test]
     fn the_faster_of_the_two_captures_is_the_peers_figure() {
-        let line = r#"{"id": "j", "eager_us": 900.0, "graph_us": 456.0, "plain_graph_us": 333.0, "torch": "t", "transformers": "x", "device": "d"}"#;
+        let line = r#"{"id": "j", "eager_us": 900.0, "graph_us": 456.0, "plain_graph_us": 333.0, "graph_mask": "2d", "graph_mask_us": {"2d": 456.0, "none (no padding)": 700.0}, "torch": "t", "transformers": "x", "device": "d"}"#;
         let Line::Job { result, .. } = parse_line(line) else { panic!("a job line") };
         assert_eq!(result.graph_us, Some(333.0));
         assert!(result.notes.iter().any(|n| n.contains("456.0") && n.contains("333.0")), "{:?}", result.notes);
+        assert!(result.notes.iter().any(|n| n.contains("fastest mask form was 2d") && n.contains("700.0")), "{:?}", result.notes);
         let line = r#"{"id": "j", "graph_us": null, "plain_graph_us": 333.0}"#;
         let Line::Job { result, .. } = parse_line(line) else { panic!("a job line") };
         assert_eq!(result.graph_us, Some(333.0));
