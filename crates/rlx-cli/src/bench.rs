@@ -2,6 +2,7 @@
 //! CUDA-graph replay, on the same seeded random BERT weights and inputs, with
 //! the outputs compared so a fast-but-wrong result shows.
 
+mod corpus;
 mod generate;
 mod model;
 mod peer;
@@ -89,6 +90,17 @@ pub struct BenchArgs {
     /// Keep the temporary directory (weights, inputs, PyTorch outputs).
     #[arg(long)]
     keep_temp: bool,
+    /// Corpus benchmark: a text file, one text per line. Times `rlx embed`
+    /// end to end against the forward passes alone on the same lines
+    /// (uses --embed-model, --device, --dtype, --embed-batch-size).
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// Corpus benchmark: the embedding model directory (default: as `rlx embed`).
+    #[arg(long)]
+    embed_model: Option<PathBuf>,
+    /// Corpus benchmark: texts per forward pass.
+    #[arg(long, default_value_t = 32)]
+    embed_batch_size: usize,
 }
 
 /// `rlx bench --model smollm2`: see bench/generate.rs.
@@ -151,6 +163,16 @@ struct Pending {
 
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let device: Device = args.device.parse().map_err(|e: rlx::Error| format!("--device: {e}"))?;
+    if let Some(corpus) = &args.corpus {
+        let model = crate::embed::ModelArgs {
+            model: args.embed_model.clone(),
+            device: args.device.clone(),
+            dtype: args.dtype.clone(),
+            batch_size: args.embed_batch_size,
+            approximate_gelu: false,
+        };
+        return corpus::run(&corpus::CorpusBench { corpus: corpus.clone(), model });
+    }
     if ["smollm2", "smollm"].contains(&args.model.trim().to_ascii_lowercase().as_str()) {
         return run_generation(&args, device);
     }

@@ -3,6 +3,8 @@
 use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::sync_channel;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -100,16 +102,13 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     let mut count = Counts { watch_stdout: args.output.is_none(), ..Counts::default() };
     let mut from_stdin = false;
     let flow = if !args.texts.is_empty() {
-        let mut bar = Progress::new(Some(args.texts.len() as u64));
-        let mut flow = Flow::Go;
-        for chunk in args.texts.chunks(TEXTS_PER_ROUND) {
-            flow = embed_round(&embedder, chunk, &mut writer, &mut bar, &mut count)?;
-            if flow == Flow::ReaderGone {
-                break;
-            }
-        }
-        bar.finish();
-        flow
+        let mut rest = args.texts.as_slice();
+        let next = |n: usize| {
+            let (round, tail) = rest.split_at(n.min(rest.len()));
+            rest = tail;
+            Ok(round.to_vec())
+        };
+        pipeline(&embedder, next, &mut writer, Progress::new(Some(args.texts.len() as u64)), &mut count)?
     } else if let Some(path) = &args.input {
         let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         // Only a regular file can be read twice (counted, then embedded):
@@ -228,59 +227,134 @@ fn stream<R: BufRead>(
     embedder: &SentenceEmbedder,
     mut lines: TextLines<R>,
     writer: &mut EmbeddingWriter,
+    bar: Progress,
+    count: &mut Counts,
+) -> Result<Flow, String> {
+    pipeline(embedder, |n| lines.next_batch_within(n, BYTES_PER_ROUND).map_err(|e| e.to_string()), writer, bar, count)
+}
+
+/// One round's texts, tokenised, on its way to the device.
+struct Round {
+    /// 1-based index of its first text in the input.
+    first: u64,
+    ids: Vec<Vec<u32>>,
+}
+
+/// Embeds rounds of texts in three stages that overlap: this thread reads
+/// and tokenises round k + 1 (`next(n)` gives up to n texts, none at the
+/// end; rounds grow from [`FIRST_ROUND`] to [`TEXTS_PER_ROUND`]) while a
+/// second thread drives the device through round k and a third writes round
+/// k - 1. Output order is input order. The stages stop together when the
+/// input ends, on the first error, or when stdout's reader goes away.
+fn pipeline(
+    embedder: &SentenceEmbedder,
+    mut next: impl FnMut(usize) -> Result<Vec<String>, String>,
+    writer: &mut EmbeddingWriter,
     mut bar: Progress,
     count: &mut Counts,
 ) -> Result<Flow, String> {
-    let mut flow = Flow::Go;
-    let mut round = FIRST_ROUND;
-    while flow == Flow::Go {
-        let texts = lines.next_batch_within(round, BYTES_PER_ROUND).map_err(|e| e.to_string())?;
-        if texts.is_empty() {
-            break;
-        }
-        flow = embed_round(embedder, &texts, writer, &mut bar, count)?;
-        round = (round * 2).min(TEXTS_PER_ROUND);
-    }
-    bar.finish();
-    Ok(flow)
-}
-
-fn embed_round(
-    embedder: &SentenceEmbedder,
-    texts: &[String],
-    writer: &mut EmbeddingWriter,
-    bar: &mut Progress,
-    count: &mut Counts,
-) -> Result<Flow, String> {
-    let first = count.texts + 1;
-    let place = |e: ModelError| format!("texts {first} to {}: {e}", count.texts + texts.len() as u64);
-    let refs: Vec<&str> = texts.iter().map(|s| s.as_str()).collect();
-    let (ids, truncated) = embedder.tokenize_counting(&refs).map_err(place)?;
     let watch = count.watch_stdout;
-    // Between batches: is anyone still reading stdout?
-    let vectors = embedder
-        .embed_ids_cancellable(&ids, &mut |n| {
-            bar.advance(n as u64);
-            !(watch && crate::stdout::reader_gone())
-        })
-        .map_err(place)?;
-    let Some(vectors) = vectors else { return Ok(Flow::ReaderGone) };
-    for v in &vectors {
-        match writer.write(v) {
-            Ok(()) => count.texts += 1,
-            Err(e) if watch && is_broken_pipe(&e) => return Ok(Flow::ReaderGone),
-            Err(e) => return Err(e.to_string()),
+    let stop = &AtomicBool::new(false);
+    let stopped = move || stop.load(Ordering::Relaxed) || (watch && crate::stdout::reader_gone());
+    let place = |first: u64, n: usize, e: &dyn std::fmt::Display| format!("texts {first} to {}: {e}", first + n as u64 - 1);
+    let (read, embedded, written) = std::thread::scope(|s| {
+        let (tok_tx, tok_rx) = sync_channel::<Round>(1);
+        let (vec_tx, vec_rx) = sync_channel::<Vec<Vec<f32>>>(1);
+        let bar = &mut bar;
+        let device = s.spawn(move || -> Result<Flow, String> {
+            for r in tok_rx {
+                // Between batches: is anyone still reading stdout?
+                let vectors = embedder
+                    .embed_ids_cancellable(&r.ids, &mut |n| {
+                        bar.advance(n as u64);
+                        !stopped()
+                    })
+                    .map_err(|e| place(r.first, r.ids.len(), &e));
+                let vectors = match vectors {
+                    Ok(Some(v)) => v,
+                    Ok(None) => return Ok(if stop.load(Ordering::Relaxed) { Flow::Go } else { Flow::ReaderGone }),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                };
+                if vec_tx.send(vectors).is_err() {
+                    break;
+                }
+            }
+            Ok(Flow::Go)
+        });
+        let output = s.spawn(move || -> (u64, Result<Flow, String>) {
+            let mut n = 0u64;
+            let fail = |e: ModelError| {
+                stop.store(true, Ordering::Relaxed);
+                if watch && is_broken_pipe(&e) {
+                    Ok(Flow::ReaderGone)
+                } else {
+                    Err(e.to_string())
+                }
+            };
+            for vectors in vec_rx {
+                for v in &vectors {
+                    if let Err(e) = writer.write(v) {
+                        return (n, fail(e));
+                    }
+                    n += 1;
+                }
+                if let Err(e) = writer.flush() {
+                    return (n, fail(e));
+                }
+            }
+            (n, Ok(Flow::Go))
+        });
+        let mut read: Result<(), String> = Ok(());
+        let (mut round, mut first, mut truncated) = (FIRST_ROUND, 1u64, 0u64);
+        while !stopped() {
+            let texts = match next(round) {
+                Ok(t) if t.is_empty() => break,
+                Ok(t) => t,
+                Err(e) => {
+                    read = Err(e);
+                    break;
+                }
+            };
+            let refs: Vec<&str> = texts.iter().map(|t| t.as_str()).collect();
+            let ids = match embedder.tokenize_counting(&refs) {
+                Ok((ids, t)) => {
+                    truncated += t as u64;
+                    ids
+                }
+                Err(e) => {
+                    read = Err(place(first, texts.len(), &e));
+                    break;
+                }
+            };
+            let n = ids.len();
+            if tok_tx.send(Round { first, ids }).is_err() {
+                break;
+            }
+            first += n as u64;
+            round = (round * 2).min(TEXTS_PER_ROUND);
         }
+        drop(tok_tx);
+        count.truncated += truncated;
+        let embedded = device.join().unwrap_or_else(|_| Err("the embedding thread panicked".into()));
+        let written = output.join().unwrap_or_else(|_| (0, Err("the output thread panicked".into())));
+        (read, embedded, written)
+    });
+    bar.finish();
+    count.texts += written.0;
+    // The first failure in input order: output (the earliest texts), then
+    // the device, then reading (the latest); a reader that went away ends
+    // the run quietly whatever came after.
+    if written.1? == Flow::ReaderGone || embedded? == Flow::ReaderGone {
+        return Ok(Flow::ReaderGone);
     }
-    count.truncated += truncated as u64;
-    match writer.flush() {
-        Ok(()) => Ok(Flow::Go),
-        Err(e) if watch && is_broken_pipe(&e) => Ok(Flow::ReaderGone),
-        Err(e) => Err(e.to_string()),
-    }
+    read?;
+    Ok(Flow::Go)
 }
 
-fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
+pub(crate) fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
     let device: Device = m.device.parse().map_err(|e: rlx::Error| e.to_string())?;
     let dtype = match DType::parse(&m.dtype) {
         Some(d) if d.is_float() => d,

@@ -137,3 +137,36 @@ fn a_reader_that_goes_away_ends_the_output_quietly() {
     let e = stderr(&o);
     assert!(o.status.success() && !e.contains("panicked"), "{:?}: {e}", o.status);
 }
+
+/// A file read in several rounds (32, 64, then 128 lines: reading,
+/// embedding and writing overlap across them) comes out in input order:
+/// lines from every round equal the same text embedded on its own.
+#[test]
+fn pipelined_rounds_keep_input_order() {
+    let Some(model) = model_dir("pipelined_rounds_keep_input_order") else { return };
+    let dir = temp_dir("rounds");
+    let lines: Vec<String> =
+        (0..200).map(|i| format!("line {i}: {}", vec!["alpha beta", "gamma", "delta epsilon zeta"][i % 3].repeat(1 + i % 7))).collect();
+    let input = dir.join("texts.txt");
+    std::fs::write(&input, lines.join("\n")).unwrap_or_else(|e| panic!("{e}"));
+    let out = dir.join("out.jsonl");
+    let o = rlx(&["embed", "--model", path_str(&model), "-i", path_str(&input), "-o", path_str(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&out).unwrap_or_else(|e| panic!("{e}"));
+    let rows: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    assert_eq!(rows.len(), 200);
+    let vec_of = |v: &serde_json::Value| -> Vec<f64> {
+        v["embedding"].as_array().unwrap_or_else(|| panic!("no embedding in {v}")).iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect()
+    };
+    for i in [0usize, 31, 32, 95, 96, 150, 199] {
+        assert_eq!(rows[i]["index"].as_u64(), Some(i as u64), "row {i}");
+        let o = rlx(&["embed", "--model", path_str(&model), "-o", path_str(&dir.join("one.jsonl")), &lines[i]]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let one: serde_json::Value = serde_json::from_str(std::fs::read_to_string(dir.join("one.jsonl")).unwrap_or_default().trim())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (a, b) = (vec_of(&rows[i]), vec_of(&one));
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        assert!(a.len() == b.len() && d <= 1e-5, "line {i}: max |diff| {d} against the text embedded alone");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

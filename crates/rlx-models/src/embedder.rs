@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, WeightStore};
+use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, Ticket, WeightStore};
 
 use crate::bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS};
 use crate::weights::load_bert_weights;
@@ -96,9 +96,10 @@ impl SentenceEmbedder {
     ) -> Result<SentenceEmbedder> {
         check_options(&options)?;
         let mut session = Session::with_weights(device, weights)?;
-        // embed() runs one batch at a time (run, not submit/wait), so a
-        // second pipeline slot would only double every bucket's arena.
-        session.set_prepare_options(PrepareOptions { slots: 1, ..session.prepare_options().clone() });
+        // Two slots: embed() submits batch k + 1 before it collects batch
+        // k, so the host pads the next batch and unpacks the last while the
+        // device runs (one bucket's two calls then need two arenas).
+        session.set_prepare_options(PrepareOptions { slots: 2, ..session.prepare_options().clone() });
         let precision = (options.dtype != DType::F32).then_some(options.dtype);
         session.set_compile_options(CompileOptions { precision, approximate_gelu: options.approximate_gelu, ..CompileOptions::default() });
         let max = sentence.max_seq_length.min(config.max_position_embeddings);
@@ -223,25 +224,37 @@ impl SentenceEmbedder {
         // Sorting by length keeps the padding inside each batch small.
         order.sort_by_key(|&i| ids[i].len());
         let mut out = vec![Vec::new(); ids.len()];
+        // Pipelined: batch k + 1 is padded and submitted before batch k is
+        // collected, so the device is not idle while the host works.
+        let mut cache = self.lock_cache()?;
+        let mut pending: Option<(&[usize], BucketKey, Ticket)> = None;
+        // A call still in flight when the work stops (an error, or the
+        // caller's stop) is waited out, so its slot is free for the next.
         for group in order.chunks(self.options.batch_size) {
             let rows: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
-            let pooled = self.forward(&rows, false)?;
-            let pooled =
-                pooled.into_iter().next().ok_or_else(|| ModelError::Input("the compiled graph returned no pooled output".into()))?;
-            if pooled.len() < group.len() {
-                return Err(ModelError::Input(format!("the compiled graph returned {} rows for {} texts", pooled.len(), group.len())));
-            }
-            for (&i, v) in group.iter().zip(pooled) {
-                if let Some(at) = v.iter().position(|x| !x.is_finite()) {
-                    let hint = if self.options.dtype == DType::F32 { "" } else { " (an activation may have overflowed: try dtype f32)" };
-                    return Err(ModelError::Input(format!("text {i}: the model's output is not finite ({} at element {at}){hint}", v[at])));
+            let submitted = self.padded(&rows, false).and_then(|(key, i, m)| Ok((key, Self::submit(self.exe(&mut cache, key)?, &i, &m)?)));
+            let (key, ticket) = match submitted {
+                Ok(kt) => kt,
+                Err(e) => {
+                    self.drain(&mut cache, pending.take());
+                    return Err(e);
                 }
-                out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
+            };
+            if let Some((g, k, t)) = pending.replace((group, key, ticket)) {
+                let done = self.collect(&mut cache, g, k, t, &mut out);
+                if done.is_err() || !progress(g.len()) {
+                    self.drain(&mut cache, pending.take());
+                    return done.map(|_| None);
+                }
             }
-            if !progress(group.len()) {
+        }
+        if let Some((g, k, t)) = pending.take() {
+            self.collect(&mut cache, g, k, t, &mut out)?;
+            if !progress(g.len()) {
                 return Ok(None);
             }
         }
+        drop(cache);
         for (i, &at) in source.iter().enumerate() {
             if at != i {
                 out[i] = out[at].clone();
@@ -282,9 +295,79 @@ impl SentenceEmbedder {
         n.next_power_of_two().min(self.options.batch_size).max(n)
     }
 
-    /// Runs one padded batch; returns, per graph output, one vector per row
-    /// of `rows` (output 0 the pooled vectors, then the hidden states).
-    fn forward(&self, rows: &[&[u32]], hidden: bool) -> Result<Vec<Vec<Vec<f32>>>> {
+    fn lock_cache(&self) -> Result<std::sync::MutexGuard<'_, HashMap<BucketKey, CompiledGraph>>> {
+        self.compiled.lock().map_err(|_| ModelError::Input("embedder poisoned by a panic in another thread".into()))
+    }
+
+    /// The executable of a bucket, compiled on first use.
+    fn exe<'c>(&self, cache: &'c mut HashMap<BucketKey, CompiledGraph>, key: BucketKey) -> Result<&'c mut CompiledGraph> {
+        Ok(match cache.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(v) => {
+                let (batch, seq, hidden) = key;
+                let opts = BertGraphOptions { pooling: self.sentence.pooling, hidden_states: hidden, token_type_ids: false };
+                let graph = build_bert_graph(&self.config, batch, seq, &opts)?;
+                v.insert(self.session.compile(&graph)?)
+            }
+        })
+    }
+
+    /// Starts one padded batch on its executable.
+    fn submit(exe: &mut CompiledGraph, ids: &Tensor, mask: &Tensor) -> Result<Ticket> {
+        // The precision policy may store inputs in another dtype; give the
+        // executable exactly what its schedule expects.
+        let want = |name: &str| exe.schedule().inputs.iter().find(|s| s.name == name).map(|s| s.dtype);
+        let ids = match want(INPUT_IDS) {
+            Some(d) if d != ids.dtype() => ids.to_dtype(d),
+            _ => ids.clone(),
+        };
+        let mask = match want(ATTENTION_MASK) {
+            Some(d) if d != mask.dtype() => mask.to_dtype(d),
+            _ => mask.clone(),
+        };
+        Ok(exe.submit(&[(INPUT_IDS, &ids), (ATTENTION_MASK, &mask)])?)
+    }
+
+    /// Waits for a submitted batch and stores its rows' vectors in `out`.
+    fn collect(
+        &self,
+        cache: &mut HashMap<BucketKey, CompiledGraph>,
+        group: &[usize],
+        key: BucketKey,
+        ticket: Ticket,
+        out: &mut [Vec<f32>],
+    ) -> Result<()> {
+        let exe = cache.get_mut(&key).ok_or_else(|| ModelError::Input(format!("bucket {key:?} vanished from the cache")))?;
+        let outputs = exe.wait(ticket)?;
+        let pooled = unpack(outputs, key.0, group.len())
+            .into_iter()
+            .next()
+            .ok_or_else(|| ModelError::Input("the compiled graph returned no pooled output".into()))?;
+        if pooled.len() < group.len() {
+            return Err(ModelError::Input(format!("the compiled graph returned {} rows for {} texts", pooled.len(), group.len())));
+        }
+        for (&i, v) in group.iter().zip(pooled) {
+            if let Some(at) = v.iter().position(|x| !x.is_finite()) {
+                let hint = if self.options.dtype == DType::F32 { "" } else { " (an activation may have overflowed: try dtype f32)" };
+                return Err(ModelError::Input(format!("text {i}: the model's output is not finite ({} at element {at}){hint}", v[at])));
+            }
+            out[i] = if self.sentence.normalize { l2_normalize(v) } else { v };
+        }
+        Ok(())
+    }
+
+    /// Waits out a call still in flight when the work stops early (its
+    /// result is not needed; the slot must be free for the next call).
+    fn drain(&self, cache: &mut HashMap<BucketKey, CompiledGraph>, pending: Option<(&[usize], BucketKey, Ticket)>) {
+        if let Some((_, key, ticket)) = pending {
+            if let Some(exe) = cache.get_mut(&key) {
+                let _ = exe.wait(ticket);
+            }
+        }
+    }
+
+    /// Pads `rows` to their bucket: the key and the ids and mask tensors.
+    fn padded(&self, rows: &[&[u32]], hidden: bool) -> Result<(BucketKey, Tensor, Tensor)> {
         let longest = rows.iter().map(|r| r.len()).max().unwrap_or(1);
         let seq = self
             .seq_bucket(longest)
@@ -302,41 +385,32 @@ impl SentenceEmbedder {
         for b in rows.len()..batch {
             mask[b * seq] = 1.0;
         }
-        let ids = Tensor::from_i32([batch, seq], &ids)?;
-        let mask = Tensor::from_f32([batch, seq], &mask)?;
-
-        let mut cache = self.compiled.lock().map_err(|_| ModelError::Input("embedder poisoned by a panic in another thread".into()))?;
-        let key = (batch, seq, hidden);
-        let exe = match cache.entry(key) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(v) => {
-                let opts = BertGraphOptions { pooling: self.sentence.pooling, hidden_states: hidden, token_type_ids: false };
-                let graph = build_bert_graph(&self.config, batch, seq, &opts)?;
-                v.insert(self.session.compile(&graph)?)
-            }
-        };
-        // The precision policy may store inputs in another dtype; give the
-        // executable exactly what its schedule expects.
-        let want = |name: &str| exe.schedule().inputs.iter().find(|s| s.name == name).map(|s| s.dtype);
-        let ids = match want(INPUT_IDS) {
-            Some(d) if d != ids.dtype() => ids.to_dtype(d),
-            _ => ids,
-        };
-        let mask = match want(ATTENTION_MASK) {
-            Some(d) if d != mask.dtype() => mask.to_dtype(d),
-            _ => mask,
-        };
-        let outputs = exe.run(&[(INPUT_IDS, &ids), (ATTENTION_MASK, &mask)])?;
-        drop(cache);
-
-        let mut result = Vec::with_capacity(outputs.len());
-        for t in outputs {
-            let values = t.to_f32();
-            let per_row = values.len() / batch;
-            result.push(values.chunks(per_row.max(1)).take(rows.len()).map(|c| c.to_vec()).collect());
-        }
-        Ok(result)
+        Ok(((batch, seq, hidden), Tensor::from_i32([batch, seq], &ids)?, Tensor::from_f32([batch, seq], &mask)?))
     }
+
+    /// Runs one padded batch; returns, per graph output, one vector per row
+    /// of `rows` (output 0 the pooled vectors, then the hidden states).
+    fn forward(&self, rows: &[&[u32]], hidden: bool) -> Result<Vec<Vec<Vec<f32>>>> {
+        let (key, ids, mask) = self.padded(rows, hidden)?;
+        let mut cache = self.lock_cache()?;
+        let exe = self.exe(&mut cache, key)?;
+        let ticket = Self::submit(exe, &ids, &mask)?;
+        let outputs = exe.wait(ticket)?;
+        drop(cache);
+        Ok(unpack(outputs, key.0, rows.len()))
+    }
+}
+
+/// Per graph output, the first `rows` of its `batch` rows as f32 vectors.
+fn unpack(outputs: Vec<Tensor>, batch: usize, rows: usize) -> Vec<Vec<Vec<f32>>> {
+    outputs
+        .into_iter()
+        .map(|t| {
+            let values = t.to_f32();
+            let per_row = values.len() / batch.max(1);
+            values.chunks(per_row.max(1)).take(rows).map(|c| c.to_vec()).collect()
+        })
+        .collect()
 }
 
 /// A model directory in a format RLX does not read gets "not supported" and
