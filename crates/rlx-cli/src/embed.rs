@@ -354,7 +354,7 @@ fn pipeline(
     Ok(Flow::Go)
 }
 
-pub(crate) fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
+pub fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
     let device: Device = m.device.parse().map_err(|e: rlx::Error| e.to_string())?;
     let dtype = match DType::parse(&m.dtype) {
         Some(d) if d.is_float() => d,

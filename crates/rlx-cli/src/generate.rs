@@ -8,10 +8,7 @@ use clap::Args;
 use rlx::{DType, Device};
 use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams, StopReason};
 
-use crate::model_dir::{data_dir, Env};
-
-/// The default generation model's file name, under a models directory.
-pub const DEFAULT_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+use crate::model_dir::{default_generation_model, Env};
 
 #[derive(Args, Clone)]
 pub struct ModelArgs {
@@ -124,28 +121,7 @@ pub struct ChatArgs {
 /// The default GGUF: the repository's models/ (here or above the current
 /// directory or the executable), then the per-user data directory.
 pub(crate) fn default_model() -> Result<PathBuf, String> {
-    let env = Env::process();
-    let mut tried = vec![];
-    for base in &env.bases {
-        for dir in base.ancestors() {
-            let p = dir.join("models").join(DEFAULT_GGUF);
-            if p.is_file() {
-                return Ok(p);
-            }
-        }
-        tried.push(base.join("models").join(DEFAULT_GGUF));
-    }
-    if let Ok(d) = data_dir(&env) {
-        let p = d.join("models").join(DEFAULT_GGUF);
-        if p.is_file() {
-            return Ok(p);
-        }
-        tried.push(p);
-    }
-    Err(format!(
-        "no generation model given and the default ({DEFAULT_GGUF}) was not found (looked in models/ here and above, and {}); run `rlx fetch` or scripts/fetch-models, or pass --model FILE.gguf",
-        tried.last().map(|p| p.display().to_string()).unwrap_or_default()
-    ))
+    default_generation_model(&Env::process())
 }
 
 fn load(m: &ModelArgs) -> Result<Generator, String> {

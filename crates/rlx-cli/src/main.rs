@@ -7,6 +7,7 @@ mod fetch;
 mod generate;
 mod inspect;
 mod model_dir;
+mod search;
 mod serve;
 mod stdout;
 
@@ -23,6 +24,8 @@ struct Cli {
 enum Command {
     /// Turn texts into sentence embeddings (JSON lines or .npy).
     Embed(embed::EmbedArgs),
+    /// The lines of a corpus file most similar to each query (exact cosine over every line's embedding).
+    Search(search::SearchArgs),
     /// Print the cosine similarity of two texts' embeddings.
     Similarity(embed::SimilarityArgs),
     /// Print a graph before and after passes, its schedule and arena plan.
@@ -46,6 +49,7 @@ fn main() {
     let result: Result<(), String> = match cli.command {
         Command::Embed(a) => embed::run(a),
         Command::Similarity(a) => embed::run_similarity(a),
+        Command::Search(a) => search::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Fetch(a) => fetch::run(a),

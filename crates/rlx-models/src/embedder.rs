@@ -108,6 +108,14 @@ impl SentenceEmbedder {
         Ok(SentenceEmbedder { config, sentence, tokenizer, session, options, seq_buckets, compiled: Mutex::new(HashMap::new()) })
     }
 
+    /// An embedder over the same weights (shared, not copied) with another
+    /// batch size; its shape buckets compile on first use.
+    pub fn with_batch_size(&self, batch_size: usize) -> Result<SentenceEmbedder> {
+        let options = EmbedderOptions { batch_size, ..self.options };
+        let weights = self.session.weights().clone();
+        Self::from_weights(self.config.clone(), self.sentence.clone(), self.tokenizer.clone(), weights, self.device(), options)
+    }
+
     /// Length of the vectors [`embed`](Self::embed) returns.
     pub fn dim(&self) -> usize {
         self.config.hidden_size

@@ -23,6 +23,7 @@ use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::{ModelError, Result};
 
+#[derive(Clone)]
 pub struct TextTokenizer {
     inner: Tokenizer,
     path: PathBuf,

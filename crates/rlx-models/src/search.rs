@@ -1,0 +1,249 @@
+//! Exact semantic search: the cosine of every query against every corpus
+//! row, with sentence-transformers' `util.semantic_search` semantics.
+//!
+//! Queries and corpus rows are L2-normalised on the host; the score matrix
+//! `queries [Q, D] × corpusᵀ` is one compiled RLX graph run on the device,
+//! with the corpus as weights, in chunks of rows (one matmul and one output
+//! per chunk). Top-k selection runs on the host: scores descending, equal
+//! scores by lower corpus row first.
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+use rlx::{CompiledGraph, DType, Device, Graph, Session, Tensor};
+
+use crate::embedder::l2_normalize;
+use crate::{ModelError, Result};
+
+/// Queries scored by one run at most; a smaller batch runs in the next
+/// power-of-two bucket.
+pub const MAX_QUERY_BATCH: usize = 64;
+
+/// Corpus rows per chunk (one matmul each), bounding any one output.
+pub const DEFAULT_CHUNK_ROWS: usize = 32768;
+
+const QUERIES: &str = "queries";
+
+/// One result: a corpus row and its cosine similarity to the query.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hit {
+    pub corpus_id: usize,
+    pub score: f32,
+}
+
+/// A corpus of vectors on a device, ready to be searched.
+pub struct CorpusIndex {
+    session: Session,
+    rows: usize,
+    dim: usize,
+    chunk_rows: usize,
+    chunks: usize,
+    /// Rows never returned (e.g. blank lines of a text corpus).
+    excluded: Vec<bool>,
+    /// One executable per query bucket.
+    compiled: HashMap<usize, CompiledGraph>,
+}
+
+fn chunk_name(c: usize) -> String {
+    format!("corpus.{c}")
+}
+
+impl CorpusIndex {
+    /// `vectors` is `[rows, dim]` row-major; rows are normalised here.
+    pub fn new(vectors: &[f32], dim: usize, device: Device) -> Result<CorpusIndex> {
+        Self::with_chunk_rows(vectors, dim, device, DEFAULT_CHUNK_ROWS)
+    }
+
+    /// [`new`](Self::new) with `chunk_rows` corpus rows per matmul (the last
+    /// chunk is padded with zero rows, which are never returned).
+    pub fn with_chunk_rows(vectors: &[f32], dim: usize, device: Device, chunk_rows: usize) -> Result<CorpusIndex> {
+        if dim == 0 || chunk_rows == 0 {
+            return Err(ModelError::Input(format!("search: dimension ({dim}) and chunk rows ({chunk_rows}) must be at least 1")));
+        }
+        if vectors.len() % dim != 0 {
+            return Err(ModelError::Input(format!("search: {} values are not whole rows of dimension {dim}", vectors.len())));
+        }
+        let rows = vectors.len() / dim;
+        if rows == 0 {
+            return Err(ModelError::Input("search: the corpus has no rows".into()));
+        }
+        if let Some(i) = vectors.iter().position(|x| !x.is_finite()) {
+            return Err(ModelError::Input(format!("search: corpus row {} holds a value that is not finite", i / dim)));
+        }
+        let chunk_rows = chunk_rows.min(rows);
+        let chunks = rows.div_ceil(chunk_rows);
+        let mut session = Session::new(device)?;
+        session.set_prepare_options(rlx::PrepareOptions { slots: 1, ..session.prepare_options().clone() });
+        for c in 0..chunks {
+            let mut block = vec![0f32; chunk_rows * dim];
+            let first = c * chunk_rows;
+            let take = chunk_rows.min(rows - first);
+            for r in 0..take {
+                let row = l2_normalize(vectors[(first + r) * dim..(first + r + 1) * dim].to_vec());
+                block[r * dim..(r + 1) * dim].copy_from_slice(&row);
+            }
+            session.set_weight(&chunk_name(c), Tensor::from_f32([chunk_rows, dim], &block)?)?;
+        }
+        Ok(CorpusIndex { session, rows, dim, chunk_rows, chunks, excluded: vec![false; rows], compiled: HashMap::new() })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Rows that results never contain (out-of-range ids are ignored).
+    pub fn exclude(&mut self, rows: impl IntoIterator<Item = usize>) {
+        for r in rows {
+            if let Some(x) = self.excluded.get_mut(r) {
+                *x = true;
+            }
+        }
+    }
+
+    /// The `top_k` best rows for each query (`queries` is `[Q, dim]`
+    /// row-major), best first; fewer when fewer rows are searchable.
+    pub fn search(&mut self, queries: &[f32], top_k: usize) -> Result<Vec<Vec<Hit>>> {
+        let dim = self.dim;
+        if top_k == 0 {
+            return Err(ModelError::Input("search: top_k must be at least 1".into()));
+        }
+        if queries.len() % dim != 0 {
+            return Err(ModelError::Input(format!("search: {} query values are not whole rows of dimension {dim}", queries.len())));
+        }
+        let mut out = Vec::with_capacity(queries.len() / dim);
+        for batch in queries.chunks(MAX_QUERY_BATCH * dim) {
+            let scores = self.scores(batch)?;
+            for per_chunk in &scores {
+                out.push(self.top_k(per_chunk, top_k));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Per query of the batch, per chunk, the chunk's scores.
+    fn scores(&mut self, batch: &[f32]) -> Result<Vec<Vec<Vec<f32>>>> {
+        let dim = self.dim;
+        let n = batch.len() / dim;
+        let bucket = n.next_power_of_two().min(MAX_QUERY_BATCH);
+        let mut input = vec![0f32; bucket * dim];
+        for (q, row) in batch.chunks(dim).enumerate() {
+            if let Some(i) = row.iter().position(|x| !x.is_finite()) {
+                return Err(ModelError::Input(format!("search: query holds a value that is not finite ({})", row[i])));
+            }
+            input[q * dim..(q + 1) * dim].copy_from_slice(&l2_normalize(row.to_vec()));
+        }
+        let input = Tensor::from_f32([bucket, dim], &input)?;
+        let exe = match self.compiled.entry(bucket) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let graph = score_graph(bucket, dim, self.chunk_rows, self.chunks)?;
+                v.insert(self.session.compile(&graph)?)
+            }
+        };
+        let outputs = exe.run(&[(QUERIES, &input)])?;
+        if outputs.len() != self.chunks {
+            return Err(ModelError::Input(format!(
+                "search: the score graph returned {} outputs for {} chunks",
+                outputs.len(),
+                self.chunks
+            )));
+        }
+        let mut per_query = vec![Vec::with_capacity(self.chunks); n];
+        for t in outputs {
+            let v = t.to_f32();
+            for (q, row) in v.chunks(self.chunk_rows).take(n).enumerate() {
+                per_query[q].push(row.to_vec());
+            }
+        }
+        Ok(per_query)
+    }
+
+    /// A query's best `k` rows from its per-chunk scores.
+    fn top_k(&self, per_chunk: &[Vec<f32>], k: usize) -> Vec<Hit> {
+        // A bounded heap whose top is the worst hit kept so far.
+        let mut heap: BinaryHeap<Worst> = BinaryHeap::with_capacity(k + 1);
+        for (c, scores) in per_chunk.iter().enumerate() {
+            let first = c * self.chunk_rows;
+            for (r, &score) in scores.iter().enumerate() {
+                let id = first + r;
+                if id >= self.rows || self.excluded[id] {
+                    continue;
+                }
+                let hit = Worst(Hit { corpus_id: id, score });
+                if heap.len() < k {
+                    heap.push(hit);
+                } else if heap.peek().is_some_and(|w| rank(&hit.0, &w.0) == Ordering::Less) {
+                    heap.pop();
+                    heap.push(hit);
+                }
+            }
+        }
+        let mut hits: Vec<Hit> = heap.into_iter().map(|w| w.0).collect();
+        hits.sort_by(rank);
+        hits
+    }
+}
+
+/// Result order: higher scores first, equal scores by lower row.
+fn rank(a: &Hit, b: &Hit) -> Ordering {
+    b.score.total_cmp(&a.score).then(a.corpus_id.cmp(&b.corpus_id))
+}
+
+/// Heap order: the worse hit is the greater.
+struct Worst(Hit);
+
+impl PartialEq for Worst {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Worst {}
+impl PartialOrd for Worst {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Worst {
+    fn cmp(&self, other: &Self) -> Ordering {
+        rank(&self.0, &other.0)
+    }
+}
+
+/// `queries [bucket, dim]` against each corpus chunk `[chunk_rows, dim]`:
+/// one output `[bucket, chunk_rows]` per chunk.
+fn score_graph(bucket: usize, dim: usize, chunk_rows: usize, chunks: usize) -> Result<Graph> {
+    let mut g = Graph::new();
+    let q = g.input(QUERIES, [bucket, dim], DType::F32)?;
+    for c in 0..chunks {
+        let corpus = g.param(&chunk_name(c), [chunk_rows, dim], DType::F32)?;
+        let scores = g.matmul_t(q, corpus)?;
+        g.output(scores)?;
+    }
+    Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ties_break_by_lower_row_and_excluded_rows_never_return() {
+        // Rows 0, 2 and 3 are the same direction: equal scores.
+        let v = [1.0, 0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 0.0, -1.0, 0.0];
+        let mut idx = CorpusIndex::with_chunk_rows(&v, 2, Device::Cpu, 2).unwrap_or_else(|e| panic!("{e}"));
+        let hits = idx.search(&[1.0, 0.0], 3).unwrap_or_else(|e| panic!("{e}"));
+        let ids: Vec<usize> = hits[0].iter().map(|h| h.corpus_id).collect();
+        assert_eq!(ids, vec![0, 2, 3]);
+        idx.exclude([2]);
+        let hits = idx.search(&[1.0, 0.0], 10).unwrap_or_else(|e| panic!("{e}"));
+        let ids: Vec<usize> = hits[0].iter().map(|h| h.corpus_id).collect();
+        assert_eq!(ids, vec![0, 3, 1, 4], "all searchable rows, padding rows never");
+        assert_eq!(hits[0][3].score, -1.0);
+        assert!(idx.search(&[1.0, 0.0], 0).is_err());
+        assert!(idx.search(&[1.0, 0.0, 1.0], 1).is_err());
+    }
+}
