@@ -8,12 +8,13 @@
 //! missing, and the crate still builds and tests everywhere.
 //!
 //! Files: `options` (every setting, read once), `driver` (owned driver
-//! handles), `nvrtc` (compile + disk cache), `launch` (thunk → steps),
-//! `ffn` (the fused feed-forward kernel), `decode` (the generation step's
-//! kernels: quantized matmuls and gathers, sampling), `blas` (cuBLASLt),
-//! `gemm` (the cuBLASLt algorithm per shape, timed) and `gemm_cache` (its
-//! choices on disk), `hostops` (TopK on the host), `weights` (shared device
-//! weights), `exec` (slots, replay, submit/wait).
+//! handles), `nvrtc` (compile + disk cache) and `kernel_cache` (the checked
+//! format of its files), `launch` (thunk → steps), `ffn` (the fused
+//! feed-forward kernel), `decode` (the generation step's kernels: quantized
+//! matmuls and gathers, sampling), `blas` (cuBLASLt), `gemm` (the cuBLASLt
+//! algorithm per shape, timed) and `gemm_cache` (its choices on disk),
+//! `hostops` (TopK on the host), `weights` (shared device weights), `exec`
+//! (slots, replay, submit/wait).
 
 mod blas;
 mod decode;
@@ -21,8 +22,13 @@ mod driver;
 mod exec;
 mod ffn;
 mod gemm;
-mod gemm_cache;
+/// The matmul-choice file's parser (public for the fuzz targets).
+#[doc(hidden)]
+pub mod gemm_cache;
 mod hostops;
+/// The compiled-kernel cache's file format (public for the fuzz targets).
+#[doc(hidden)]
+pub mod kernel_cache;
 mod launch;
 mod nvrtc;
 mod options;

@@ -10,6 +10,7 @@ use rlx_runtime::Result;
 use sha2::{Digest, Sha256};
 
 use crate::driver::err;
+use crate::kernel_cache;
 use crate::options::CudaOptions;
 
 /// Our shared header, given to NVRTC in memory.
@@ -169,11 +170,14 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     // The toolkit's half/bf16 headers by content, not just by folder: an
     // updated toolkit in the same place must not reuse stale CUBINs.
     h.update(toolkit_headers_digest(&include));
+    h.update(kernel_cache::FORMAT.as_bytes());
     let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let path = cfg.kernel_cache.join(format!("{}-{arch}-{key}.cubin", file.trim_end_matches(".cu")));
+    let path = cfg.kernel_cache.join(kernel_cache::file_name(file, arch, &key));
+    // A file that fails the host-side checks (cut short, edited, another
+    // format) is compiled again and replaced, never handed to the driver.
     if let Ok(bytes) = std::fs::read(&path) {
-        if !bytes.is_empty() {
-            return Ok(bytes);
+        if let Ok(cubin) = kernel_cache::decode(&bytes) {
+            return Ok(cubin.to_vec());
         }
     }
     let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts)))
@@ -182,7 +186,7 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
+        if std::fs::write(&tmp, kernel_cache::encode(&cubin)).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
