@@ -34,6 +34,10 @@ pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/f
 /// integer binary op.
 pub const DECODE_SOURCES: &[(&str, &str)] = &[("decode.cu", include_str!("../kernels/decode.cu"))];
 
+/// The trapping kernel of the fault-injection test hook: compiled and
+/// loaded only when the hook is used.
+pub const FAULT_SOURCES: &[(&str, &str)] = &[("fault.cu", include_str!("../kernels/fault.cu"))];
+
 /// A file to compile: (file name, text, architecture to compile it for).
 pub type Source = (&'static str, &'static str, String);
 
@@ -53,6 +57,12 @@ pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
 pub fn decode_sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
     DECODE_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+}
+
+/// The fault-injection kernel's file for a device of compute capability `cc`.
+pub fn fault_sources_for(cc: (i32, i32)) -> Vec<Source> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    FAULT_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
 /// `compile_cubin` for every file at once, one thread each (NVRTC programs
@@ -243,7 +253,8 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> = sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).collect();
+    let files: Vec<Source> =
+        sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).chain(fault_sources_for(arch)).collect();
     let bins = compile_many(&files, opts)?;
     Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }
