@@ -164,3 +164,52 @@ put("chat_template", "raise", chat("{% if messages[0].role != 'user' %}{{ raise_
                                     "system", "x"))
 put("chat_template", "loop", chat("{% for i in range(1000000) %}{{ i }}{% endfor %}", "user", "x"))
 put("chat_template", "macro", chat("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}x{% endmacro %}{{ f(100) }}", "user", "y"))
+
+# rlx-cuda's matmul-choice file: `<32 hex key> lt <8 hex words>` lines.
+k1, k2 = "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"
+line = lambda k, ws: f"{k} lt {' '.join(format(w, 'x') for w in ws)}\n"
+put("gemm_choices", "good", line(k1, range(8)) + line(k2, [0xdeadbeef, 2**64 - 1, 0, 1, 2, 3, 4, 5]))
+put("gemm_choices", "last_wins", line(k1, [1] * 8) + line(k1, [2] * 8))
+put("gemm_choices", "torn", line(k1, range(8)) + line(k2, range(8))[:40])
+put("gemm_choices", "bad_lines", "garbage\n" + k1 + " lt 1 2 3\n" + k1 + " own 64 9 3 2\n" + line("ABC", range(8))
+    + k1 + " lt 10000000000000000 0 0 0 0 0 0 0\n")
+put("gemm_choices", "not_utf8", b"\xff\xfe lt\n" + line(k2, range(8)).encode())
+
+# rlx-cuda's kernel cache file: CUBIN + "RLXCUBIN" + u64 length + sha256.
+import hashlib
+def elf(shnum=1, phnum=0, machine=190, size=256):
+    b = bytearray(size)
+    b[0:4] = b"\x7fELF"; b[4] = 2; b[5] = 1
+    struct.pack_into("<H", b, 18, machine)
+    struct.pack_into("<Q", b, 32, 64 if phnum else 0)
+    struct.pack_into("<Q", b, 40, 64 + 56 * phnum)
+    struct.pack_into("<HHHH", b, 54, 56, phnum, 64, shnum)
+    return bytes(b)
+def cache(cubin):
+    return cubin + b"RLXCUBIN" + struct.pack("<Q", len(cubin)) + hashlib.sha256(cubin).digest()
+put("kernel_cache", "good", cache(elf()))
+put("kernel_cache", "with_phdrs", cache(elf(shnum=2, phnum=1, size=64 + 56 + 128)))
+put("kernel_cache", "bare_elf", elf())
+put("kernel_cache", "truncated", cache(elf())[:200])
+put("kernel_cache", "x86_elf", cache(elf(machine=62)))
+put("kernel_cache", "short_tables", cache(elf(shnum=100)))
+
+# rlx-serve request bodies (each replayed as every route reads them).
+bodies = {
+    "embed_text": {"model": "all-MiniLM-L6-v2", "input": "hello"},
+    "embed_list": {"input": ["a", "b"], "encoding_format": "base64", "dimensions": 384, "truncate": False},
+    "embed_ids": {"input": [[101, 7, 102], [101, 102]]},
+    "embed_bad": {"input": ["a", 1], "encoding_format": "hex"},
+    "rerank": {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1, "return_documents": True},
+    "rerank_bad": {"query": "", "documents": [], "top_n": 0},
+    "chat": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+             "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1,
+             "stop": ["\n", "User:"], "seed": -3, "stream": True, "stream_options": {"include_usage": True}},
+    "chat_refused": {"messages": [{"role": "user", "content": "x"}], "n": 2, "tools": [{}], "logit_bias": {"1": 2}},
+    "completion": {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    "completion_ids": {"prompt": [[1, 2, 3]], "max_completion_tokens": 1, "response_format": {"type": "json_object"}},
+}
+for name, b in bodies.items():
+    put("serve_request", name + ".json", json.dumps(b))
+put("serve_request", "not_object", "[1, 2]")
+put("serve_request", "not_json", '{"input": ')

@@ -171,3 +171,88 @@ pub fn chat_template(data: &[u8]) {
         }
     }
 }
+
+/// rlx-cuda's matmul-choice file (`gemm-choices.txt`): any bytes parse to
+/// a set of choices, each of which, written back as a line, parses to
+/// itself; there are never more choices than lines.
+pub fn gemm_choices(data: &[u8]) {
+    use rlx_cuda::gemm_cache::{gemm_choice_line, parse_gemm_choices};
+    let choices = parse_gemm_choices(data);
+    assert!(choices.len() <= data.iter().filter(|&&b| b == b'\n').count() + 1);
+    for (key, words) in &choices {
+        let line = gemm_choice_line(key, *words);
+        let again = parse_gemm_choices(line.as_bytes());
+        assert_eq!(again.len(), 1, "{line:?}");
+        assert_eq!(again.get(key), Some(words), "{line:?}");
+    }
+}
+
+/// rlx-cuda's compiled-kernel cache file: `decode` accepts exactly what
+/// `encode` wrote for an image that passes the ELF checks, and the input
+/// itself, encoded, round-trips if and only if it passes them.
+pub fn kernel_cache(data: &[u8]) {
+    use rlx_cuda::kernel_cache::{check_elf, decode, encode};
+    if let Ok(cubin) = decode(data) {
+        assert!(check_elf(cubin).is_ok());
+        assert_eq!(encode(cubin), data);
+    }
+    let encoded = encode(data);
+    match (check_elf(data), decode(&encoded)) {
+        (Ok(()), Ok(back)) => assert_eq!(back, data),
+        (Ok(()), Err(e)) => panic!("an image that passes the ELF checks does not round-trip: {e}"),
+        (Err(_), Ok(_)) => panic!("an image that fails the ELF checks decodes"),
+        (Err(e), Err(_)) => assert!(!e.to_string().is_empty()),
+    }
+}
+
+/// A refused request: a 4xx with a message, and an OpenAI error body.
+fn refused(e: &rlx_serve::ApiError) {
+    assert!(e.status.is_client_error(), "{e:?}");
+    assert!(!e.message.is_empty());
+    assert!(e.body().get("error").is_some_and(|b| b.get("message").is_some()));
+}
+
+/// rlx-serve's request bodies: the bytes as JSON, then read as each route
+/// reads them (/v1/embeddings, /v1/rerank, /v1/chat/completions,
+/// /v1/completions). Either a 4xx error with a message, or a request that
+/// keeps the routes' limits.
+pub fn serve_request(data: &[u8]) {
+    use rlx_serve::request::fields;
+    use rlx_serve::routes::completions::{Api, GenerationRequest};
+    use rlx_serve::routes::embeddings::{EmbeddingsRequest, Inputs};
+    use rlx_serve::routes::rerank::RerankRequest;
+    const MAX_INPUTS: usize = 8;
+    let f = match fields(data) {
+        Ok(f) => f,
+        Err(e) => return refused(&e),
+    };
+    match EmbeddingsRequest::read(&f, MAX_INPUTS) {
+        Ok(r) => {
+            assert!((1..=MAX_INPUTS).contains(&r.inputs.len()));
+            match &r.inputs {
+                Inputs::Texts(t) => assert!(t.iter().all(|s| !s.is_empty())),
+                Inputs::Ids(rows) => assert!(rows.iter().all(|r| !r.is_empty())),
+            }
+        }
+        Err(e) => refused(&e),
+    }
+    match RerankRequest::read(&f, MAX_INPUTS) {
+        Ok(r) => {
+            assert!(!r.query.is_empty());
+            assert!((1..=MAX_INPUTS).contains(&r.documents.len()));
+            assert!((1..=r.documents.len()).contains(&r.top_n));
+        }
+        Err(e) => refused(&e),
+    }
+    for api in [Api::Chat, Api::Completion] {
+        match GenerationRequest::read(&f, api) {
+            Ok(r) => {
+                let p = &r.params;
+                assert!((0.0..=2.0).contains(&p.temperature) && (0.0..=1.0).contains(&p.top_p) && (0.0..=1.0).contains(&p.min_p));
+                assert!(p.stop.len() <= 16 && p.stop.iter().all(|s| !s.is_empty()));
+                assert!(r.max_tokens.is_none_or(|n| n >= 1));
+            }
+            Err(e) => refused(&e),
+        }
+    }
+}

@@ -81,9 +81,33 @@ struct Worker {
 }
 
 fn alloc(bytes: u64, what: &str) -> Result<AlignedBuf> {
-    AlignedBuf::zeroed(bytes as usize)
-        .ok_or(RuntimeError::OutOfMemory { requested: bytes, free: 0 })
-        .map_err(|e| exec_err(format!("{what}: {e}")))
+    usize::try_from(bytes)
+        .ok()
+        .and_then(AlignedBuf::zeroed)
+        .ok_or_else(|| exec_err(format!("{what}: out of memory: could not allocate {bytes} bytes")))
+}
+
+/// The machine's physical memory in bytes (Linux: MemTotal), if known.
+fn physical_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = info.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// Refuses an executable whose arenas and states together exceed the
+/// machine's physical memory: with overcommit such an allocation can
+/// succeed and then kill the process when its pages are first touched.
+fn check_fits(schedule: &Schedule, slots: usize) -> Result<()> {
+    let arenas = schedule.arena_bytes.checked_mul(slots as u64);
+    let wanted = schedule.states.iter().try_fold(arenas.unwrap_or(u64::MAX), |sum, s| sum.checked_add(s.buf.bytes)).unwrap_or(u64::MAX);
+    match physical_memory() {
+        Some(total) if wanted > total => Err(exec_err(format!(
+            "out of memory: {slots} arena(s) of {} bytes and {} state buffer(s) need {wanted} bytes, more than this machine's {total} bytes",
+            schedule.arena_bytes,
+            schedule.states.len(),
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn resolve_all(schedule: &Schedule, store: &WeightStore) -> Result<Vec<Arc<Tensor>>> {
@@ -99,6 +123,7 @@ impl Worker {
         pool: Option<Arc<rayon::ThreadPool>>,
         profile: bool,
     ) -> Result<Worker> {
+        check_fits(&schedule, slots)?;
         let arenas = (0..slots).map(|i| alloc(schedule.arena_bytes, &format!("arena of slot {i}"))).collect::<Result<Vec<_>>>()?;
         let states = schedule
             .states

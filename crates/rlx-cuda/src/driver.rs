@@ -29,13 +29,56 @@ pub(crate) fn describe(r: CUresult) -> String {
     format!("{r:?}")
 }
 
+/// Errors after which the CUDA context cannot be used again: a kernel
+/// faulted, and every later call in the process's (primary) context
+/// returns the same error until the process exits.
+fn is_sticky(r: CUresult) -> bool {
+    use CUresult::*;
+    matches!(
+        r,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_ECC_UNCORRECTABLE
+    )
+}
+
+/// The first sticky error this process saw, as its message.
+static CONTEXT_LOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// `Some(message)` once a kernel has faulted in this process: the CUDA
+/// context is lost, and executables, sessions and backends answer every
+/// later call with this message instead of calling the driver.
+pub(crate) fn context_lost() -> Option<RuntimeError> {
+    CONTEXT_LOST.get().map(|m| err(m.clone()))
+}
+
+/// Fails with the context-lost message once a kernel has faulted.
+pub(crate) fn check_context() -> Result<()> {
+    context_lost().map_or(Ok(()), Err)
+}
+
 /// Turns a driver status into a Result; `what` names the call for the message.
 pub(crate) fn check(r: CUresult, what: &str) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(err(format!("{what} failed: {}", describe(r))))
+        return Ok(());
     }
+    if is_sticky(r) {
+        let first = CONTEXT_LOST.get_or_init(|| {
+            format!(
+                "a GPU kernel failed ({what}: {}); the CUDA context of this process is lost and every later GPU call \
+                 in it fails: restart the process to use the GPU again",
+                describe(r)
+            )
+        });
+        return Err(err(first.clone()));
+    }
+    Err(err(format!("{what} failed: {}", describe(r))))
 }
 
 /// One device's primary context, retained for the life of the process.

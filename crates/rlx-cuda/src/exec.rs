@@ -19,7 +19,7 @@ use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, R
 use rlx_schedule::{BufRef, Schedule, Space, Thunk};
 
 use crate::blas::{Blas, MatMulPlan};
-use crate::driver::{err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
+use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
 use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
@@ -467,6 +467,28 @@ impl CudaExecutable {
         self.phases
     }
 
+    /// The fault-injection hook (`CudaBackend::inject_trap_for_test`):
+    /// every slot gets a recorded graph holding one trapping kernel,
+    /// replayed before its other segments on every later call (in eager
+    /// mode the kernel is launched first).
+    pub(crate) fn inject_trap(&mut self, kernels: &Kernels) -> Result<()> {
+        if self.profile {
+            return Err(err("the trap hook does not run under RLX_PROFILE"));
+        }
+        self.dev.bind()?;
+        self.stream.synchronize()?;
+        for slot in &mut self.slots {
+            let trap = kernels.trap()?;
+            if self.replay {
+                let graph = GraphExec::capture(&self.stream, None, None, false, || trap.enqueue(&self.stream))?;
+                slot.segments.insert(0, Segment::Replay { steps: 0..0, graph, prefetches: 0 });
+            } else {
+                slot.steps.insert(0, trap);
+            }
+        }
+        Ok(())
+    }
+
     /// A slot that is free: never used, collected, or abandoned (waiting for
     /// the device to finish an abandoned call is bounded and safe).
     fn free_slot(&mut self) -> Result<usize> {
@@ -647,6 +669,8 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
 
 impl Executable for CudaExecutable {
     fn submit(&mut self, inputs: &[(&str, &Tensor)]) -> Result<Ticket> {
+        // After a kernel fault the context is gone: say so, without calling the driver.
+        driver::check_context()?;
         let t0 = Instant::now();
         // Inputs given in the schedule's order with the right shapes and
         // dtypes need no name table; anything else gets the full check and
@@ -748,6 +772,7 @@ impl Executable for CudaExecutable {
     }
 
     fn reset_state(&mut self) -> Result<()> {
+        driver::check_context()?;
         self.dev.bind()?;
         self.stream.synchronize()?;
         for s in &self.states {
@@ -757,6 +782,7 @@ impl Executable for CudaExecutable {
     }
 
     fn read_state(&mut self, name: &str) -> Result<Tensor> {
+        driver::check_context()?;
         self.dev.bind()?;
         let i = self.schedule.states.iter().position(|s| s.name == name).ok_or_else(|| {
             let known: Vec<&str> = self.schedule.states.iter().map(|s| s.name.as_str()).collect();

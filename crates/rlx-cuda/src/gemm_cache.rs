@@ -31,24 +31,62 @@ impl Stored {
         format!("{key} lt {}\n", self.0.iter().map(|x| format!("{x:x}")).collect::<Vec<_>>().join(" "))
     }
 
+    /// A line as `line` writes it: a key of `KEY_CHARS` lowercase hex
+    /// digits, `lt`, then 8 hex words of at most 16 digits; anything else
+    /// is `None`.
     fn parse(line: &str) -> Option<(String, Stored)> {
         let mut f = line.split_ascii_whitespace();
-        let key = f.next()?.to_string();
-        let rest: Vec<&str> = f.collect();
-        if rest.len() != 9 || rest[0] != "lt" {
+        let key = f.next()?;
+        if key.len() != KEY_CHARS || !key.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return None;
+        }
+        if f.next()? != "lt" {
             return None;
         }
         let mut w = [0u64; 8];
-        for (d, s) in w.iter_mut().zip(&rest[1..]) {
+        for d in w.iter_mut() {
+            let s = f.next()?;
+            if s.len() > 16 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return None;
+            }
             *d = u64::from_str_radix(s, 16).ok()?;
         }
-        Some((key, Stored(w)))
+        f.next().is_none().then(|| (key.to_string(), Stored(w)))
     }
 }
 
-/// Every well-formed line of `text` (the last one for a key wins).
-fn parse_all(text: &str) -> HashMap<String, Stored> {
-    text.lines().filter_map(Stored::parse).collect()
+/// Hex digits in a key (`key` keeps 16 bytes of the digest).
+const KEY_CHARS: usize = 32;
+
+/// The most of a choices file that is read: far more than every shape of
+/// every model needs (a line is under 200 bytes); the rest of a larger file
+/// is ignored rather than read into memory.
+pub const MAX_FILE_BYTES: u64 = 4 << 20;
+
+/// Every well-formed line of a choices file, key → the algorithm's words
+/// (the last line for a key wins). Lines that are not UTF-8, torn by a
+/// crash or edited by hand are skipped: a missing choice costs a timing.
+pub fn parse_gemm_choices(bytes: &[u8]) -> HashMap<String, [u64; 8]> {
+    parse_all(bytes).into_iter().map(|(k, Stored(w))| (k, w)).collect()
+}
+
+/// One choice as a line of the file (what `put` appends).
+pub fn gemm_choice_line(key: &str, words: [u64; 8]) -> String {
+    Stored(words).line(key)
+}
+
+fn parse_all(bytes: &[u8]) -> HashMap<String, Stored> {
+    bytes.split(|&b| b == b'\n').filter_map(|l| std::str::from_utf8(l).ok()).filter_map(Stored::parse).collect()
+}
+
+/// The first `MAX_FILE_BYTES` of `file` (empty when it cannot be read).
+fn read_bounded(file: &Path) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    if let Ok(f) = std::fs::File::open(file) {
+        let _ = f.take(MAX_FILE_BYTES).read_to_end(&mut out);
+    }
+    out
 }
 
 /// Each file's entries, read on its first use in this process.
@@ -58,7 +96,7 @@ static LOADED: Mutex<Option<HashMap<PathBuf, HashMap<String, Stored>>>> = Mutex:
 pub(crate) fn get(file: &Path, key: &str) -> Option<Stored> {
     let mut g = LOADED.lock().ok()?;
     let files = g.get_or_insert_with(HashMap::new);
-    let map = files.entry(file.to_path_buf()).or_insert_with(|| std::fs::read_to_string(file).map(|t| parse_all(&t)).unwrap_or_default());
+    let map = files.entry(file.to_path_buf()).or_insert_with(|| parse_all(&read_bounded(file)));
     map.get(key).copied()
 }
 
@@ -97,13 +135,25 @@ mod tests {
     fn lines_round_trip_and_bad_lines_are_skipped() {
         let a = Stored([1, 0xdead_beef, u64::MAX, 0, 5, 6, 7, 8]);
         let b = Stored([9; 8]);
-        let text = format!("{}{}garbage\nabc lt 1 2 3\nabc own 64 9 3 2\n\n{}", a.line("k1"), b.line("k2"), b.line("k1"));
-        let map = parse_all(&text);
+        let (k1, k2) = (key("c", "one"), key("c", "two"));
+        let text = format!(
+            "{}{}garbage\n{k1} lt 1 2 3\n{k1} own 64 9 3 2\n\n{k1} lt 1 2 3 4 5 6 7 8 9\nABC lt 1 2 3 4 5 6 7 8\n{}",
+            a.line(&k1),
+            b.line(&k2),
+            b.line(&k1)
+        );
+        // A line that is not UTF-8 is skipped, not the whole file.
+        let mut bytes = b"\xff\xfe lt\n".to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        let map = parse_gemm_choices(&bytes);
         assert_eq!(map.len(), 2);
         // The last line for a key wins.
-        assert_eq!(map["k1"], b);
-        assert_eq!(map["k2"], b);
-        assert_eq!(Stored::parse(&a.line("k")), Some(("k".to_string(), a)));
+        assert_eq!(map[&k1], b.0);
+        assert_eq!(map[&k2], b.0);
+        assert_eq!(Stored::parse(&a.line(&k1)), Some((k1.clone(), a)));
+        // A 17-digit word would overflow u64; a key of another length is not ours.
+        assert_eq!(Stored::parse(&format!("{k1} lt 10000000000000000 0 0 0 0 0 0 0")), None);
+        assert_eq!(Stored::parse(&a.line("k1")), None);
     }
 
     #[test]

@@ -186,6 +186,8 @@ pub(crate) struct Kernels {
     /// The generation step's kernels (kernels/decode.cu), loaded on first
     /// use (`decode`) in the same way.
     decode: OnceLock<std::result::Result<LazyModule, String>>,
+    /// The fault-injection hook's trapping kernel (kernels/fault.cu).
+    fault: OnceLock<std::result::Result<LazyModule, String>>,
 }
 
 /// Kernels compiled and loaded on first use: the fused feed-forward
@@ -205,7 +207,15 @@ impl LazyModule {
 
 impl Kernels {
     pub(crate) fn new(dev: Arc<Device>, funcs: HashMap<String, Func>, compile: CudaOptions) -> Kernels {
-        Kernels { funcs, sm_count: dev.sm_count.max(1) as u32, dev, compile, ffn: OnceLock::new(), decode: OnceLock::new() }
+        Kernels {
+            funcs,
+            sm_count: dev.sm_count.max(1) as u32,
+            dev,
+            compile,
+            ffn: OnceLock::new(),
+            decode: OnceLock::new(),
+            fault: OnceLock::new(),
+        }
     }
     pub(crate) fn get(&self, name: &str) -> Result<Func> {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
@@ -237,6 +247,17 @@ impl Kernels {
             Ok(LazyModule { funcs, file: "decode.cu" })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the generation kernels: {e}")))
+    }
+    /// A launch of the trapping kernel (kernels/fault.cu), compiled and
+    /// loaded on first use: for the fault-injection hook only.
+    pub(crate) fn trap(&self) -> Result<Step> {
+        let loaded = self.fault.get_or_init(|| {
+            let files = crate::nvrtc::fault_sources_for(self.dev.cc);
+            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
+            Ok(LazyModule { funcs, file: "fault.cu" })
+        });
+        let module = loaded.as_ref().map_err(|e| err(format!("loading the fault-injection kernel: {e}")))?;
+        Ok(Step::new(Op::kernel(module.get("trap_always")?, [1, 1, 1], 32, 0, [1, 1, 1], &params::TrapP { when: 0 })?, "trap"))
     }
     fn typed(&self, base: &str, d: DType) -> Result<Func> {
         self.get(&format!("{base}_{}", suffix(d)))

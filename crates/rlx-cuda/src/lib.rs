@@ -8,12 +8,13 @@
 //! missing, and the crate still builds and tests everywhere.
 //!
 //! Files: `options` (every setting, read once), `driver` (owned driver
-//! handles), `nvrtc` (compile + disk cache), `launch` (thunk → steps),
-//! `ffn` (the fused feed-forward kernel), `decode` (the generation step's
-//! kernels: quantized matmuls and gathers, sampling), `blas` (cuBLASLt),
-//! `gemm` (the cuBLASLt algorithm per shape, timed) and `gemm_cache` (its
-//! choices on disk), `hostops` (TopK on the host), `weights` (shared device
-//! weights), `exec` (slots, replay, submit/wait).
+//! handles), `nvrtc` (compile + disk cache) and `kernel_cache` (the checked
+//! format of its files), `launch` (thunk → steps), `ffn` (the fused
+//! feed-forward kernel), `decode` (the generation step's kernels: quantized
+//! matmuls and gathers, sampling), `blas` (cuBLASLt), `gemm` (the cuBLASLt
+//! algorithm per shape, timed) and `gemm_cache` (its choices on disk),
+//! `hostops` (TopK on the host), `weights` (shared device weights), `exec`
+//! (slots, replay, submit/wait).
 
 mod blas;
 mod decode;
@@ -21,8 +22,13 @@ mod driver;
 mod exec;
 mod ffn;
 mod gemm;
-mod gemm_cache;
+/// The matmul-choice file's parser (public for the fuzz targets).
+#[doc(hidden)]
+pub mod gemm_cache;
 mod hostops;
+/// The compiled-kernel cache's file format (public for the fuzz targets).
+#[doc(hidden)]
+pub mod kernel_cache;
 mod launch;
 mod nvrtc;
 mod options;
@@ -121,6 +127,7 @@ impl CudaBackend {
     /// As `new`, with these options.
     pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
         probe_libraries()?;
+        driver::check_context()?;
         let (dev, kernels) = guarded("opening the CUDA device", || open(ordinal, &opts))?;
         Ok(CudaBackend { dev, kernels, opts })
     }
@@ -150,9 +157,20 @@ impl CudaBackend {
     /// Prepares and returns the concrete executable (tests reach
     /// `segment_map` through it).
     pub fn prepare_cuda(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<CudaExecutable> {
+        driver::check_context()?;
         guarded("preparing a CUDA executable", || {
             CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, None, opts, &self.opts)
         })
+    }
+}
+
+impl CudaBackend {
+    /// For the fault-injection tests only: makes every later call of `exe`
+    /// replay a graph whose kernel traps, as a faulting kernel would. The
+    /// CUDA context of the process is lost at the first such call.
+    #[doc(hidden)]
+    pub fn inject_trap_for_test(&self, exe: &mut CudaExecutable) -> Result<()> {
+        exe.inject_trap(&self.kernels)
     }
 }
 
@@ -179,6 +197,7 @@ impl Backend for CudaBackend {
         states: &Arc<StateSet>,
         opts: &PrepareOptions,
     ) -> Result<Box<dyn Executable>> {
+        driver::check_context()?;
         let exe = guarded("preparing a CUDA executable", || {
             CudaExecutable::new(self.dev.clone(), &self.kernels, schedule, weights, Some(states), opts, &self.opts)
         })?;

@@ -10,6 +10,7 @@ use rlx_runtime::Result;
 use sha2::{Digest, Sha256};
 
 use crate::driver::err;
+use crate::kernel_cache;
 use crate::options::CudaOptions;
 
 /// Our shared header, given to NVRTC in memory.
@@ -33,6 +34,10 @@ pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/f
 /// integer binary op.
 pub const DECODE_SOURCES: &[(&str, &str)] = &[("decode.cu", include_str!("../kernels/decode.cu"))];
 
+/// The trapping kernel of the fault-injection test hook: compiled and
+/// loaded only when the hook is used.
+pub const FAULT_SOURCES: &[(&str, &str)] = &[("fault.cu", include_str!("../kernels/fault.cu"))];
+
 /// A file to compile: (file name, text, architecture to compile it for).
 pub type Source = (&'static str, &'static str, String);
 
@@ -52,6 +57,12 @@ pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
 pub fn decode_sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
     DECODE_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+}
+
+/// The fault-injection kernel's file for a device of compute capability `cc`.
+pub fn fault_sources_for(cc: (i32, i32)) -> Vec<Source> {
+    let plain = format!("sm_{}{}", cc.0, cc.1);
+    FAULT_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
 /// `compile_cubin` for every file at once, one thread each (NVRTC programs
@@ -169,11 +180,14 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     // The toolkit's half/bf16 headers by content, not just by folder: an
     // updated toolkit in the same place must not reuse stale CUBINs.
     h.update(toolkit_headers_digest(&include));
+    h.update(kernel_cache::FORMAT.as_bytes());
     let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
-    let path = cfg.kernel_cache.join(format!("{}-{arch}-{key}.cubin", file.trim_end_matches(".cu")));
+    let path = cfg.kernel_cache.join(kernel_cache::file_name(file, arch, &key));
+    // A file that fails the host-side checks (cut short, edited, another
+    // format) is compiled again and replaced, never handed to the driver.
     if let Ok(bytes) = std::fs::read(&path) {
-        if !bytes.is_empty() {
-            return Ok(bytes);
+        if let Ok(cubin) = kernel_cache::decode(&bytes) {
+            return Ok(cubin.to_vec());
         }
     }
     let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts)))
@@ -182,7 +196,7 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &cubin).is_ok() {
+        if std::fs::write(&tmp, kernel_cache::encode(&cubin)).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
@@ -239,7 +253,8 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> = sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).collect();
+    let files: Vec<Source> =
+        sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).chain(fault_sources_for(arch)).collect();
     let bins = compile_many(&files, opts)?;
     Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
 }

@@ -78,6 +78,8 @@ kernel_params! {
     struct FillP { dst: u64, pitch: i64, width: i64, height: i64, value: i64, esize: i64 }
     /// L2 prefetches of weights.
     struct PrefetchP { ptr: u64, bytes: i64 }
+    /// The trapping kernel of the fault-injection hook (kernels/fault.cu).
+    struct TrapP { when: i64 }
     /// Up to `COPY_MANY` byte copies and one flag store.
     struct CopyManyP { n: i64, fill: u64, fill_value: i64, dst: [u64; COPY_MANY], src: [u64; COPY_MANY], bytes: [i64; COPY_MANY] }
     /// SwiGLU.
@@ -242,7 +244,12 @@ mod tests {
     /// names in order).
     fn c_structs() -> Vec<(String, Vec<String>)> {
         let mut out = Vec::new();
-        for (file, text) in crate::nvrtc::SOURCES.iter().chain(crate::nvrtc::FFN_SOURCES).chain(crate::nvrtc::DECODE_SOURCES) {
+        for (file, text) in crate::nvrtc::SOURCES
+            .iter()
+            .chain(crate::nvrtc::FFN_SOURCES)
+            .chain(crate::nvrtc::DECODE_SOURCES)
+            .chain(crate::nvrtc::FAULT_SOURCES)
+        {
             let code: String = text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
             let mut rest = code.as_str();
             while let Some(at) = rest.find("struct ") {

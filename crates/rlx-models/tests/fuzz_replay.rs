@@ -1,6 +1,7 @@
 //! Replays every fuzz seed (fuzz/seeds/<target>/) and every input that once
 //! crashed a fuzz target (fuzz/regressions/<target>/) through the targets'
-//! own bodies, on the stable toolchain: a fixed crash stays fixed in CI
+//! own bodies (rlx-models' loaders, rlx-cuda's cache files, rlx-serve's
+//! request bodies), on the stable toolchain: a fixed crash stays fixed in CI
 //! without nightly or libFuzzer.
 
 #[path = "../../../fuzz/src/lib.rs"]
@@ -11,7 +12,7 @@ use std::path::Path;
 #[test]
 fn every_seed_and_recorded_crash_input_replays_cleanly() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
-    let targets: [(&str, fn(&[u8])); 7] = [
+    let targets: [(&str, fn(&[u8])); 10] = [
         ("safetensors_header", bodies::safetensors_header),
         ("bert_config", bodies::bert_config),
         ("tokenizer_json", bodies::tokenizer_json),
@@ -19,9 +20,14 @@ fn every_seed_and_recorded_crash_input_replays_cleanly() {
         ("gguf_file", bodies::gguf_file),
         ("bpe_vocab", bodies::bpe_vocab),
         ("chat_template", bodies::chat_template),
+        ("gemm_choices", bodies::gemm_choices),
+        ("kernel_cache", bodies::kernel_cache),
+        ("serve_request", bodies::serve_request),
     ];
     let (mut replayed, mut failed) = (0, Vec::new());
     for (name, body) in targets {
+        let seeds = std::fs::read_dir(root.join("seeds").join(name)).map(|d| d.count()).unwrap_or(0);
+        assert!(seeds > 0, "no seeds for fuzz target {name} under {}", root.display());
         for kind in ["seeds", "regressions"] {
             let Ok(entries) = std::fs::read_dir(root.join(kind).join(name)) else { continue };
             let mut paths: Vec<_> = entries.filter_map(|e| e.ok()).map(|e| e.path()).collect();

@@ -318,6 +318,9 @@ fn a_stream_that_fills_up_fails_with_the_stream_named() {
     for format in [OutputFormat::Jsonl, OutputFormat::Npy] {
         let mut w =
             EmbeddingWriter::to_stream(Box::new(FullDisk { room: 10_000 }), "stdout", format, 384).unwrap_or_else(|e| panic!("{e}"));
+        // npy is spooled to a temporary file until the end: it must not outlive the failure.
+        let spool = w.temp_path().map(std::path::Path::to_path_buf);
+        assert_eq!(spool.is_some(), format == OutputFormat::Npy);
         let v = vec![0.123_456_78f32; 384];
         let mut failed = None;
         for _ in 0..100 {
@@ -331,6 +334,9 @@ fn a_stream_that_fills_up_fails_with_the_stream_named() {
             None => w.finish().err().map(|e| e.to_string()).unwrap_or_default(),
         };
         assert!(e.starts_with("stdout") && e.contains("No space left"), "{format:?}: {e}");
+        if let Some(spool) = spool {
+            assert!(!spool.exists(), "{format:?}: the spool {} was left behind", spool.display());
+        }
     }
 }
 

@@ -21,6 +21,7 @@ use crate::metrics::{Metrics, Queue};
 use crate::options::{PREFILL_BUCKETS, PREFILL_HEADROOM};
 
 /// What to continue.
+#[derive(Debug)]
 pub enum Prompt {
     /// Messages, through the model's chat template.
     Chat(Vec<Message>),

@@ -23,7 +23,7 @@ pub mod embed_batcher;
 mod error;
 pub mod metrics;
 mod options;
-mod request;
+pub mod request;
 mod router;
 pub mod routes;
 mod state;

@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
+/// A request body's top-level fields.
 pub struct Fields(Map<String, Value>);
 
 /// The body as a JSON object (413 past the body limit, 400 when not JSON
@@ -21,7 +22,12 @@ pub fn parse(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Fields
         Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => return Err(ApiError::too_large(limit)),
         Err(r) => return Err(ApiError::invalid(format!("could not read the request body: {}", r.body_text()))),
     };
-    match serde_json::from_slice::<Value>(&bytes) {
+    fields(&bytes)
+}
+
+/// A body's bytes as a JSON object (400 when not JSON or not an object).
+pub fn fields(bytes: &[u8]) -> Result<Fields, ApiError> {
+    match serde_json::from_slice::<Value>(bytes) {
         Ok(Value::Object(m)) => Ok(Fields(m)),
         Ok(other) => Err(ApiError::invalid(format!("the body must be a JSON object, found {}", kind(&other)))),
         Err(e) => Err(ApiError::bad_json(e)),

@@ -28,8 +28,8 @@ use crate::state::{unix_now, AppState};
 
 /// Which of the two APIs a request came through (they differ only in the
 /// prompt and the shape of a choice).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Api {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
     Chat,
     Completion,
 }
@@ -124,7 +124,7 @@ fn stops(f: &Fields) -> Result<Vec<String>, ApiError> {
 /// Sampling settings: OpenAI's (temperature 1 and top_p 1 by default; 0 is
 /// greedy) and llama-server's extras (top_k, min_p, repeat_penalty; off by
 /// default). Fields this server cannot honour are refused, not ignored.
-fn sampling(s: &AppState, f: &Fields, api: Api) -> Result<(SamplingParams, Option<usize>), ApiError> {
+fn sampling(f: &Fields, api: Api) -> Result<(SamplingParams, Option<u64>, Option<usize>), ApiError> {
     f.refuse("tools", "this server does not call tools")?;
     f.refuse("functions", "this server does not call functions")?;
     f.refuse("logprobs", "log-probabilities are not returned")?;
@@ -150,11 +150,12 @@ fn sampling(s: &AppState, f: &Fields, api: Api) -> Result<(SamplingParams, Optio
     let max_key = if api == Api::Chat && f.get("max_completion_tokens").is_some() { "max_completion_tokens" } else { "max_tokens" };
     let max_tokens = f.u64_in(max_key, 1, u32::MAX as u64)?.map(|n| n as usize);
     let seed = match f.get("seed") {
-        None => s.fresh_seed(),
-        Some(Value::Number(n)) => n
-            .as_u64()
-            .or_else(|| n.as_i64().map(|x| x as u64))
-            .ok_or_else(|| ApiError::invalid_param("seed", format!("'seed' must be a whole number, found {n}")))?,
+        None => None,
+        Some(Value::Number(n)) => Some(
+            n.as_u64()
+                .or_else(|| n.as_i64().map(|x| x as u64))
+                .ok_or_else(|| ApiError::invalid_param("seed", format!("'seed' must be a whole number, found {n}")))?,
+        ),
         Some(other) => return Err(ApiError::invalid_param("seed", format!("'seed' must be a whole number, found {}", kind(other)))),
     };
     let params = SamplingParams {
@@ -164,12 +165,43 @@ fn sampling(s: &AppState, f: &Fields, api: Api) -> Result<(SamplingParams, Optio
         min_p: f.f32_in("min_p", 0.0, 1.0)?.unwrap_or(0.0),
         repeat_penalty: f.f32_in("repeat_penalty", 0.01, 100.0)?.unwrap_or(1.0),
         repeat_last_n: 64,
-        seed,
+        seed: seed.unwrap_or(0),
         max_tokens: 1,
         stop: stops(f)?,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
     };
-    Ok((params, max_tokens))
+    Ok((params, seed, max_tokens))
+}
+
+/// A `/v1/chat/completions` or `/v1/completions` body as read, before the
+/// model is consulted.
+#[derive(Debug)]
+pub struct GenerationRequest {
+    pub api: Api,
+    pub prompt: Prompt,
+    /// `params.seed` holds `seed` when one was given.
+    pub params: SamplingParams,
+    /// `None`: the request gave no seed (the handler draws a fresh one).
+    pub seed: Option<u64>,
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl GenerationRequest {
+    /// Every field but `model` (checked by the handler first): `messages`
+    /// for the chat API, `prompt` for completions, then the sampling and
+    /// streaming settings.
+    pub fn read(f: &Fields, api: Api) -> Result<GenerationRequest, ApiError> {
+        let prompt = match api {
+            Api::Chat => Prompt::Chat(messages(f.required("messages")?)?),
+            Api::Completion => completion_prompt(f.required("prompt")?)?,
+        };
+        let (params, seed, max_tokens) = sampling(f, api)?;
+        let stream = f.bool("stream")?.unwrap_or(false);
+        let include_usage = f.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+        Ok(GenerationRequest { api, prompt, params, seed, max_tokens, stream, include_usage })
+    }
 }
 
 /// How one response's chunks and body are written.
@@ -302,12 +334,11 @@ async fn next(events: &mut UnboundedReceiver<GenEvent>, deadline: Instant, limit
     tokio::time::timeout_at(deadline, events.recv()).await.map_err(|_| ApiError::timeout(limit))
 }
 
-async fn respond(s: &AppState, api: Api, f: Fields, prompt: Prompt, model_id: String) -> Result<Response, ApiError> {
+async fn respond(s: &AppState, req: GenerationRequest, model_id: String) -> Result<Response, ApiError> {
     let limit = s.options.request_timeout;
     let deadline = Instant::now() + limit;
-    let (params, max_tokens) = sampling(s, &f, api)?;
-    let stream = f.bool("stream")?.unwrap_or(false);
-    let include_usage = f.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let GenerationRequest { api, prompt, mut params, seed, max_tokens, stream, include_usage } = req;
+    params.seed = seed.unwrap_or_else(|| s.fresh_seed());
     let shape = Shape { api, id: s.response_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }), created: unix_now(), model: model_id };
     let sched = &s.generation_model(None)?.scheduler;
     let mut events = sched.submit(GenRequest { prompt, params, max_tokens })?;
@@ -351,15 +382,13 @@ async fn respond(s: &AppState, api: Api, f: Fields, prompt: Prompt, model_id: St
 pub async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let f = request::parse(body, s.options.max_body_bytes)?;
     let id = s.generation_model(f.str("model")?)?.id.clone();
-    let msgs = messages(f.required("messages")?)?;
-    respond(&s, Api::Chat, f, Prompt::Chat(msgs), id).await
+    respond(&s, GenerationRequest::read(&f, Api::Chat)?, id).await
 }
 
 pub async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let f = request::parse(body, s.options.max_body_bytes)?;
     let id = s.generation_model(f.str("model")?)?.id.clone();
-    let prompt = completion_prompt(f.required("prompt")?)?;
-    respond(&s, Api::Completion, f, prompt, id).await
+    respond(&s, GenerationRequest::read(&f, Api::Completion)?, id).await
 }
 
 #[cfg(test)]

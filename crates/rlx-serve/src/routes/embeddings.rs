@@ -18,6 +18,7 @@ use crate::routes::within;
 use crate::state::{AppState, EmbeddingModel};
 
 /// What a request asks to embed.
+#[derive(Debug)]
 pub enum Inputs {
     Texts(Vec<String>),
     /// Token ids as the model sees them (`[CLS] … [SEP]` included).
@@ -25,7 +26,7 @@ pub enum Inputs {
 }
 
 impl Inputs {
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             Inputs::Texts(t) => t.len(),
             Inputs::Ids(i) => i.len(),
@@ -184,10 +185,20 @@ fn to_base64(v: &[f32]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
-pub async fn embeddings(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    within(s.options.request_timeout, async {
-        let f: Fields = request::parse(body, s.options.max_body_bytes)?;
-        let m = s.embedding_model(f.str("model")?)?;
+/// A `/v1/embeddings` body as read, before the model is consulted.
+#[derive(Debug)]
+pub struct EmbeddingsRequest {
+    pub base64: bool,
+    /// `dimensions` as given: the handler compares it with the model's.
+    pub dimensions: Option<Value>,
+    pub truncate: bool,
+    pub inputs: Inputs,
+}
+
+impl EmbeddingsRequest {
+    /// Every field but `model` (checked by the handler first), with at most
+    /// `max_inputs` inputs.
+    pub fn read(f: &Fields, max_inputs: usize) -> Result<EmbeddingsRequest, ApiError> {
         let base64 = match f.str("encoding_format")? {
             None | Some("float") => false,
             Some("base64") => true,
@@ -198,8 +209,20 @@ pub async fn embeddings(State(s): State<Arc<AppState>>, body: Result<Bytes, Byte
                 ))
             }
         };
+        let dimensions = f.get("dimensions").cloned();
+        let truncate = f.bool("truncate")?.unwrap_or(true);
+        let inputs = parse_inputs(f.required("input")?, "input", max_inputs)?;
+        Ok(EmbeddingsRequest { base64, dimensions, truncate, inputs })
+    }
+}
+
+pub async fn embeddings(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    within(s.options.request_timeout, async {
+        let f: Fields = request::parse(body, s.options.max_body_bytes)?;
+        let m = s.embedding_model(f.str("model")?)?;
+        let req = EmbeddingsRequest::read(&f, s.options.max_inputs)?;
         let dim = m.embedder.dim();
-        if let Some(d) = f.get("dimensions") {
+        if let Some(d) = &req.dimensions {
             if d.as_u64() != Some(dim as u64) {
                 return Err(ApiError::invalid_param(
                     "dimensions",
@@ -209,11 +232,10 @@ pub async fn embeddings(State(s): State<Arc<AppState>>, body: Result<Bytes, Byte
                 ));
             }
         }
-        let truncate = f.bool("truncate")?.unwrap_or(true);
-        let inputs = parse_inputs(f.required("input")?, "input", s.options.max_inputs)?;
-        let ids = m.token_ids(inputs, truncate, "input").await?;
+        let ids = m.token_ids(req.inputs, req.truncate, "input").await?;
         let tokens = ids.iter().map(Vec::len).sum();
         let vectors = m.batcher.embed(ids).await?;
+        let base64 = req.base64;
         let data = vectors
             .into_iter()
             .enumerate()

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::request::{self, kind};
+use crate::request::{self, kind, Fields};
 use crate::routes::embeddings::{Inputs, Usage};
 use crate::routes::within;
 use crate::state::AppState;
@@ -43,19 +43,39 @@ pub fn ranking(scores: &[f32]) -> Vec<usize> {
     order
 }
 
-pub async fn rerank(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    within(s.options.request_timeout, async {
-        let f = request::parse(body, s.options.max_body_bytes)?;
-        let m = s.embedding_model(f.str("model")?)?;
+/// A `/v1/rerank` body as read, before the model is consulted.
+#[derive(Debug)]
+pub struct RerankRequest {
+    pub query: String,
+    pub documents: Vec<String>,
+    /// At most `documents.len()`.
+    pub top_n: usize,
+    pub return_documents: bool,
+    pub truncate: bool,
+}
+
+impl RerankRequest {
+    /// Every field but `model` (checked by the handler first), with at most
+    /// `max_inputs` documents.
+    pub fn read(f: &Fields, max_inputs: usize) -> Result<RerankRequest, ApiError> {
         let query = match f.required("query")? {
             Value::String(q) if !q.is_empty() => q.clone(),
             Value::String(_) => return Err(ApiError::invalid_param("query", "'query' is an empty string")),
             other => return Err(ApiError::invalid_param("query", format!("'query' must be a string, found {}", kind(other)))),
         };
-        let docs = documents(f.required("documents")?, s.options.max_inputs)?;
-        let top_n = f.u64_in("top_n", 1, u64::MAX)?.map_or(docs.len(), |n| (n as usize).min(docs.len()));
+        let documents = documents(f.required("documents")?, max_inputs)?;
+        let top_n = f.u64_in("top_n", 1, u64::MAX)?.map_or(documents.len(), |n| (n.min(documents.len() as u64)) as usize);
         let return_documents = f.bool("return_documents")?.unwrap_or(false);
         let truncate = f.bool("truncate")?.unwrap_or(true);
+        Ok(RerankRequest { query, documents, top_n, return_documents, truncate })
+    }
+}
+
+pub async fn rerank(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    within(s.options.request_timeout, async {
+        let f = request::parse(body, s.options.max_body_bytes)?;
+        let m = s.embedding_model(f.str("model")?)?;
+        let RerankRequest { query, documents: docs, top_n, return_documents, truncate } = RerankRequest::read(&f, s.options.max_inputs)?;
 
         let texts: Vec<String> = std::iter::once(query).chain(docs.iter().cloned()).collect();
         let ids = m.token_ids(Inputs::Texts(texts), truncate, "documents").await?;
