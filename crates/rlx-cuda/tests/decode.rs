@@ -649,6 +649,8 @@ fn attention_one_valid_length_per_row() {
     // the decode kernel (one query row) and the scalar prefill kernels.
     for kvt in [DType::F16, DType::BF16] {
         attention_per_row(&g, &mut r, (DType::F32, kvt), (3, 9, 3, 64, 1, 70), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 128, 1, 50), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 32, 1, 45), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (4, 3, 3, 32, 5, 33), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 96, 17, 60), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 2, 1, 48, 3, 20), false);
