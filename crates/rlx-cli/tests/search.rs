@@ -65,22 +65,23 @@ fn assert_top_k(got: &[Hit], reference: &[(usize, f64)], k: usize, tol: f64, wha
 
 #[test]
 fn corpus_index_equals_an_f64_brute_force_cosine_on_random_vectors() {
-    let (rows, dim, queries) = (1000, 48, 70);
+    let (rows, dim, queries) = (1001, 48, 70);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     // Rows of varied norms (cosine must not depend on them) and a few exact
-    // duplicates, whose equal scores must come back lower row first.
+    // copies, whose equal scores must come back lower row first.
     let mut corpus: Vec<f32> = (0..rows * dim).map(|i| rng.next() * (1.0 + (i / dim % 7) as f32)).collect();
     for (dup, of) in [(500, 3), (900, 3), (77, 12)] {
-        let src: Vec<f32> = corpus[of * dim..(of + 1) * dim].iter().map(|x| x * 2.5).collect();
+        let src = corpus[of * dim..(of + 1) * dim].to_vec();
         corpus[dup * dim..(dup + 1) * dim].copy_from_slice(&src);
     }
     let mut q: Vec<f32> = (0..queries * dim).map(|_| rng.next()).collect();
     // Query 0 points exactly at row 3 (and so at its duplicates 500 and 900).
     q[..dim].copy_from_slice(&corpus[3 * dim..4 * dim]);
 
-    // Chunks of 300 rows: four matmuls, the last padded with 200 zero rows.
+    // At most 300 rows a chunk: four matmuls of 251 rows, the last padded
+    // with 3 zero rows.
     let mut index = CorpusIndex::with_chunk_rows(&corpus, dim, Device::Cpu, 300).unwrap_or_else(|e| panic!("{e}"));
-    for k in [1, 15, 1000, 5000] {
+    for k in [1, 15, 1001, 5000] {
         let hits = index.search(&q, k).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(hits.len(), queries);
         for (i, h) in hits.iter().enumerate() {
@@ -129,8 +130,11 @@ fn succeeded(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-/// The (line, score) results of `rlx search --format jsonl`, per query.
-fn parse_jsonl(out: &str) -> Vec<(String, Vec<(usize, f64, String)>)> {
+/// One query's results: (line, score, text) each.
+type QueryResults = (String, Vec<(usize, f64, String)>);
+
+/// The results of `rlx search --format jsonl`, per query.
+fn parse_jsonl(out: &str) -> Vec<QueryResults> {
     out.lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
@@ -236,7 +240,7 @@ fn rlx_search_on_a_real_corpus_equals_brute_force_cosine_of_the_embeddings() {
 fn npy(path: &Path, descr: &str, rows: usize, cols: usize) {
     let size = if descr.ends_with('8') { 8 } else { 4 };
     let mut h = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}").into_bytes();
-    while (10 + h.len() + 1) % 64 != 0 {
+    while !(10 + h.len() + 1).is_multiple_of(64) {
         h.push(b' ');
     }
     h.push(b'\n');

@@ -92,7 +92,7 @@ mod tests {
     fn write(name: &str, header: &str, data: &[u8]) -> std::path::PathBuf {
         let p = std::env::temp_dir().join(format!("rlx-npy-{}-{name}.npy", std::process::id()));
         let mut h = header.as_bytes().to_vec();
-        while (10 + h.len() + 1) % 64 != 0 {
+        while !(10 + h.len() + 1).is_multiple_of(64) {
             h.push(b' ');
         }
         h.push(b'\n');

@@ -54,13 +54,13 @@ impl CorpusIndex {
         Self::with_chunk_rows(vectors, dim, device, DEFAULT_CHUNK_ROWS)
     }
 
-    /// [`new`](Self::new) with `chunk_rows` corpus rows per matmul (the last
-    /// chunk is padded with zero rows, which are never returned).
+    /// [`new`](Self::new) with at most `chunk_rows` corpus rows per matmul
+    /// (the last chunk is padded with zero rows, which are never returned).
     pub fn with_chunk_rows(vectors: &[f32], dim: usize, device: Device, chunk_rows: usize) -> Result<CorpusIndex> {
         if dim == 0 || chunk_rows == 0 {
             return Err(ModelError::Input(format!("search: dimension ({dim}) and chunk rows ({chunk_rows}) must be at least 1")));
         }
-        if vectors.len() % dim != 0 {
+        if !vectors.len().is_multiple_of(dim) {
             return Err(ModelError::Input(format!("search: {} values are not whole rows of dimension {dim}", vectors.len())));
         }
         let rows = vectors.len() / dim;
@@ -70,8 +70,10 @@ impl CorpusIndex {
         if let Some(i) = vectors.iter().position(|x| !x.is_finite()) {
             return Err(ModelError::Input(format!("search: corpus row {} holds a value that is not finite", i / dim)));
         }
-        let chunk_rows = chunk_rows.min(rows);
+        // As many chunks as `chunk_rows` asks for, of equal size, so the
+        // last one is padded by fewer rows than there are chunks.
         let chunks = rows.div_ceil(chunk_rows);
+        let chunk_rows = rows.div_ceil(chunks);
         let mut session = Session::new(device)?;
         session.set_prepare_options(rlx::PrepareOptions { slots: 1, ..session.prepare_options().clone() });
         for c in 0..chunks {
@@ -111,21 +113,22 @@ impl CorpusIndex {
         if top_k == 0 {
             return Err(ModelError::Input("search: top_k must be at least 1".into()));
         }
-        if queries.len() % dim != 0 {
+        if !queries.len().is_multiple_of(dim) {
             return Err(ModelError::Input(format!("search: {} query values are not whole rows of dimension {dim}", queries.len())));
         }
         let mut out = Vec::with_capacity(queries.len() / dim);
         for batch in queries.chunks(MAX_QUERY_BATCH * dim) {
             let scores = self.scores(batch)?;
-            for per_chunk in &scores {
-                out.push(self.top_k(per_chunk, top_k));
+            for q in 0..batch.len() / dim {
+                out.push(self.top_k(&scores, q, top_k));
             }
         }
         Ok(out)
     }
 
-    /// Per query of the batch, per chunk, the chunk's scores.
-    fn scores(&mut self, batch: &[f32]) -> Result<Vec<Vec<Vec<f32>>>> {
+    /// Per chunk, the `[bucket, chunk_rows]` scores of the batch's queries
+    /// (rows past the batch are padding).
+    fn scores(&mut self, batch: &[f32]) -> Result<Vec<Vec<f32>>> {
         let dim = self.dim;
         let n = batch.len() / dim;
         let bucket = n.next_power_of_two().min(MAX_QUERY_BATCH);
@@ -145,32 +148,30 @@ impl CorpusIndex {
             }
         };
         let outputs = exe.run(&[(QUERIES, &input)])?;
-        if outputs.len() != self.chunks {
+        if outputs.len() != self.chunks || outputs.iter().any(|t| t.numel() != bucket * self.chunk_rows) {
             return Err(ModelError::Input(format!(
-                "search: the score graph returned {} outputs for {} chunks",
+                "search: the score graph returned {} outputs for {} chunks of [{bucket}, {}]",
                 outputs.len(),
-                self.chunks
+                self.chunks,
+                self.chunk_rows
             )));
         }
-        let mut per_query = vec![Vec::with_capacity(self.chunks); n];
-        for t in outputs {
-            let v = t.to_f32();
-            for (q, row) in v.chunks(self.chunk_rows).take(n).enumerate() {
-                per_query[q].push(row.to_vec());
-            }
-        }
-        Ok(per_query)
+        Ok(outputs.iter().map(|t| t.to_f32()).collect())
     }
 
-    /// A query's best `k` rows from its per-chunk scores.
-    fn top_k(&self, per_chunk: &[Vec<f32>], k: usize) -> Vec<Hit> {
+    /// Query `q`'s best `k` rows from the per-chunk scores.
+    fn top_k(&self, scores: &[Vec<f32>], q: usize, k: usize) -> Vec<Hit> {
         // A bounded heap whose top is the worst hit kept so far.
-        let mut heap: BinaryHeap<Worst> = BinaryHeap::with_capacity(k + 1);
-        for (c, scores) in per_chunk.iter().enumerate() {
+        let mut heap: BinaryHeap<Worst> = BinaryHeap::with_capacity(k.min(self.rows) + 1);
+        // Once the heap is full, the worst score kept: anything below it is
+        // out at one comparison.
+        let mut floor = f32::NEG_INFINITY;
+        for (c, chunk) in scores.iter().enumerate() {
             let first = c * self.chunk_rows;
-            for (r, &score) in scores.iter().enumerate() {
+            let row = &chunk[q * self.chunk_rows..(q + 1) * self.chunk_rows];
+            for (r, &score) in row.iter().enumerate() {
                 let id = first + r;
-                if id >= self.rows || self.excluded[id] {
+                if score < floor || id >= self.rows || self.excluded[id] {
                     continue;
                 }
                 let hit = Worst(Hit { corpus_id: id, score });
@@ -179,6 +180,11 @@ impl CorpusIndex {
                 } else if heap.peek().is_some_and(|w| rank(&hit.0, &w.0) == Ordering::Less) {
                     heap.pop();
                     heap.push(hit);
+                } else {
+                    continue;
+                }
+                if heap.len() == k {
+                    floor = heap.peek().map_or(floor, |w| w.0.score);
                 }
             }
         }
