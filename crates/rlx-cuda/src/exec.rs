@@ -156,6 +156,12 @@ impl CudaExecutable {
             }
             hostops::check_sizes(t)?;
         }
+        // An arena larger than the whole device is refused before any
+        // buffer or matmul plan is made for it.
+        let (free, total) = dev.mem_info()?;
+        if schedule.arena_bytes > total {
+            return Err(RuntimeError::OutOfMemory { requested: schedule.arena_bytes, free });
+        }
 
         let weights = DeviceWeights::for_store(&dev, &store)?;
         let weight_bufs = weights.bind(&store, &schedule.weights)?;
