@@ -74,6 +74,14 @@ impl Default for GeneratorOptions {
     }
 }
 
+/// The KV cache dtype when the options name none: f16 on a GPU, f32 on the CPU.
+pub fn default_kv_dtype(device: Device) -> DType {
+    match device {
+        Device::Cuda(_) => DType::F16,
+        Device::Cpu => DType::F32,
+    }
+}
+
 /// Per-request sampling settings (llama.cpp's defaults).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -357,12 +365,10 @@ impl Generator {
         opts.ctx_size = opts.ctx_size.min(config.max_context);
         opts.pipeline = opts.pipeline.max(1);
         opts.batch = opts.batch.clamp(1, 4096);
-        let kv_dtype = match (opts.kv_dtype, device) {
-            (Some(d), _) if !d.is_float() => return Err(ModelError::Input(format!("KV cache dtype must be f32, f16 or bf16, found {d}"))),
-            (Some(d), _) => d,
-            (None, Device::Cuda(_)) => DType::F16,
-            (None, Device::Cpu) => DType::F32,
-        };
+        let kv_dtype = opts.kv_dtype.unwrap_or_else(|| default_kv_dtype(device));
+        if !kv_dtype.is_float() {
+            return Err(ModelError::Input(format!("KV cache dtype must be f32, f16 or bf16, found {kv_dtype}")));
+        }
         opts.kv_dtype = Some(kv_dtype);
         opts.prefill_buckets.retain(|&b| b > 0);
         opts.prefill_buckets.sort_unstable();

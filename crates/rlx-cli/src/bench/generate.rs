@@ -266,7 +266,7 @@ pub fn run(b: &GenBench) -> Result<String, String> {
     }
     if let Some(l) = load {
         notes.push(format!("RLX model load and compile: {l:.2} s."));
-        let kv = b.kv_dtype.unwrap_or(if matches!(b.device, rlx::Device::Cuda(_)) { rlx::DType::F16 } else { rlx::DType::F32 });
+        let kv = b.kv_dtype.unwrap_or_else(|| rlx_models::default_kv_dtype(b.device));
         notes.push(format!("RLX KV cache: {kv} (llama.cpp's default cache is f16)."));
     }
     let mut md = format!(
