@@ -173,23 +173,7 @@ RLX_ATTN(128, 4)
 // are skipped outright (weight 0, and their V rows never read). With one
 // query row the causal rule admits exactly the valid keys.
 #define DEC_WARPS 8
-// Two adjacent 16-bit K/V elements as floats (one 4-byte load).
-__device__ __forceinline__ float2 ld2(const __half* p, i64 i) { return __half22float2(*reinterpret_cast<const __half2*>(p + i)); }
-__device__ __forceinline__ float2 ld2(const __nv_bfloat16* p, i64 i) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + i));
-}
-__device__ __forceinline__ float2 ld2(const float* p, i64 i) { return make_float2(p[i], p[i + 1]); }
-
-// V2 (16-bit K/V, head dim a multiple of 64 and even strides, checked by
-// the host): lane l owns dims 64k + 2l and 64k + 2l + 1, so each key row
-// is read with one 4-byte load per 64 dims instead of two 2-byte loads.
-// Otherwise lane l owns dims l, l + 32, ...
-template <bool V2>
-__device__ __forceinline__ int dec_dim(int c, int lane) {
-    return V2 ? 64 * (c >> 1) + 2 * lane + (c & 1) : lane + 32 * c;
-}
-
-template <typename T, typename TK, int HDP, bool V2 = false>
+template <typename T, typename TK, int HDP>
 __device__ void attention_dec_body(const AttnP& p) {
     constexpr int NC = HDP / 32;
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
@@ -208,7 +192,7 @@ __device__ void attention_dec_body(const AttnP& p) {
     float qv[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-        const int d = dec_dim<V2>(c, lane);
+        const int d = lane + 32 * c;
         qv[c] = d < hd ? ld(qb, d) * scale : 0.0f;
     }
     const TK* kb = k + b * p.kbs + kvh * p.hd;
@@ -225,25 +209,12 @@ __device__ void attention_dec_body(const AttnP& p) {
             const i64 key = k0 + j;
             ok[j] = key < kv_end;
             if (ok[j] && p.mask) ok[j] = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
-            if constexpr (V2) {
 #pragma unroll
-                for (int c = 0; c < NC; c += 2) {
-                    const int d = dec_dim<true>(c, lane);
-                    const float2 kk = ok[j] ? ld2(kb, key * p.krs + d) : make_float2(0.0f, 0.0f);
-                    const float2 vv = ok[j] ? ld2(vb, key * p.vrs + d) : make_float2(0.0f, 0.0f);
-                    kr[j][c] = kk.x;
-                    kr[j][c + 1] = kk.y;
-                    vr[j][c] = vv.x;
-                    vr[j][c + 1] = vv.y;
-                }
-            } else {
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    const int d = lane + 32 * c;
-                    const bool in = ok[j] && d < hd;
-                    kr[j][c] = in ? ld(kb, key * p.krs + d) : 0.0f;
-                    vr[j][c] = in ? ld(vb, key * p.vrs + d) : 0.0f;
-                }
+            for (int c = 0; c < NC; ++c) {
+                const int d = lane + 32 * c;
+                const bool in = ok[j] && d < hd;
+                kr[j][c] = in ? ld(kb, key * p.krs + d) : 0.0f;
+                vr[j][c] = in ? ld(vb, key * p.vrs + d) : 0.0f;
             }
         }
 #pragma unroll
@@ -266,7 +237,7 @@ __device__ void attention_dec_body(const AttnP& p) {
         sm_l[warp] = l;
     }
 #pragma unroll
-    for (int c = 0; c < NC; ++c) sm_o[warp][dec_dim<V2>(c, lane)] = acc[c];
+    for (int c = 0; c < NC; ++c) sm_o[warp][lane + 32 * c] = acc[c];
     __syncthreads();
     float mt = -INFINITY;
 #pragma unroll
@@ -306,16 +277,3 @@ RLX_ATTN_DEC(32)
 RLX_ATTN_DEC(64)
 RLX_ATTN_DEC(96)
 RLX_ATTN_DEC(128)
-
-// attention_dec_<HDP>_f32_kv<dtype>_v2: the V2 layout (head dims a multiple of 64)
-#define RLX_ATTN_DEC_V2(HDP)                                                                                        \
-    extern "C" __global__ void attention_dec_##HDP##_f32_kvf16_v2(const AttnP p) {                                \
-        pdl_enter();                                                                                                \
-        attention_dec_body<float, __half, HDP, true>(p);                                                            \
-    }                                                                                                               \
-    extern "C" __global__ void attention_dec_##HDP##_f32_kvbf16_v2(const AttnP p) {                               \
-        pdl_enter();                                                                                                \
-        attention_dec_body<float, __nv_bfloat16, HDP, true>(p);                                                     \
-    }
-RLX_ATTN_DEC_V2(64)
-RLX_ATTN_DEC_V2(128)

@@ -684,16 +684,7 @@ pub(crate) fn lower(
             let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
             let (grid, func, block, smem) = match rows {
                 // One query row (a decode step): the keys split over 8 warps.
-                _ if a.q_len == 1 => {
-                    // A 16-bit cache under f32 queries with whole 64-dim
-                    // chunks and even strides: one 4-byte load per lane per
-                    // 64 dims (the `_v2` layout of kernels/attention.cu).
-                    let even = [a.k.batch_stride, a.k.row_stride, a.v.batch_stride, a.v.row_stride].iter().all(|s| s % 2 == 0)
-                        && [a.k.buf.offset, a.v.buf.offset].iter().all(|o| o % 4 == 0);
-                    let v2 = a.kv_dtype != a.dtype && a.head_dim % 64 == 0 && a.head_dim == hdp && even;
-                    let name = if v2 { format!("attention_dec_{hdp}_{sfx}_v2") } else { format!("attention_dec_{hdp}_{sfx}") };
-                    ([a.heads as u32, a.batch as u32, 1], k.get(&name)?, 256, 0)
-                }
+                _ if a.q_len == 1 => ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{sfx}"))?, 256, 0),
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
