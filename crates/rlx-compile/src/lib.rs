@@ -1,9 +1,9 @@
 //! RLX compiler: passes over the IR, the arena planner and lowering to a
 //! backend-neutral [`Schedule`].
 //!
-//! `compile` = verify → passes (dce → merge_matmul → fuse → precision →
-//! dce, each result verified) → plan (`plan.rs`: where every value lives)
-//! → lower (`lower.rs`: thunks) → [`Schedule`] (printable, serialisable).
+//! `compile` = verify → passes (dce → merge_matmul → fuse → fuse_quant →
+//! fuse_attention → precision → dce, each result verified) → plan
+//! (`plan.rs`: where every value lives) → lower (`lower.rs`: thunks) → [`Schedule`] (printable, serialisable).
 
 pub mod layout;
 mod lower;
@@ -39,7 +39,8 @@ pub struct CompileOptions {
     /// Merge sibling matmuls sharing an input (Q, K, V → QKV).
     pub merge_matmuls: bool,
     /// Fusion patterns (matmul epilogues, residual norms, SwiGLU; around
-    /// quantized matmuls: RmsNorm prologues, SwiGLU and residual epilogues).
+    /// quantized matmuls: RmsNorm prologues, SwiGLU and residual epilogues;
+    /// a decode step's RoPE and KV-cache writes into its attention).
     pub fuse: bool,
     /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
     /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
@@ -72,7 +73,8 @@ pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, Compile
     Ok(Compiled { before: graph.clone(), after, schedule })
 }
 
-/// The passes `opts` selects, in order: dce → merge → fuse → fuse_quant → precision →
+/// The passes `opts` selects, in order: dce → merge → fuse → fuse_quant →
+/// fuse_attention → precision →
 /// dce, each result verified (an error names the pass).
 pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileError> {
     fn step(g: Graph, pass: &'static str, f: impl FnOnce(&Graph) -> Result<Graph, IrError>) -> Result<Graph, CompileError> {
@@ -90,6 +92,7 @@ pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileEr
     if opts.fuse {
         g = step(g, "fuse", passes::fuse::run)?;
         g = step(g, "fuse_quant", passes::fuse_quant::run)?;
+        g = step(g, "fuse_attention", passes::fuse_attention::run)?;
     }
     if let Some(dtype) = opts.precision {
         g = step(g, "precision", |g| passes::precision::run(g, dtype))?;

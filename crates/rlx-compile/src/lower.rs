@@ -5,7 +5,10 @@ use rlx_ir::{DType, Graph, Node, Op};
 
 use crate::layout::{dense_strides, rows_view, seq_view, span_bytes, Loc, Root};
 use crate::plan::{lower_err, reduce_needs_copy, ArenaPlan, BufferKind};
-use crate::{AttentionThunk, BufRef, CompileError, MatMulThunk, QNorm, RowsView, Schedule, SeqView, Space, TensorSlot, Thunk};
+use crate::{
+    AppendRope, AttentionAppendThunk, AttentionThunk, BufRef, CompileError, MatMulThunk, QNorm, RowsView, Schedule, SeqView, Space,
+    TensorSlot, Thunk,
+};
 
 type Result<T> = std::result::Result<T, CompileError>;
 
@@ -274,6 +277,7 @@ impl Lowerer<'_> {
                     out: self.buf(i),
                 })
             }
+            Op::AttentionAppend { spec, rope } => self.attention_append(i, spec, rope.as_ref())?,
             Op::Rope { theta, mode, head_dim } => {
                 let (x, pos) = (in0(self)?, self.input(i, 1)?);
                 Thunk::Rope {
@@ -391,6 +395,80 @@ impl Lowerer<'_> {
         };
         self.thunks.push(thunk);
         Ok(())
+    }
+
+    fn attention_append(&self, i: usize, spec: &rlx_ir::AttentionSpec, rope: Option<&rlx_ir::RopeSpec>) -> Result<Thunk> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let dims = node.shape.dims();
+        let input = |k: usize| self.input(i, k);
+        let (kc, vc, pos) = (input(3)?, input(4)?, input(5)?);
+        let mut next = 6;
+        let mask = if spec.mask {
+            next += 1;
+            Some(input(6)?)
+        } else {
+            None
+        };
+        let valid_len = if spec.valid_len {
+            next += 1;
+            Some(input(next - 1)?)
+        } else {
+            None
+        };
+        let per_batch = |x: usize| g.nodes[x].shape.dims() != [1];
+        let q = self.seq(i, input(0)?)?;
+        let rope = match rope {
+            Some(r) => {
+                let b = self.plan.scratch[i].ok_or_else(|| lower_err(g, i, "attention_append with RoPE has no scratch buffer"))?;
+                let scratch = self.buffer(b);
+                let q_bytes = (node.shape.numel() * node.dtype.size()) as u64;
+                let positions = input(next)?;
+                Some(AppendRope {
+                    mode: r.mode,
+                    theta: r.theta,
+                    positions: self.dense(i, positions)?,
+                    positions_per_batch: g.nodes[positions].shape.rank() == 2,
+                    freq_factors: if r.factors { Some(self.dense(i, input(next + 1)?)?) } else { None },
+                    q_out: BufRef { bytes: q_bytes, ..scratch },
+                    k_out: BufRef { offset: scratch.offset + q_bytes, bytes: scratch.bytes - q_bytes, ..scratch },
+                })
+            }
+            None => None,
+        };
+        let attn_q = match &rope {
+            Some(r) => SeqView { buf: r.q_out, batch_stride: dims[2] as u64, row_stride: dims[2] as u64 },
+            None => q,
+        };
+        let attn = AttentionThunk {
+            dtype: node.dtype,
+            kv_dtype: g.nodes[kc].dtype,
+            batch: dims[0],
+            heads: spec.heads,
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            q_len: dims[1],
+            kv_len: g.nodes[kc].shape.dims()[1],
+            scale: spec.scale,
+            causal: spec.causal,
+            q: attn_q,
+            k: self.seq(i, kc)?,
+            v: self.seq(i, vc)?,
+            mask: mask.map(|m| self.dense(i, m)).transpose()?,
+            mask_dtype: mask.map_or(node.dtype, |m| g.nodes[m].dtype),
+            valid_len: valid_len.map(|l| self.dense(i, l)).transpose()?,
+            valid_len_per_batch: valid_len.is_some_and(per_batch),
+            out: self.buf(i),
+        };
+        Ok(Thunk::AttentionAppend(Box::new(AttentionAppendThunk {
+            attn,
+            q,
+            k_new: self.seq(i, input(1)?)?,
+            v_new: self.seq(i, input(2)?)?,
+            position: self.dense(i, pos)?,
+            position_per_batch: per_batch(pos),
+            rope,
+        })))
     }
 
     fn reduce(&mut self, i: usize, op: rlx_ir::ReduceOp, axes: &[usize]) -> Result<Thunk> {

@@ -44,7 +44,8 @@ pub struct ArenaPlan {
     pub buffers: Vec<Buffer>,
     /// The node writes over its first input.
     pub in_place: Vec<bool>,
-    /// Scratch buffer of a node (reduce over non-adjacent axes).
+    /// Scratch buffer of a node (reduce over non-adjacent axes; the turned
+    /// q and k of an attention append with RoPE).
     pub scratch: Vec<Option<usize>>,
     /// Per graph output: the buffer it is copied into, if it needs one.
     pub output_copy: Vec<Option<usize>>,
@@ -75,7 +76,7 @@ pub fn reduce_needs_copy(axes: &[usize]) -> bool {
 /// strides (the consumers that take views, see `Thunk`).
 fn accepts_strides(op: &Op, slot: usize, dims: &[usize], strides: &[u64]) -> bool {
     match op {
-        Op::Attention(_) if slot < 3 => seq_view(dims, strides).is_some(),
+        Op::Attention(_) | Op::AttentionAppend { .. } if slot < 3 => seq_view(dims, strides).is_some(),
         Op::Rope { .. } if slot == 0 => seq_view(dims, strides).is_some(),
         Op::SwiGlu if slot < 2 => rows_view(dims, strides).is_some(),
         Op::MatMul { .. } | Op::MatMulFused { .. } if slot == 0 => rows_view(dims, strides).is_some(),
@@ -302,11 +303,15 @@ pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
     for i in 0..n {
         let loc = p.place(i)?;
         p.plan.locs.push(loc);
-        if let Op::Reduce { axes, .. } = &g.nodes[i].op {
-            if reduce_needs_copy(axes) {
-                let bytes = (g.nodes[g.nodes[i].inputs[0].0].shape.numel() * g.nodes[i].dtype.size()) as u64;
-                p.plan.scratch[i] = Some(p.new_buffer(i, BufferKind::Scratch, bytes, i, i));
-            }
+        let scratch = match &g.nodes[i].op {
+            Op::Reduce { axes, .. } if reduce_needs_copy(axes) => g.nodes[g.nodes[i].inputs[0].0].shape.numel(),
+            // The turned q and new keys, for a backend that turns them first.
+            Op::AttentionAppend { rope: Some(_), .. } => g.nodes[i].shape.numel() + g.nodes[g.nodes[i].inputs[1].0].shape.numel(),
+            _ => 0,
+        };
+        if scratch > 0 {
+            let bytes = (scratch * g.nodes[i].dtype.size()) as u64;
+            p.plan.scratch[i] = Some(p.new_buffer(i, BufferKind::Scratch, bytes, i, i));
         }
     }
     p.drop_absorbed_weights();

@@ -65,6 +65,14 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
             }
             Ok(())
         }
+        Thunk::AttentionAppend(t) => {
+            let a = &t.attn;
+            check_thunk(&Thunk::Attention(a.clone()))?;
+            if t.rope.is_some() && a.head_dim % 2 != 0 {
+                return Err(format!("attention_append: RoPE needs an even head_dim, found {}", a.head_dim));
+            }
+            Ok(())
+        }
         Thunk::Rope { dtype, head_dim, .. } => {
             float(*dtype, "rope dtype")?;
             if head_dim % 2 != 0 {

@@ -172,31 +172,18 @@ RLX_ATTN(128, 4)
 // output) triples are merged through shared memory at the end. Masked keys
 // are skipped outright (weight 0, and their V rows never read). With one
 // query row the causal rule admits exactly the valid keys.
+//
+// `dec_core` is that loop for scaled query values `qv` already in
+// registers; key `own` (or none: -1) is read from `own_k` / `own_v` in
+// shared memory instead of kb / vb (the row an append is writing).
 #define DEC_WARPS 8
 template <typename T, typename TK, int HDP>
-__device__ void attention_dec_body(const AttnP& p) {
+__device__ void dec_core(const float (&qv)[HDP / 32], const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
+                         i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
     constexpr int NC = HDP / 32;
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_o[DEC_WARPS][HDP];
-    const T* q = (const T*)p.q; const TK* k = (const TK*)p.k; const TK* v = (const TK*)p.v;
-    const i64 b = blockIdx.y, h = blockIdx.x;
-    const i64 kvh = h / (p.heads / p.kv_heads);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int hd = (int)p.hd;
-    const float scale = (float)p.scale;
-    const i64 valid = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
-    if ((valid < 0 || valid > p.kv_len) && h == 0 && (p.valid_pb || b == 0) && threadIdx.x == 0) atomicOr(p.err, ERR_VALID_LEN);
-    i64 kv_end = valid < p.kv_len ? valid : p.kv_len;
-    if (kv_end < 0) kv_end = 0;
-    const T* qb = q + b * p.qbs + h * p.hd;
-    float qv[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = lane + 32 * c;
-        qv[c] = d < hd ? ld(qb, d) * scale : 0.0f;
-    }
-    const TK* kb = k + b * p.kbs + kvh * p.hd;
-    const TK* vb = v + b * p.vbs + kvh * p.hd;
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
@@ -208,13 +195,14 @@ __device__ void attention_dec_body(const AttnP& p) {
         for (int j = 0; j < 4; ++j) {
             const i64 key = k0 + j;
             ok[j] = key < kv_end;
-            if (ok[j] && p.mask) ok[j] = ld_any(p.mask, b * p.kv_len + key, p.mask_dt) != 0.0;
+            if (ok[j] && mask) ok[j] = ld_any(mask, mask_row + key, mask_dt) != 0.0;
+            const bool mine = key == own;
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 const int d = lane + 32 * c;
                 const bool in = ok[j] && d < hd;
-                kr[j][c] = in ? ld(kb, key * p.krs + d) : 0.0f;
-                vr[j][c] = in ? ld(vb, key * p.vrs + d) : 0.0f;
+                kr[j][c] = in ? (mine ? own_k[d] : ld(kb, key * krs + d)) : 0.0f;
+                vr[j][c] = in ? (mine ? own_v[d] : ld(vb, key * vrs + d)) : 0.0f;
             }
         }
 #pragma unroll
@@ -251,13 +239,130 @@ __device__ void attention_dec_body(const AttnP& p) {
     }
     // A row that sees no key at all (fully masked) yields zeros.
     const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-    T* o = (T*)p.out + b * (p.heads * p.hd) + h * p.hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < DEC_WARPS; ++w) s += sm_o[w][d] * f[w];
         st(o, d, s * inv);
     }
+}
+
+// The number of valid keys of batch row b (clamped to 0..=kv_len; a bad
+// value raises the error flag once).
+__device__ __forceinline__ i64 dec_valid(const int* valid, i64 valid_pb, i64 kv_len, i64 b, i64 h, int* err) {
+    const i64 n = valid ? (i64)valid[valid_pb ? b : 0] : kv_len;
+    if ((n < 0 || n > kv_len) && h == 0 && (valid_pb || b == 0) && threadIdx.x == 0) atomicOr(err, ERR_VALID_LEN);
+    return n < 0 ? 0 : (n < kv_len ? n : kv_len);
+}
+
+template <typename T, typename TK, int HDP>
+__device__ void attention_dec_body(const AttnP& p) {
+    constexpr int NC = HDP / 32;
+    const i64 b = blockIdx.y, h = blockIdx.x;
+    const i64 kvh = h / (p.heads / p.kv_heads);
+    const int lane = threadIdx.x & 31;
+    const float scale = (float)p.scale;
+    const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
+    const T* qb = (const T*)p.q + b * p.qbs + h * p.hd;
+    float qv[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int d = lane + 32 * c;
+        qv[c] = d < p.hd ? ld(qb, d) * scale : 0.0f;
+    }
+    const TK* kb = (const TK*)p.k + b * p.kbs + kvh * p.hd;
+    const TK* vb = (const TK*)p.v + b * p.vbs + kvh * p.hd;
+    T* o = (T*)p.out + b * (p.heads * p.hd) + h * p.hd;
+    dec_core<T, TK, HDP>(qv, kb, vb, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, p.hd, -1, nullptr, nullptr, o);
+}
+
+// A decode step's attention with its KV-cache append (Op::AttentionAppend):
+// the block of (batch b, head h) loads q's head and its kv head's new key
+// and value rows, turns q and the key by RoPE (`rope` 1: rotate-half pairs
+// (i, i + hd/2), 2: interleaved pairs (2i, 2i+1); angles as the rope
+// kernel's), rounds them as the separate kernels' stores would (q and the
+// key to T, key and value to the cache's TK), and the group's first head
+// writes them into the caches at row `wpos`. Every block of the group
+// reads that row from its own shared copy, so no block waits for another's
+// write. A bad write position raises ERR_STATE_OVERFLOW and writes nothing.
+struct AttnAppP {
+    const void* q; const void* kn; const void* vn; void* kc; void* vc; const int* wpos; const int* rpos; const float* factors;
+    const int* valid; const void* mask; void* out; int* err;
+    i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 kv_len; i64 mask_dt;
+    i64 qbs; i64 knbs; i64 vnbs; i64 kbs; i64 krs; i64 vbs; i64 vrs;
+    i64 wpos_pb; i64 rpos_pb; i64 valid_pb; i64 rope; double theta; double scale;
+};
+
+template <typename T> __device__ __forceinline__ float round_to(float v) { T t; st(&t, 0, v); return ld(&t, 0); }
+
+template <typename T, typename TK, int HDP>
+__device__ void attention_app_body(const AttnAppP& p) {
+    constexpr int NC = HDP / 32;
+    __shared__ float s_q[HDP], s_k[HDP], s_v[HDP];
+    const i64 b = blockIdx.y, h = blockIdx.x;
+    const i64 group = p.heads / p.kv_heads, kvh = h / group;
+    const int lane = threadIdx.x & 31;
+    const int hd = (int)p.hd;
+    const T* qb = (const T*)p.q + b * p.qbs + h * hd;
+    const T* knb = (const T*)p.kn + b * p.knbs + kvh * hd;
+    const T* vnb = (const T*)p.vn + b * p.vnbs + kvh * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        s_q[d] = ld(qb, d);
+        s_k[d] = ld(knb, d);
+        s_v[d] = ld(vnb, d);
+    }
+    __syncthreads();
+    if (p.rope) {
+        const int half = hd / 2, i = threadIdx.x;
+        int i0 = 0, i1 = 0;
+        float q0 = 0.0f, q1 = 0.0f, k0 = 0.0f, k1 = 0.0f;
+        if (i < half) {
+            const i64 pos = (i64)p.rpos[p.rpos_pb ? b : 0];
+            double invd = pow(p.theta, -2.0 * (double)i / (double)hd);
+            if (p.factors) invd /= (double)p.factors[i];
+            const float inv = (float)invd;
+            const float ang = (float)pos * inv, c = cosf(ang), sn = sinf(ang);
+            i0 = p.rope == 1 ? i : 2 * i;
+            i1 = p.rope == 1 ? i + half : 2 * i + 1;
+            q0 = s_q[i0] * c - s_q[i1] * sn;
+            q1 = s_q[i1] * c + s_q[i0] * sn;
+            k0 = s_k[i0] * c - s_k[i1] * sn;
+            k1 = s_k[i1] * c + s_k[i0] * sn;
+        }
+        __syncthreads();
+        if (i < half) {
+            s_q[i0] = round_to<T>(q0);
+            s_q[i1] = round_to<T>(q1);
+            s_k[i0] = round_to<T>(k0);
+            s_k[i1] = round_to<T>(k1);
+        }
+        __syncthreads();
+    }
+    const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
+    const bool wok = wpos >= 0 && wpos < p.kv_len;
+    if (!wok && h == 0 && (p.wpos_pb || b == 0) && threadIdx.x == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
+    TK* kc = (TK*)p.kc + b * p.kbs + kvh * hd;
+    TK* vc = (TK*)p.vc + b * p.vbs + kvh * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float kr = round_to<TK>(s_k[d]), vr = round_to<TK>(s_v[d]);
+        s_k[d] = kr;
+        s_v[d] = vr;
+        if (wok && h % group == 0) {
+            st(kc, wpos * p.krs + d, kr);
+            st(vc, wpos * p.vrs + d, vr);
+        }
+    }
+    __syncthreads();
+    const float scale = (float)p.scale;
+    float qv[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int d = lane + 32 * c;
+        qv[c] = d < hd ? s_q[d] * scale : 0.0f;
+    }
+    const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
+    T* o = (T*)p.out + b * (p.heads * hd) + h * hd;
+    dec_core<T, TK, HDP>(qv, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, wok ? wpos : -1, s_k, s_v, o);
 }
 
 // attention_dec_<HDP>_<dtype>, and _f32_kv<dtype> for f32 queries over f16/bf16 keys and values
@@ -277,3 +382,24 @@ RLX_ATTN_DEC(32)
 RLX_ATTN_DEC(64)
 RLX_ATTN_DEC(96)
 RLX_ATTN_DEC(128)
+
+// attention_app_<HDP>_<dtype>, and _f32_kv<dtype> for f32 queries over an f16/bf16 cache
+#define RLX_ATTN_APP(HDP)                                                                                                      \
+    extern "C" __global__ void attention_app_##HDP##_f32(const AttnAppP p) { pdl_enter(); attention_app_body<float, float, HDP>(p); } \
+    extern "C" __global__ void attention_app_##HDP##_f16(const AttnAppP p) { pdl_enter(); attention_app_body<__half, __half, HDP>(p); } \
+    extern "C" __global__ void attention_app_##HDP##_bf16(const AttnAppP p) {                                                  \
+        pdl_enter();                                                                                                           \
+        attention_app_body<__nv_bfloat16, __nv_bfloat16, HDP>(p);                                                              \
+    }                                                                                                                          \
+    extern "C" __global__ void attention_app_##HDP##_f32_kvf16(const AttnAppP p) {                                             \
+        pdl_enter();                                                                                                           \
+        attention_app_body<float, __half, HDP>(p);                                                                             \
+    }                                                                                                                          \
+    extern "C" __global__ void attention_app_##HDP##_f32_kvbf16(const AttnAppP p) {                                            \
+        pdl_enter();                                                                                                           \
+        attention_app_body<float, __nv_bfloat16, HDP>(p);                                                                      \
+    }
+RLX_ATTN_APP(32)
+RLX_ATTN_APP(64)
+RLX_ATTN_APP(96)
+RLX_ATTN_APP(128)

@@ -651,6 +651,17 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
             .into_iter()
             .flatten()
             .collect(),
+        Thunk::AttentionAppend(t) => {
+            let a = &t.attn;
+            let mut v = vec![&t.q.buf, &t.k_new.buf, &t.v_new.buf, &t.position, &a.k.buf, &a.v.buf, &a.out];
+            v.extend(a.mask.as_ref());
+            v.extend(a.valid_len.as_ref());
+            if let Some(r) = &t.rope {
+                v.push(&r.positions);
+                v.extend(r.freq_factors.as_ref());
+            }
+            v
+        }
         Thunk::Rope { x, positions, out, freq_factors, .. } => {
             let mut v = vec![&x.buf, positions, out];
             v.extend(freq_factors.as_ref());

@@ -709,6 +709,51 @@ pub(crate) fn lower(
             };
             steps.push(Step::new(Op::kernel(func, grid, block, smem, [1, 1, 1], &p)?, kind));
         }
+        Thunk::AttentionAppend(t) => {
+            let a = &t.attn;
+            let hdp = a.head_dim.div_ceil(32) * 32;
+            let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
+            let rope = t.rope.as_ref();
+            let p = params::AttnAppP {
+                q: b.ptr(&t.q.buf)?,
+                kn: b.ptr(&t.k_new.buf)?,
+                vn: b.ptr(&t.v_new.buf)?,
+                kc: b.ptr(&a.k.buf)?,
+                vc: b.ptr(&a.v.buf)?,
+                wpos: b.ptr(&t.position)?,
+                rpos: rope.map(|r| b.ptr(&r.positions)).transpose()?.unwrap_or(0),
+                factors: rope.and_then(|r| r.freq_factors.as_ref()).map(|f| b.ptr(f)).transpose()?.unwrap_or(0),
+                valid: a.valid_len.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0),
+                mask: a.mask.as_ref().map(|m| b.ptr(m)).transpose()?.unwrap_or(0),
+                out: b.ptr(&a.out)?,
+                err: b.err,
+                batch: i(a.batch),
+                heads: i(a.heads),
+                kv_heads: i(a.kv_heads),
+                hd: i(a.head_dim),
+                kv_len: i(a.kv_len),
+                mask_dt: dtype_code(a.mask_dtype),
+                qbs: t.q.batch_stride as i64,
+                knbs: t.k_new.batch_stride as i64,
+                vnbs: t.v_new.batch_stride as i64,
+                kbs: a.k.batch_stride as i64,
+                krs: a.k.row_stride as i64,
+                vbs: a.v.batch_stride as i64,
+                vrs: a.v.row_stride as i64,
+                wpos_pb: t.position_per_batch as i64,
+                rpos_pb: rope.is_some_and(|r| r.positions_per_batch) as i64,
+                valid_pb: a.valid_len_per_batch as i64,
+                rope: match rope.map(|r| r.mode) {
+                    None => 0,
+                    Some(RopeMode::RotateHalf) => 1,
+                    Some(RopeMode::Interleaved) => 2,
+                },
+                theta: rope.map_or(0.0, |r| r.theta as f64),
+                scale: a.scale as f64,
+            };
+            let func = k.get(&format!("attention_app_{hdp}_{sfx}"))?;
+            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], 256, 0, [1, 1, 1], &p)?, kind));
+        }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
             let p = params::RopeP {
@@ -882,6 +927,16 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
         Thunk::EmbedNorm { rows, addends, .. } if addends.iter().any(|(_, n)| *n == 0 || rows % n != 0) => {
             Some("embed_norm addend rows that do not divide the rows".into())
         }
+        Thunk::AttentionAppend(t) => unsupported(&Thunk::Attention(t.attn.clone())).or_else(|| {
+            let a = &t.attn;
+            if a.q_len != 1 {
+                Some(format!("attention_append of {} rows (one per sequence)", a.q_len))
+            } else if t.rope.is_some() && a.head_dim % 2 != 0 {
+                Some(format!("attention_append with RoPE over the odd head_dim {}", a.head_dim))
+            } else {
+                None
+            }
+        }),
         Thunk::Attention(a) if a.head_dim == 0 || a.head_dim > 128 => Some(format!("attention head_dim {} (1..=128)", a.head_dim)),
         Thunk::Attention(a) if a.kv_heads == 0 || a.heads % a.kv_heads != 0 => {
             Some(format!("attention heads {} not a multiple of kv_heads {}", a.heads, a.kv_heads))

@@ -18,7 +18,7 @@ mod verify;
 pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId};
-pub use op::{Activation, AttentionSpec, BinaryOp, Op, ReduceOp, RopeMode};
+pub use op::{Activation, AttentionSpec, BinaryOp, Op, ReduceOp, RopeMode, RopeSpec};
 pub use quant::QFormat;
 pub use shape::{broadcast_shapes, Shape};
 

@@ -60,6 +60,15 @@ pub struct AttentionSpec {
     pub valid_len: bool,
 }
 
+/// Rotary embedding inside a fused op: [`Op::Rope`]'s attributes (the head
+/// dim is the attention's), and whether frequency factors are an input.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RopeSpec {
+    pub theta: f32,
+    pub mode: RopeMode,
+    pub factors: bool,
+}
+
 /// One operation. Inputs are listed per variant; every node has exactly one
 /// output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,6 +162,21 @@ pub enum Op {
     ///    half of rows is the gate, the second the up projection);
     /// 4. + residual.
     QMatMulFused { format: QFormat, norm_eps: Option<f32>, glu: bool, residual: bool },
+    /// A decoder step's attention with its KV-cache append, in one op (one
+    /// new row per sequence). inputs: q `[B, 1, heads*D]`, k_new and v_new
+    /// `[B, 1, kv_heads*D]` (q's dtype), the key and value caches (states
+    /// `[B, Smax, kv_heads*D]` of one float dtype), the write position i32
+    /// `[1]` or `[B]`, then `mask` and `valid_len` as [`AttentionSpec`]
+    /// says, then with `rope` the RoPE positions i32 `[1]` or `[B, 1]` and,
+    /// when `rope.factors`, the f32 `[D/2]` frequency factors →
+    /// `[B, 1, heads*D]`:
+    /// 1. with `rope`, q and k_new turn as [`Op::Rope`] does;
+    /// 2. k_new and v_new are written into the caches at rows `position..`
+    ///    as [`Op::WriteState`] does (rounded to the caches' dtype);
+    /// 3. the output is [`Op::Attention`] of q over the updated caches.
+    ///
+    /// The caches are updated in place, as by a `WriteState`.
+    AttentionAppend { spec: AttentionSpec, rope: Option<RopeSpec> },
     /// inputs: x, residual, gamma, beta — LayerNorm(x + residual).
     ResidualLayerNorm { eps: f32 },
     /// inputs: x, residual, gamma — RmsNorm(x + residual).
@@ -210,6 +234,7 @@ impl Op {
             Op::Sample => "sample",
             Op::MatMulFused { .. } => "matmul_fused",
             Op::QMatMulFused { .. } => "qmatmul_fused",
+            Op::AttentionAppend { .. } => "attention_append",
             Op::ResidualLayerNorm { .. } => "residual_layer_norm",
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
             Op::SwiGlu => "swiglu",
@@ -236,7 +261,7 @@ impl Op {
 
     /// Ops with an effect beyond their output (must never be eliminated).
     pub fn has_side_effect(&self) -> bool {
-        matches!(self, Op::WriteState)
+        matches!(self, Op::WriteState | Op::AttentionAppend { .. })
     }
 
     /// Accumulation type of a float op over the node dtype: matmul, norms and
@@ -254,6 +279,7 @@ impl Op {
                 | Op::ResidualRmsNorm { .. }
                 | Op::Softmax { .. }
                 | Op::Attention(_)
+                | Op::AttentionAppend { .. }
                 | Op::Reduce { .. }
                 | Op::MaskedMean
                 | Op::EmbedLayerNorm { .. }

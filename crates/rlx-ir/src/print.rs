@@ -49,6 +49,17 @@ fn attrs(op: &Op) -> String {
             if s.mask { " mask" } else { "" },
             if s.valid_len { " valid_len" } else { "" }
         ),
+        Op::AttentionAppend { spec: s, rope } => format!(
+            "heads={} kv_heads={} head_dim={} scale={:.4}{}{}{}{}",
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            s.scale,
+            if s.causal { " causal" } else { "" },
+            if s.mask { " mask" } else { "" },
+            if s.valid_len { " valid_len" } else { "" },
+            rope.map_or(String::new(), |r| format!(" rope theta={} {:?}{}", r.theta, r.mode, if r.factors { " factors" } else { "" }))
+        ),
         Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
         Op::QMatMul { format } | Op::QGather { format } => format!("{format}"),
         Op::QMatMulFused { format, norm_eps, glu, residual } => {

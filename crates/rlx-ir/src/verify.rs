@@ -351,6 +351,74 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             }
             Ok((q.clone(), ins[0].1))
         }
+        Op::AttentionAppend { spec, rope } => {
+            let want = 6 + spec.mask as usize + spec.valid_len as usize + rope.map_or(0, |r| 1 + r.factors as usize);
+            arity(name, ins.len(), want..=want)?;
+            float(name, ins[0].1)?;
+            same_dtype(name, ins[0].1, ins[1].1, "k_new")?;
+            same_dtype(name, ins[0].1, ins[2].1, "v_new")?;
+            float(name, ins[3].1)?;
+            same_dtype(name, ins[3].1, ins[4].1, "the value cache")?;
+            if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
+                return Err(IrError::attr(
+                    name,
+                    format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),
+                ));
+            }
+            let (q, kn, vn, kc, vc) = (ins[0].0, ins[1].0, ins[2].0, ins[3].0, ins[4].0);
+            let kvw = spec.kv_heads * spec.head_dim;
+            if q.rank() != 3 || q.0[1] != 1 || q.0[2] != spec.heads * spec.head_dim {
+                return Err(IrError::shape(name, format!("q must be [B, 1, {}] (one new row), found {q}", spec.heads * spec.head_dim)));
+            }
+            let (b, sn) = (q.0[0], q.0[1]);
+            if kn.0 != [b, sn, kvw] || vn.0 != kn.0 {
+                return Err(IrError::shape(name, format!("k_new {kn} and v_new {vn} must both be [{b}, {sn}, {kvw}]")));
+            }
+            if kc.rank() != 3 || kc.0[0] != b || kc.0[2] != kvw || kc.0[1] < sn || vc.0 != kc.0 {
+                return Err(IrError::shape(name, format!("the caches {kc} and {vc} must both be [{b}, Smax >= {sn}, {kvw}]")));
+            }
+            let one_or_b = |s: &Shape, d: DType| (s.0 == [1] || s.0 == [b]) && d == DType::I32;
+            if !one_or_b(ins[5].0, ins[5].1) {
+                return Err(IrError::shape(
+                    name,
+                    format!("the write position must be an i32 [1] or [{b}], found {} {}", ins[5].0, ins[5].1),
+                ));
+            }
+            let mut next = 6;
+            if spec.mask {
+                let m = ins[next].0;
+                if m.0 != [b, kc.0[1]] {
+                    return Err(IrError::shape(name, format!("mask must be [{b}, {}], found {m}", kc.0[1])));
+                }
+                next += 1;
+            }
+            if spec.valid_len {
+                let (l, d) = ins[next];
+                if !one_or_b(l, d) {
+                    return Err(IrError::shape(name, format!("valid_len must be an i32 [1] or [{b}], found {l} {d}")));
+                }
+                next += 1;
+            }
+            if let Some(r) = rope {
+                let (p, pd) = ins[next];
+                if pd != DType::I32 || (p.0 != [sn] && p.0 != [b, sn]) {
+                    return Err(IrError::shape(name, format!("RoPE positions must be an i32 [{sn}] or [{b}, {sn}], found {p} {pd}")));
+                }
+                if spec.head_dim % 2 != 0 {
+                    return Err(IrError::attr(name, format!("RoPE needs an even head_dim, found {}", spec.head_dim)));
+                }
+                if r.theta.is_nan() || r.theta <= 0.0 {
+                    return Err(IrError::attr(name, format!("theta must be positive, found {}", r.theta)));
+                }
+                if r.factors {
+                    let (f, fd) = ins[next + 1];
+                    if fd != DType::F32 || f.0 != [spec.head_dim / 2] {
+                        return Err(IrError::shape(name, format!("frequency factors must be f32 [{}], found {f} {fd}", spec.head_dim / 2)));
+                    }
+                }
+            }
+            Ok((q.clone(), ins[0].1))
+        }
         Op::Rope { theta, mode: _, head_dim } => {
             arity(name, ins.len(), 2..=3)?;
             if let Some((f, fd)) = ins.get(2) {
@@ -506,8 +574,12 @@ impl Graph {
             if s != n.shape || d != n.dtype {
                 return Err(at(IrError::Invalid(format!("node records {} {} but its inputs give {s} {d}", n.shape, n.dtype))));
             }
-            if matches!(n.op, Op::WriteState) && !matches!(self.nodes[n.inputs[0].0].op, Op::State { .. } | Op::WriteState) {
+            let is_state = |k: usize| matches!(self.nodes[n.inputs[k].0].op, Op::State { .. } | Op::WriteState);
+            if matches!(n.op, Op::WriteState) && !is_state(0) {
                 return Err(at(IrError::Invalid("write_state must write a state tensor".into())));
+            }
+            if matches!(n.op, Op::AttentionAppend { .. }) && !(is_state(3) && is_state(4)) {
+                return Err(at(IrError::Invalid("attention_append must write its caches into state tensors".into())));
             }
         }
         if self.outputs.is_empty() {

@@ -55,6 +55,26 @@ fn wr(what: &'static str, buf: BufRef, elems: usize, dtype: DType) -> Operand {
     Operand { what, buf, need: n_bytes(elems, dtype), align: dtype.size(), write: true }
 }
 
+/// An attention's operands; `cache_write`: k and v are caches the thunk
+/// writes (an append) rather than inputs.
+fn attention(a: &crate::AttentionThunk, cache_write: bool) -> Vec<Operand> {
+    let qw = prod(&[a.heads, a.head_dim]);
+    let kw = prod(&[a.kv_heads, a.head_dim]);
+    let mut v = vec![
+        seq(&a.q, a.batch, a.q_len, qw, a.dtype, "q"),
+        Operand { write: cache_write, ..seq(&a.k, a.batch, a.kv_len, kw, a.kv_dtype, "k") },
+        Operand { write: cache_write, ..seq(&a.v, a.batch, a.kv_len, kw, a.kv_dtype, "v") },
+        wr("out", a.out, prod(&[a.batch, a.q_len, qw]), a.dtype),
+    ];
+    if let Some(m) = a.mask {
+        v.push(rd("mask", m, prod(&[a.batch, a.kv_len]), a.mask_dtype));
+    }
+    if let Some(l) = a.valid_len {
+        v.push(rd("valid_len", l, if a.valid_len_per_batch { a.batch } else { 1 }, DType::I32));
+    }
+    v
+}
+
 /// Every operand of a thunk with the bytes its kernel touches.
 pub fn operands(t: &Thunk) -> Vec<Operand> {
     match t {
@@ -136,20 +156,23 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             ]
         }
         Thunk::Cast { from, to, n, src, dst } => vec![rd("src", *src, *n, *from), wr("dst", *dst, *n, *to)],
-        Thunk::Attention(a) => {
+        Thunk::Attention(a) => attention(a, false),
+        Thunk::AttentionAppend(t) => {
+            let a = &t.attn;
             let qw = prod(&[a.heads, a.head_dim]);
             let kw = prod(&[a.kv_heads, a.head_dim]);
-            let mut v = vec![
-                seq(&a.q, a.batch, a.q_len, qw, a.dtype, "q"),
-                seq(&a.k, a.batch, a.kv_len, kw, a.kv_dtype, "k"),
-                seq(&a.v, a.batch, a.kv_len, kw, a.kv_dtype, "v"),
-                wr("out", a.out, prod(&[a.batch, a.q_len, qw]), a.dtype),
-            ];
-            if let Some(m) = a.mask {
-                v.push(rd("mask", m, prod(&[a.batch, a.kv_len]), a.mask_dtype));
-            }
-            if let Some(l) = a.valid_len {
-                v.push(rd("valid_len", l, if a.valid_len_per_batch { a.batch } else { 1 }, DType::I32));
+            let mut v = attention(a, true);
+            v.push(seq(&t.q, a.batch, 1, qw, a.dtype, "q as given"));
+            v.push(seq(&t.k_new, a.batch, 1, kw, a.dtype, "k_new"));
+            v.push(seq(&t.v_new, a.batch, 1, kw, a.dtype, "v_new"));
+            v.push(rd("position", t.position, if t.position_per_batch { a.batch } else { 1 }, DType::I32));
+            if let Some(r) = &t.rope {
+                v.push(rd("rope positions", r.positions, if r.positions_per_batch { a.batch } else { 1 }, DType::I32));
+                if let Some(f) = r.freq_factors {
+                    v.push(rd("freq_factors", f, a.head_dim / 2, DType::F32));
+                }
+                v.push(wr("turned q", r.q_out, prod(&[a.batch, qw]), a.dtype));
+                v.push(wr("turned k", r.k_out, prod(&[a.batch, kw]), a.dtype));
             }
             v
         }
@@ -286,6 +309,25 @@ pub fn check_operands(t: &Thunk) -> Result<(), String> {
     if let Thunk::Attention(a) = t {
         if [a.q.buf, a.k.buf, a.v.buf].iter().any(|b| overlaps(&a.out, b)) {
             return Err("attention output overlaps q, k or v".into());
+        }
+    }
+    // An append writes the caches, the output and its scratch while it
+    // reads the new rows: none of those may share bytes.
+    if let Thunk::AttentionAppend(x) = t {
+        let a = &x.attn;
+        let mut written = vec![("output", a.out), ("key cache", a.k.buf), ("value cache", a.v.buf)];
+        if let Some(r) = &x.rope {
+            written.push(("turned q", r.q_out));
+            written.push(("turned k", r.k_out));
+        }
+        let read = [("q", x.q.buf), ("k_new", x.k_new.buf), ("v_new", x.v_new.buf), ("position", x.position)];
+        for (k, (wn, w)) in written.iter().enumerate() {
+            if let Some((on, _)) = written[k + 1..].iter().chain(&read).find(|(_, o)| overlaps(w, o)) {
+                return Err(format!("attention_append: the {wn} overlaps the {on}"));
+            }
+        }
+        if a.q_len != 1 {
+            return Err(format!("attention_append appends one row per sequence, found q_len {}", a.q_len));
         }
     }
     // gemm reads its operands while it writes the output, so they must not

@@ -95,25 +95,14 @@ fn describe(t: &Thunk) -> String {
             format!("{dtype} {shape:?} {src}{src_strides:?} -> {dst}{dst_strides:?}")
         }
         Thunk::Cast { from, to, n, src, dst } => format!("{from}->{to} n={n} {src} -> {dst}"),
-        Thunk::Attention(a) => format!(
-            "{}{} batch={} heads={}/{} head_dim={} q_len={} kv_len={} scale={:.4}{} q={} k={} v={} mask={} valid_len={} -> {}",
-            a.dtype,
-            if a.kv_dtype != a.dtype { format!(" kv={}", a.kv_dtype) } else { String::new() },
-            a.batch,
-            a.heads,
-            a.kv_heads,
-            a.head_dim,
-            a.q_len,
-            a.kv_len,
-            a.scale,
-            if a.causal { " causal" } else { "" },
-            seq(&a.q),
-            seq(&a.k),
-            seq(&a.v),
-            opt(&a.mask),
-            opt(&a.valid_len),
-            a.out
-        ),
+        Thunk::Attention(a) => attention(a),
+        Thunk::AttentionAppend(t) => {
+            let r = t.rope.as_ref().map_or(String::new(), |r| {
+                let f = r.freq_factors.map(|f| format!(" factors={f}")).unwrap_or_default();
+                format!(" rope {:?} theta={} pos={}{f} scratch={},{}", r.mode, r.theta, r.positions, r.q_out, r.k_out)
+            });
+            format!("q={} k_new={} v_new={} at={}{r} then {}", seq(&t.q), seq(&t.k_new), seq(&t.v_new), t.position, attention(&t.attn))
+        }
         Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, freq_factors, .. } => {
             let f = freq_factors.map(|f| format!(" factors={f}")).unwrap_or_default();
             format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions}{f} -> {out}", seq(x))
@@ -201,4 +190,26 @@ impl fmt::Display for Schedule {
             a.buffers.len()
         )
     }
+}
+
+fn attention(a: &crate::AttentionThunk) -> String {
+    format!(
+        "{}{} batch={} heads={}/{} head_dim={} q_len={} kv_len={} scale={:.4}{} q={} k={} v={} mask={} valid_len={} -> {}",
+        a.dtype,
+        if a.kv_dtype != a.dtype { format!(" kv={}", a.kv_dtype) } else { String::new() },
+        a.batch,
+        a.heads,
+        a.kv_heads,
+        a.head_dim,
+        a.q_len,
+        a.kv_len,
+        a.scale,
+        if a.causal { " causal" } else { "" },
+        seq(&a.q),
+        seq(&a.k),
+        seq(&a.v),
+        opt(&a.mask),
+        opt(&a.valid_len),
+        a.out
+    )
 }

@@ -124,6 +124,45 @@ pub struct AttentionThunk {
     pub out: BufRef,
 }
 
+/// A decoder step's attention with its KV-cache append
+/// (`rlx_ir::Op::AttentionAppend`), one new row per sequence: with `rope`
+/// q and k_new turn (as [`Thunk::Rope`]); k_new and v_new are written into
+/// the caches at `position` (as [`Thunk::WriteState`], rounded to the
+/// caches' dtype); then `attn` runs over the caches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttentionAppendThunk {
+    /// The attention after the write: `attn.k` and `attn.v` are the caches
+    /// (dense `[batch, kv_len, kv_heads*head_dim]` of `attn.kv_dtype`),
+    /// `attn.q_len` is 1, and `attn.q` is `q`, or `rope.q_out` with `rope`.
+    pub attn: AttentionThunk,
+    /// The queries as given `[batch, 1, heads*head_dim]` (before RoPE).
+    pub q: SeqView,
+    /// The new key and value rows `[batch, 1, kv_heads*head_dim]`, in
+    /// `attn.dtype`.
+    pub k_new: SeqView,
+    pub v_new: SeqView,
+    /// i32: the cache row written, one for every batch row or one per row.
+    pub position: BufRef,
+    pub position_per_batch: bool,
+    pub rope: Option<AppendRope>,
+}
+
+/// The RoPE of an [`AttentionAppendThunk`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppendRope {
+    pub mode: RopeMode,
+    pub theta: f32,
+    /// i32 `[1]` (shared by the batch) or `[batch, 1]`.
+    pub positions: BufRef,
+    pub positions_per_batch: bool,
+    /// f32 `[head_dim/2]`: pair i's frequency is divided by factor i.
+    pub freq_factors: Option<BufRef>,
+    /// Scratch, dense in `attn.dtype`, for a backend that turns q and k in
+    /// steps of their own: the turned queries (`attn.q`'s buffer) and keys.
+    pub q_out: BufRef,
+    pub k_out: BufRef,
+}
+
 /// One kernel launch worth of work.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Thunk {
@@ -232,6 +271,7 @@ pub enum Thunk {
         dst: BufRef,
     },
     Attention(AttentionThunk),
+    AttentionAppend(Box<AttentionAppendThunk>),
     /// Rotary embedding of `x` `[batch, seq, heads*head_dim]` (through a
     /// view) into contiguous out. positions: i32 `[seq]` (shared by the batch)
     /// or `[batch, seq]`.
@@ -379,6 +419,7 @@ impl Thunk {
             Thunk::Copy { .. } => "copy",
             Thunk::Cast { .. } => "cast",
             Thunk::Attention(_) => "attention",
+            Thunk::AttentionAppend(_) => "attention_append",
             Thunk::Rope { .. } => "rope",
             Thunk::SwiGlu { .. } => "swiglu",
             Thunk::MaskedMean { .. } => "masked_mean",

@@ -32,7 +32,9 @@ pub use options::{CudaOptions, MatmulChoice};
 pub use session::{CompiledGraph, Session};
 
 pub use rlx_compile::{compile, CompileOptions, Compiled, Schedule, Thunk};
-pub use rlx_ir::{Activation, AttentionSpec, BinaryOp, DType, Graph, IrError, Node, NodeId, Op, QFormat, ReduceOp, RopeMode, Shape};
+pub use rlx_ir::{
+    Activation, AttentionSpec, BinaryOp, DType, Graph, IrError, Node, NodeId, Op, QFormat, ReduceOp, RopeMode, RopeSpec, Shape,
+};
 pub use rlx_runtime::{ExecStats, PrepareOptions, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 
 /// The backends themselves, for tools that need them directly.

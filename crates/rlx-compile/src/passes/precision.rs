@@ -26,6 +26,7 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
                 let n = &g.nodes[u];
                 n.inputs.iter().enumerate().filter(|(_, x)| x.0 == i).all(|(k, _)| match &n.op {
                     Op::Attention(spec) => spec.mask && k == 3,
+                    Op::AttentionAppend { spec, .. } => spec.mask && k == 6,
                     Op::MaskedMean => k == 1,
                     _ => false,
                 })
@@ -37,7 +38,12 @@ pub fn run(g: &Graph, dtype: DType) -> Result<Graph, IrError> {
             && !users[i].is_empty()
             && users[i].iter().all(|&u| {
                 let n = &g.nodes[u];
-                matches!(n.op, Op::Rope { .. }) && n.inputs.iter().enumerate().all(|(k, x)| x.0 != i || k == 2)
+                let slot = match n.op {
+                    Op::Rope { .. } => 2,
+                    Op::AttentionAppend { rope: Some(r), .. } if r.factors => n.inputs.len() - 1,
+                    _ => return false,
+                };
+                n.inputs.iter().enumerate().all(|(k, x)| x.0 != i || k == slot)
             })
     };
     let mut out = Graph::new();

@@ -61,6 +61,7 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
         }
         Thunk::Cast { from, to, n, src, dst } => elementwise::cast(*from, *to, *n, src, dst, mem),
         Thunk::Attention(a) => attention::run(a, mem),
+        Thunk::AttentionAppend(t) => append(t, mem),
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => rope::run(
             &rope::RopeArgs {
                 dtype: *dtype,
@@ -112,6 +113,8 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
                     value,
                     position,
                     positions_per_batch: *positions_per_batch,
+                    value_batch_stride: new_rows * width,
+                    value_row_stride: *width,
                 },
                 mem,
             )
@@ -151,4 +154,58 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
             mem,
         ),
     }
+}
+
+/// An attention append as the three steps it fuses: RoPE of q and the new
+/// keys into the thunk's scratch, the cache writes, the attention.
+fn append(t: &rlx_schedule::AttentionAppendThunk, mem: &Mem) -> Result<()> {
+    let a = &t.attn;
+    let kvw = a.kv_heads * a.head_dim;
+    let mut k_new = t.k_new;
+    if let Some(r) = &t.rope {
+        let turn = |x: &rlx_schedule::SeqView, heads: usize, out: &rlx_schedule::BufRef| {
+            rope::run(
+                &rope::RopeArgs {
+                    dtype: a.dtype,
+                    mode: r.mode,
+                    theta: r.theta,
+                    batch: a.batch,
+                    seq: 1,
+                    heads,
+                    head_dim: a.head_dim,
+                    x,
+                    positions: &r.positions,
+                    positions_per_batch: r.positions_per_batch,
+                    out,
+                    freq_factors: r.freq_factors.as_ref(),
+                },
+                mem,
+            )
+        };
+        turn(&t.q, a.heads, &r.q_out)?;
+        turn(&t.k_new, a.kv_heads, &r.k_out)?;
+        k_new = rlx_schedule::SeqView { buf: r.k_out, batch_stride: kvw as u64, row_stride: kvw as u64 };
+    }
+    let write = |cache: &rlx_schedule::SeqView, value: &rlx_schedule::SeqView| {
+        state::run(
+            &state::WriteStateArgs {
+                dtype: a.kv_dtype,
+                value_dtype: a.dtype,
+                batch: a.batch,
+                max_rows: a.kv_len,
+                new_rows: 1,
+                width: kvw,
+                state: &cache.buf,
+                value: &value.buf,
+                position: &t.position,
+                positions_per_batch: t.position_per_batch,
+                value_batch_stride: value.batch_stride as usize,
+                value_row_stride: value.row_stride as usize,
+            },
+            mem,
+        )
+    };
+    write(&a.k, &k_new)?;
+    write(&a.v, &t.v_new)?;
+    attention::run(a, mem)
 }

@@ -23,14 +23,18 @@ pub struct WriteStateArgs<'a> {
     pub position: &'a BufRef,
     /// One position per batch row rather than one for all.
     pub positions_per_batch: bool,
+    /// Elements between the value's batch rows and between its rows
+    /// (`new_rows * width` and `width` when dense).
+    pub value_batch_stride: usize,
+    pub value_row_stride: usize,
 }
 
 pub fn run(a: &WriteStateArgs<'_>, mem: &Mem) -> Result<()> {
     let positions = mem.src::<i32>(a.position).map_err(exec_err)?;
     let state = mem.dst::<u8>(a.state).map_err(exec_err)?;
     let value = mem.src::<u8>(a.value).map_err(exec_err)?;
-    let row = a.width * a.dtype.size();
-    let block = a.new_rows * row;
+    let es = a.dtype.size();
+    let row = a.width * es;
     // Check every row's position before writing any, so a bad one leaves
     // the state as it was.
     let pos_of = |b: usize| positions.get(if a.positions_per_batch { b } else { 0 });
@@ -47,7 +51,10 @@ pub fn run(a: &WriteStateArgs<'_>, mem: &Mem) -> Result<()> {
         return write_converted(a, mem, &pos_of);
     }
     for b in 0..a.batch {
-        state.copy_from((b * a.max_rows + pos_of(b) as usize) * row, &value, b * block, block);
+        for s in 0..a.new_rows {
+            let src = (b * a.value_batch_stride + s * a.value_row_stride) * es;
+            state.copy_from((b * a.max_rows + pos_of(b) as usize + s) * row, &value, src, row);
+        }
     }
     Ok(())
 }
@@ -65,7 +72,7 @@ fn write_converted(a: &WriteStateArgs<'_>, mem: &Mem, pos_of: &dyn Fn(usize) -> 
             let state = mem.dst::<S>(a.state).map_err(exec_err)?;
             for b in 0..a.batch {
                 for s in 0..a.new_rows {
-                    value.load((b * a.new_rows + s) * a.width, &mut row);
+                    value.load(b * a.value_batch_stride + s * a.value_row_stride, &mut row);
                     state.store((b * a.max_rows + pos_of(b) as usize + s) * a.width, &row);
                 }
             }

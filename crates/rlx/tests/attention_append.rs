@@ -1,0 +1,213 @@
+//! The fuse_attention pass: a decode step's RoPE, KV-cache writes and
+//! attention become one `attention_append`. On random shapes (batch, head
+//! counts and widths, cache length, RoPE mode and frequency factors, cache
+//! dtype, shared or per-row positions) and several steps, the fused CPU
+//! schedule gives the unfused one's outputs and caches bit for bit, and the
+//! CUDA backend's fused kernel (when a GPU is present) agrees with the
+//! unfused CPU schedule.
+
+mod common;
+
+use common::*;
+use rand::Rng;
+use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, Op, RopeMode, Session, Tensor};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ctx: usize,
+    rope: Option<RopeMode>,
+    factors: bool,
+    kv_dtype: DType,
+    per_batch: bool,
+}
+
+impl Case {
+    fn random(r: &mut rand::rngs::StdRng) -> Case {
+        let kv_heads = r.random_range(1..4);
+        let per_batch = r.random_bool(0.5);
+        let rope = [None, Some(RopeMode::RotateHalf), Some(RopeMode::Interleaved)][r.random_range(0..3)];
+        Case {
+            batch: if per_batch { r.random_range(1..4) } else { 1 },
+            heads: kv_heads * r.random_range(1..4),
+            kv_heads,
+            head_dim: [8, 16, 32, 48, 64, 128][r.random_range(0..6)],
+            ctx: r.random_range(4..40),
+            rope,
+            factors: rope.is_some() && r.random_bool(0.5),
+            kv_dtype: [DType::F32, DType::F16, DType::BF16][r.random_range(0..3)],
+            per_batch,
+        }
+    }
+
+    fn widths(&self) -> (usize, usize) {
+        (self.heads * self.head_dim, self.kv_heads * self.head_dim)
+    }
+}
+
+/// One decode step: x `[B, 1, q|k|v]` split into three strided views, RoPE
+/// of q and k at `pos`, the cache writes at `pos`, attention over `pos + 1`
+/// keys (read from a per-row or shared position).
+fn step_graph(c: &Case) -> Graph {
+    let (qw, kw) = c.widths();
+    let b = c.batch;
+    let mut g = Graph::new();
+    let x = g.input("x", [b, 1, qw + 2 * kw], DType::F32).unwrap();
+    let np = if c.per_batch { b } else { 1 };
+    let pos = g.input("pos", [np], DType::I32).unwrap();
+    let q = g.narrow(x, 2, 0, qw).unwrap();
+    let mut k = g.narrow(x, 2, qw, kw).unwrap();
+    let v = g.narrow(x, 2, qw + kw, kw).unwrap();
+    let mut q = q;
+    if let Some(mode) = c.rope {
+        let rp = if c.per_batch { g.reshape(pos, [b, 1]).unwrap() } else { pos };
+        if c.factors {
+            let f: Vec<f32> = (0..c.head_dim / 2).map(|i| 1.0 + (i % 5) as f32 * 0.75).collect();
+            let f = g.constant_f32([c.head_dim / 2], &f).unwrap();
+            q = g.rope_scaled(q, rp, f, c.head_dim, 10000.0, mode).unwrap();
+            k = g.rope_scaled(k, rp, f, c.head_dim, 10000.0, mode).unwrap();
+        } else {
+            q = g.rope(q, rp, c.head_dim, 10000.0, mode).unwrap();
+            k = g.rope(k, rp, c.head_dim, 10000.0, mode).unwrap();
+        }
+    }
+    let kc = g.state("k_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
+    let vc = g.state("v_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
+    let kc = g.write_state(kc, k, pos).unwrap();
+    let vc = g.write_state(vc, v, pos).unwrap();
+    let one = g.constant_i32([np], &vec![1; np]).unwrap();
+    let valid = g.add(pos, one).unwrap();
+    let spec = AttentionSpec {
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        scale: 1.0 / (c.head_dim as f32).sqrt(),
+        causal: true,
+        mask: false,
+        valid_len: true,
+    };
+    let o = g.attention(spec, q, kc, vc, None, Some(valid)).unwrap();
+    g.output(o).unwrap();
+    g
+}
+
+const UNFUSED: CompileOptions = CompileOptions { precision: None, merge_matmuls: false, fuse: false, approximate_gelu: false };
+
+/// Runs `steps` decode steps (positions 0, 1, .. per row, each row at its
+/// own offset when per-row) and returns every step's output, then both
+/// caches as f32.
+fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize) -> (Vec<Vec<f32>>, Graph) {
+    let (qw, kw) = c.widths();
+    let mut r = rng(seed);
+    let s = {
+        let mut s = Session::new(device).unwrap();
+        s.set_compile_options(opts);
+        s
+    };
+    let mut exe = s.compile(&step_graph(c)).unwrap();
+    let mut outs = vec![];
+    for t in 0..steps {
+        let x = Tensor::from_f32([c.batch, 1, qw + 2 * kw], &randn(&mut r, c.batch * (qw + 2 * kw))).unwrap();
+        let pos: Vec<i32> = if c.per_batch { (0..c.batch).map(|b| (t + b) as i32).collect() } else { vec![t as i32] };
+        let pos = Tensor::from_i32([pos.len()], &pos).unwrap();
+        outs.push(exe.run(&[("x", &x), ("pos", &pos)]).unwrap()[0].to_f32());
+    }
+    for name in ["k_cache", "v_cache"] {
+        outs.push(exe.read_state(name).unwrap().to_f32());
+    }
+    (outs, exe.after().clone())
+}
+
+fn steps(c: &Case) -> usize {
+    // Every row's last position (t + b) stays inside the cache.
+    (c.ctx - c.batch + 1).min(5)
+}
+
+#[test]
+fn fused_append_equals_the_separate_steps_bit_for_bit_on_the_cpu() {
+    let mut r = rng(51);
+    for case in 0..24 {
+        let c = Case::random(&mut r);
+        let n = steps(&c);
+        let (want, before) = run(&c, Device::Cpu, UNFUSED, case, n);
+        let (got, after) = run(&c, Device::Cpu, CompileOptions::default(), case, n);
+        let fused = after.nodes.iter().filter(|x| matches!(x.op, Op::AttentionAppend { .. })).count();
+        assert_eq!(fused, 1, "case {case} {c:?}: {after}");
+        for op in ["rope", "write_state", "attention"] {
+            assert!(!after.nodes.iter().any(|x| x.op.name() == op), "case {case} {c:?}: a {op} is left: {after}");
+        }
+        assert!(before.nodes.iter().any(|x| x.op.name() == "write_state"));
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "case {case} {c:?}: output {i} (steps, then the caches) differs");
+            assert!(a.iter().all(|v| v.is_finite()));
+        }
+    }
+}
+
+/// RoPE on q alone (or with other attributes than k's) leaves the rotations
+/// as they are and fuses only the cache writes; an attention over caches
+/// another node also reads is not fused.
+#[test]
+fn mismatched_rope_or_shared_caches_fuse_less() {
+    let c =
+        Case { batch: 1, heads: 2, kv_heads: 1, head_dim: 8, ctx: 6, rope: None, factors: false, kv_dtype: DType::F32, per_batch: false };
+    let (qw, kw) = c.widths();
+    let build = |rope_k_theta: Option<f32>, extra_reader: bool| {
+        let mut g = Graph::new();
+        let x = g.input("x", [1, 1, qw + 2 * kw], DType::F32).unwrap();
+        let pos = g.input("pos", [1], DType::I32).unwrap();
+        let q = g.narrow(x, 2, 0, qw).unwrap();
+        let q = g.rope(q, pos, 8, 10000.0, RopeMode::RotateHalf).unwrap();
+        let mut k = g.narrow(x, 2, qw, kw).unwrap();
+        if let Some(theta) = rope_k_theta {
+            k = g.rope(k, pos, 8, theta, RopeMode::RotateHalf).unwrap();
+        }
+        let v = g.narrow(x, 2, qw + kw, kw).unwrap();
+        let kc0 = g.state("k_cache", [1, 6, kw], DType::F32).unwrap();
+        let vc = g.state("v_cache", [1, 6, kw], DType::F32).unwrap();
+        let kc = g.write_state(kc0, k, pos).unwrap();
+        let vc = g.write_state(vc, v, pos).unwrap();
+        let spec = AttentionSpec { heads: 2, kv_heads: 1, head_dim: 8, scale: 0.3, causal: true, mask: false, valid_len: false };
+        let o = g.attention(spec, q, kc, vc, None, None).unwrap();
+        g.output(o).unwrap();
+        if extra_reader {
+            let r = g.reduce(rlx::ReduceOp::Sum, kc0, &[2], false).unwrap();
+            g.output(r).unwrap();
+        }
+        g
+    };
+    let s = Session::new(Device::Cpu).unwrap();
+    for (theta, extra, want_ropes, want_fused) in [(Some(500.0), false, 2, 1), (None, false, 1, 1), (Some(10000.0), true, 2, 0)] {
+        let after = s.compile(&build(theta, extra)).unwrap().after().clone();
+        let ropes = after.nodes.iter().filter(|x| x.op.name() == "rope").count();
+        let fused = after.nodes.iter().filter(|x| matches!(x.op, Op::AttentionAppend { .. })).count();
+        assert_eq!((ropes, fused), (want_ropes, want_fused), "k theta {theta:?}, extra reader {extra}: {after}");
+    }
+}
+
+#[test]
+fn cuda_fused_append_agrees_with_the_cpu() {
+    match Session::new(Device::Cuda(0)) {
+        Ok(_) => {}
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
+    }
+    let mut r = rng(52);
+    for case in 0..24 {
+        let c = Case::random(&mut r);
+        let n = steps(&c);
+        let (want, _) = run(&c, Device::Cpu, UNFUSED, case, n);
+        let (got, after) = run(&c, Device::Cuda(0), CompileOptions::default(), case, n);
+        assert!(after.nodes.iter().any(|x| matches!(x.op, Op::AttentionAppend { .. })), "case {case}: {after}");
+        // f16/bf16 caches: the GPU's rotation may round a key the other way.
+        let tol = if c.kv_dtype == DType::F32 { 2e-5 } else { 2e-2 };
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+            assert_close(&format!("case {case} {c:?} output {i}"), b, &want64, tol);
+        }
+    }
+}
