@@ -257,11 +257,38 @@ __device__ void qmatmul_body(const QMatMulP& p) {
     }
 }
 
+// Each warp asks L2 for its column's weight rows (and the up rows with
+// glu). Weights are never written by a kernel, so this runs before the
+// wait on the previous kernel: under programmatic dependent launch the
+// weights stream in while that kernel finishes.
+__device__ __forceinline__ void qmatmul_prefetch(const QMatMulP& p) {
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const i64 col = (i64)blockIdx.x * nw + (threadIdx.x >> 5);
+    if (col >= p.n) return;
+    for (int part = 0; part < (p.glu ? 2 : 1); ++part) {
+        const unsigned long long row = (unsigned long long)p.w + (unsigned long long)((col + part * p.n) * p.row_bytes);
+        const unsigned long long end = row + (unsigned long long)p.row_bytes;
+        for (unsigned long long a = (row & ~127ull) + 128ull * lane; a < end; a += 128ull * 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    }
+}
+
 // qmatmul_<format>_r<RB>_<dtype>
 #define RLX_QMM(FN, F, RB)                                                                                                   \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_f32(const QMatMulP p) { pdl_enter(); qmatmul_body<float, F, RB>(p); } \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) { pdl_enter(); qmatmul_body<__half, F, RB>(p); } \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) { pdl_enter(); qmatmul_body<__nv_bfloat16, F, RB>(p); }
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_f32(const QMatMulP p) {                                              \
+        qmatmul_prefetch(p);                                                                                                 \
+        pdl_enter();                                                                                                         \
+        qmatmul_body<float, F, RB>(p);                                                                                       \
+    }                                                                                                                        \
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) {                                              \
+        qmatmul_prefetch(p);                                                                                                 \
+        pdl_enter();                                                                                                         \
+        qmatmul_body<__half, F, RB>(p);                                                                                      \
+    }                                                                                                                        \
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) {                                             \
+        qmatmul_prefetch(p);                                                                                                 \
+        pdl_enter();                                                                                                         \
+        qmatmul_body<__nv_bfloat16, F, RB>(p);                                                                               \
+    }
 #define RLX_QMM_FMT(FN, F) RLX_QMM(FN, F, 1) RLX_QMM(FN, F, 4)
 RLX_QMM_FMT(q4_0, QF_Q4_0)
 RLX_QMM_FMT(q4_1, QF_Q4_1)
