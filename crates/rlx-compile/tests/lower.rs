@@ -160,7 +160,8 @@ fn decode_step_writes_state_in_place_and_attends_over_it() {
     let spec = rlx_ir::AttentionSpec { heads: 2, kv_heads: 2, head_dim: 4, scale: 0.5, causal: true, mask: false, valid_len: true };
     let y = g.attention(spec, x, kc, vc, None, Some(len)).unwrap();
     g.output(y).unwrap();
-    let s = compile(&g, &CompileOptions::default()).unwrap().schedule;
+    // The separate steps (fusion off; with it, one attention_append below).
+    let s = compile(&g, &CompileOptions { fuse: false, ..CompileOptions::default() }).unwrap().schedule;
     assert_eq!(kinds(&s), ["matmul", "write_state", "write_state", "attention"], "{s}");
     assert_eq!(s.states.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["k_cache", "v_cache"]);
     let Thunk::WriteState { state, value, batch, max_rows, new_rows, width, .. } = &s.thunks[1] else { unreachable!() };
@@ -172,4 +173,13 @@ fn decode_step_writes_state_in_place_and_attends_over_it() {
     assert_eq!((a.k.buf.space, a.v.buf.space), (Space::State(0), Space::State(1)));
     assert_eq!((a.kv_len, a.k.row_stride, a.k.batch_stride), (16, 8, 128));
     assert!(a.valid_len.is_some() && a.causal);
+    // Fused: the appended rows are read where the projection left them, the
+    // caches written in place, no RoPE.
+    let s = compile(&g, &CompileOptions::default()).unwrap().schedule;
+    assert_eq!(kinds(&s), ["matmul", "attention_append"], "{s}");
+    let Thunk::AttentionAppend(t) = &s.thunks[1] else { unreachable!() };
+    let Thunk::MatMul(mm) = &s.thunks[0] else { unreachable!() };
+    assert_eq!((t.k_new.buf.offset, t.v_new.buf.offset), (mm.out.offset, mm.out.offset + 8 * 4));
+    assert_eq!((t.attn.k.buf.space, t.attn.v.buf.space), (Space::State(0), Space::State(1)));
+    assert!(t.rope.is_none() && t.attn.q == t.q);
 }

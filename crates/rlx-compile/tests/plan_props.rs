@@ -139,6 +139,20 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::Attention(a) => {
             ([Some(a.q.buf), Some(a.k.buf), Some(a.v.buf), a.mask, a.valid_len].into_iter().flatten().collect(), vec![a.out])
         }
+        Thunk::AttentionAppend(t) => {
+            let a = &t.attn;
+            let mut reads: Vec<BufRef> = [Some(t.q.buf), Some(t.k_new.buf), Some(t.v_new.buf), Some(t.position), a.mask, a.valid_len]
+                .into_iter()
+                .flatten()
+                .collect();
+            let mut writes = vec![a.out, a.k.buf, a.v.buf];
+            if let Some(r) = &t.rope {
+                reads.push(r.positions);
+                reads.extend(r.freq_factors);
+                writes.extend([r.q_out, r.k_out]);
+            }
+            (reads, writes)
+        }
         Thunk::Rope { x, positions, out, .. } => (vec![x.buf, *positions], vec![*out]),
         Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
         Thunk::QMatMul { a, w, out, .. } => (vec![*a, *w], vec![*out]),

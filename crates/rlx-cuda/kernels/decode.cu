@@ -218,24 +218,37 @@ __device__ void qmatmul_body(const QMatMulP& p) {
         float acc[RB], acc2[RB];
 #pragma unroll
         for (int j = 0; j < RB; ++j) acc[j] = acc2[j] = 0.0f;
-        for (i64 c = lane; c < chunks; c += 32) {
-            const i64 blk = c / CPB;
-            float w[8], w2[8], g[8];
-            int e[8];
-            dequant8<F>(wrow + blk * QFmt<F>::BB, (int)(c % CPB), w, e);
-            if (glu) dequant8<F>(wup + blk * QFmt<F>::BB, (int)(c % CPB), w2, e);
-            const i64 base = blk * QFmt<F>::BE;
+        // QU chunks per lane per step: their weights are decoded (loads in
+        // flight together) before the first multiply.
+        constexpr int QU = 2;
+        for (i64 c0 = lane; c0 < chunks; c0 += 32 * QU) {
+            float w[QU][8], w2[QU][8];
+            int e[QU][8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[i]) : 1.0f;
+            for (int u = 0; u < QU; ++u) {
+                const i64 c = c0 + 32 * u < chunks ? c0 + 32 * u : c0;
+                const i64 blk = c / CPB;
+                dequant8<F>(wrow + blk * QFmt<F>::BB, (int)(c % CPB), w[u], e[u]);
+                if (glu) dequant8<F>(wup + blk * QFmt<F>::BB, (int)(c % CPB), w2[u], e[u]);
+            }
 #pragma unroll
-            for (int j = 0; j < RB; ++j) {
-                if (RB > 1 && r0 + j >= p.rows) break;
-                const T* x = a + (r0 + j) * p.lda + base;
+            for (int u = 0; u < QU; ++u) {
+                const i64 c = c0 + 32 * u;
+                if (c >= chunks) break;
+                const i64 base = (c / CPB) * QFmt<F>::BE;
+                float g[8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    const float xv = ld(x, e[i]) * g[i];
-                    acc[j] = fmaf(w[i], xv, acc[j]);
-                    if (glu) acc2[j] = fmaf(w2[i], xv, acc2[j]);
+                for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[u][i]) : 1.0f;
+#pragma unroll
+                for (int j = 0; j < RB; ++j) {
+                    if (RB > 1 && r0 + j >= p.rows) break;
+                    const T* x = a + (r0 + j) * p.lda + base;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float xv = ld(x, e[u][i]) * g[i];
+                        acc[j] = fmaf(w[u][i], xv, acc[j]);
+                        if (glu) acc2[j] = fmaf(w2[u][i], xv, acc2[j]);
+                    }
                 }
             }
         }
