@@ -39,25 +39,10 @@ fn attrs(op: &Op) -> String {
         Op::Narrow { axis, start, len } => format!("axis={axis} {start}..{}", start + len),
         Op::Transpose { perm } => format!("perm={perm:?}"),
         Op::TopK { k, indices } => format!("k={k} {}", if *indices { "indices" } else { "values" }),
-        Op::Attention(s) => format!(
-            "heads={} kv_heads={} head_dim={} scale={:.4}{}{}{}",
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            s.scale,
-            if s.causal { " causal" } else { "" },
-            if s.mask { " mask" } else { "" },
-            if s.valid_len { " valid_len" } else { "" }
-        ),
-        Op::AttentionAppend { spec: s, rope } => format!(
-            "heads={} kv_heads={} head_dim={} scale={:.4}{}{}{}{}",
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            s.scale,
-            if s.causal { " causal" } else { "" },
-            if s.mask { " mask" } else { "" },
-            if s.valid_len { " valid_len" } else { "" },
+        Op::Attention(s) => attention(s),
+        Op::AttentionAppend { spec, rope } => format!(
+            "{}{}",
+            attention(spec),
             rope.map_or(String::new(), |r| format!(" rope theta={} {:?}{}", r.theta, r.mode, if r.factors { " factors" } else { "" }))
         ),
         Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
@@ -99,4 +84,17 @@ impl fmt::Display for Graph {
         let outs: Vec<String> = self.outputs.iter().map(|o| o.to_string()).collect();
         writeln!(f, "outputs: {}", outs.join(", "))
     }
+}
+
+fn attention(s: &crate::AttentionSpec) -> String {
+    format!(
+        "heads={} kv_heads={} head_dim={} scale={:.4}{}{}{}",
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        s.scale,
+        if s.causal { " causal" } else { "" },
+        if s.mask { " mask" } else { "" },
+        if s.valid_len { " valid_len" } else { "" }
+    )
 }

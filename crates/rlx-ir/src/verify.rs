@@ -23,6 +23,16 @@ fn int(op: &str, d: DType, what: &str) -> Result<()> {
     Ok(())
 }
 
+fn heads(op: &str, spec: &crate::AttentionSpec) -> Result<()> {
+    if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
+        return Err(IrError::attr(
+            op,
+            format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),
+        ));
+    }
+    Ok(())
+}
+
 fn arity(op: &str, n: usize, want: std::ops::RangeInclusive<usize>) -> Result<()> {
     if !want.contains(&n) {
         return Err(IrError::Invalid(format!("{op}: expected {}..={} inputs, found {n}", want.start(), want.end())));
@@ -318,12 +328,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             // f16 KV cache read by f32 queries).
             float(name, ins[1].1)?;
             same_dtype(name, ins[1].1, ins[2].1, "v")?;
-            if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
-                return Err(IrError::attr(
-                    name,
-                    format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),
-                ));
-            }
+            heads(name, spec)?;
             let (q, k, v) = (ins[0].0, ins[1].0, ins[2].0);
             if q.rank() != 3 || k.rank() != 3 || v.rank() != 3 {
                 return Err(IrError::shape(name, format!("q, k, v must be [B, S, H*D], found {q}, {k}, {v}")));
@@ -359,12 +364,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             same_dtype(name, ins[0].1, ins[2].1, "v_new")?;
             float(name, ins[3].1)?;
             same_dtype(name, ins[3].1, ins[4].1, "the value cache")?;
-            if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
-                return Err(IrError::attr(
-                    name,
-                    format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),
-                ));
-            }
+            heads(name, spec)?;
             let (q, kn, vn, kc, vc) = (ins[0].0, ins[1].0, ins[2].0, ins[3].0, ins[4].0);
             let kvw = spec.kv_heads * spec.head_dim;
             if q.rank() != 3 || q.0[1] != 1 || q.0[2] != spec.heads * spec.head_dim {

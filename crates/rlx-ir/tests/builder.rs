@@ -179,3 +179,40 @@ fn embed_layer_norm_shapes() {
     let e = g.embed_layer_norm(table, ids, gm, bt, &[pos, pos, pos], 1e-12).unwrap_err().to_string();
     assert!(e.contains("inputs"), "{e}");
 }
+
+#[test]
+fn attention_append_shapes_and_errors() {
+    use rlx_ir::{RopeMode, RopeSpec};
+    let spec = AttentionSpec { heads: 4, kv_heads: 2, head_dim: 8, scale: 0.3, causal: true, mask: false, valid_len: true };
+    let rope = Some(RopeSpec { theta: 10000.0, mode: RopeMode::RotateHalf, factors: false });
+    let mut g = Graph::new();
+    let q = g.input("q", [2, 1, 32], DType::F32).unwrap();
+    let q2 = g.input("q2", [2, 2, 32], DType::F32).unwrap();
+    let k = g.input("k", [2, 1, 16], DType::F32).unwrap();
+    let kbad = g.input("kbad", [2, 1, 12], DType::F32).unwrap();
+    let v = g.input("v", [2, 1, 16], DType::F32).unwrap();
+    let pos = g.input("pos", [2], DType::I32).unwrap();
+    let fpos = g.input("fpos", [2], DType::F32).unwrap();
+    let rpos = g.input("rpos", [2, 1], DType::I32).unwrap();
+    let kc = g.state("kc", [2, 10, 16], DType::F16).unwrap();
+    let vc = g.state("vc", [2, 10, 16], DType::F16).unwrap();
+    let notstate = g.input("notstate", [2, 10, 16], DType::F16).unwrap();
+    let op = Op::AttentionAppend { spec, rope };
+    let out = g.push(op.clone(), vec![q, k, v, kc, vc, pos, pos, rpos], None).unwrap();
+    assert_eq!((g.shape(out).dims(), g.dtype(out)), (&[2, 1, 32][..], DType::F32));
+    let err = |ins: Vec<NodeId>| g.clone().push(op.clone(), ins, None).unwrap_err().to_string();
+    let e = err(vec![q2, k, v, kc, vc, pos, pos, rpos]);
+    assert!(e.contains("[B, 1, 32]") && e.contains("[2, 2, 32]"), "{e}");
+    let e = err(vec![q, kbad, v, kc, vc, pos, pos, rpos]);
+    assert!(e.contains("k_new [2, 1, 12]"), "{e}");
+    let e = err(vec![q, k, v, kc, vc, fpos, pos, rpos]);
+    assert!(e.contains("write position") && e.contains("f32"), "{e}");
+    let e = err(vec![q, k, v, kc, vc, pos, pos]);
+    assert!(e.contains("input"), "a missing RoPE position: {e}");
+    // Caches that are not states are refused by the verifier.
+    let mut h = g.clone();
+    let bad = h.push(op.clone(), vec![q, k, v, notstate, vc, pos, pos, rpos], None).unwrap();
+    h.output(bad).unwrap();
+    let e = h.verify().unwrap_err().to_string();
+    assert!(e.contains("caches into state tensors"), "{e}");
+}
