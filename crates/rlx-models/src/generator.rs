@@ -258,6 +258,27 @@ pub struct BatchEvent {
     pub finished: Option<StopReason>,
 }
 
+/// One prompt's result from [`Generator::generate_many`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchOutput {
+    /// The new tokens (an end-of-sequence token that ended it included).
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub stop: Option<StopReason>,
+}
+
+/// Adds a batch event to the output of the prompt that owns its slot.
+fn record(out: &mut [BatchOutput], owner: &mut [Option<usize>], ev: BatchEvent) {
+    let Some(i) = owner.get(ev.slot).copied().flatten() else { return };
+    let o = &mut out[i];
+    o.ids.push(ev.piece.token);
+    o.text.push_str(&ev.piece.text);
+    if ev.finished.is_some() {
+        o.stop = ev.finished;
+        owner[ev.slot] = None;
+    }
+}
+
 fn tok_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer { path: path.to_path_buf(), detail: e.to_string() }
 }
@@ -657,6 +678,51 @@ impl Generator {
             events.push(BatchEvent { slot, piece: Piece { text, token, logits }, finished });
         }
         Ok(events)
+    }
+
+    /// Generates a continuation of every prompt (token ids), with the
+    /// settings of the same index, `batch` sequences at a time: when one
+    /// ends, its slot takes the next prompt, so the batch stays full while
+    /// prompts remain. Returns each prompt's new tokens, text and stop
+    /// reason, in the prompts' order. Every prompt is checked before any
+    /// runs; on an error the sequences this call started are removed.
+    /// Needs the batch API's slots free.
+    pub fn generate_many(&mut self, prompts: &[Vec<u32>], params: &[SamplingParams]) -> Result<Vec<BatchOutput>> {
+        if prompts.len() != params.len() {
+            return Err(ModelError::Input(format!("{} prompts but {} sampling settings", prompts.len(), params.len())));
+        }
+        if self.active_sequences() > 0 {
+            return Err(ModelError::Input(format!("{} sequences of the batch API are still running", self.active_sequences())));
+        }
+        for (i, (p, s)) in prompts.iter().zip(params).enumerate() {
+            self.check_prompt(p, s).map_err(|e| ModelError::Input(format!("prompt {i}: {e}")))?;
+        }
+        let mut out: Vec<BatchOutput> = prompts.iter().map(|_| BatchOutput::default()).collect();
+        let mut owner: Vec<Option<usize>> = vec![None; self.opts.batch];
+        let mut next = 0;
+        let run = (|| -> Result<()> {
+            loop {
+                while next < prompts.len() && self.active_sequences() < self.opts.batch {
+                    let ev = self.add_sequence(&prompts[next], &params[next])?;
+                    owner[ev.slot] = Some(next);
+                    next += 1;
+                    record(&mut out, &mut owner, ev);
+                }
+                if self.active_sequences() == 0 {
+                    return Ok(());
+                }
+                for ev in self.step_batch()? {
+                    record(&mut out, &mut owner, ev);
+                }
+            }
+        })();
+        if let Err(e) = run {
+            for slot in 0..self.opts.batch {
+                self.remove_sequence(slot);
+            }
+            return Err(e);
+        }
+        Ok(out)
     }
 
     /// Ends the sequence in `slot` (e.g. its client went away).

@@ -119,6 +119,44 @@ fn pipelined_equals_unpipelined_and_cache_reuse() {
     assert_eq!(again, tb, "a cached prompt gives the same tokens");
 }
 
+/// `generate_many`: five prompts (the reference items and two of their
+/// prefixes) through two slots, each refilled as a sequence ends (they end
+/// at different lengths), give every prompt's greedy tokens and text as
+/// single runs do; a bad prompt fails the call before any runs.
+#[test]
+fn generate_many_matches_single_runs() {
+    let Some(path) = model("generate_many_matches_single_runs") else { return };
+    let r = reference();
+    let items = r["items"].as_array().expect("items");
+    let mut single = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, ..Default::default() }).expect("load");
+    let mut prompts: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
+    prompts.push(prompts[0][..prompts[0].len() / 2].to_vec());
+    prompts.push(prompts[1][..prompts[1].len() - 1].to_vec());
+    let params: Vec<SamplingParams> =
+        (0..prompts.len()).map(|i| SamplingParams { max_tokens: 4 + 3 * i, ignore_eos: true, ..SamplingParams::greedy() }).collect();
+    let want: Vec<(Vec<u32>, String)> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, s)| {
+            let mut g = single.generate_ids(p, s).expect("gen");
+            let text = g.collect_text().expect("text");
+            (g.ids().to_vec(), text)
+        })
+        .collect();
+    let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 2, ..Default::default() }).expect("load");
+    let got = g.generate_many(&prompts, &params).expect("generate_many");
+    assert_eq!(got.len(), prompts.len());
+    for (i, (o, (ids, text))) in got.iter().zip(&want).enumerate() {
+        assert_eq!((&o.ids, &o.text), (ids, text), "prompt {i}");
+        assert_eq!(o.stop, Some(rlx_models::StopReason::MaxTokens), "prompt {i}");
+    }
+    let mut bad = prompts.clone();
+    bad[3] = vec![u32::MAX];
+    let err = g.generate_many(&bad, &params).expect_err("a bad prompt").to_string();
+    assert!(err.contains("prompt 3") && err.contains("outside the vocabulary"), "{err}");
+    assert_eq!(g.active_sequences(), 0);
+}
+
 /// The batch API: three prompts decoded side by side, joining at different
 /// steps (one while the others are mid-generation), give the same greedy
 /// tokens as three single runs.
