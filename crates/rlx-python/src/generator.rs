@@ -51,6 +51,33 @@ fn stop_strings(stop: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
 
 /// `messages` as OpenAI's API gives them: a list of dicts with "role" and
 /// "content" strings.
+/// Sampling settings from the keyword arguments every generation method takes.
+#[allow(clippy::too_many_arguments)]
+fn sampling(
+    max_tokens: usize,
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    min_p: f32,
+    repeat_penalty: f32,
+    seed: u64,
+    stop: Option<&Bound<'_, PyAny>>,
+    ignore_eos: bool,
+) -> PyResult<SamplingParams> {
+    Ok(SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty,
+        seed,
+        max_tokens,
+        stop: stop_strings(stop)?,
+        ignore_eos,
+        ..SamplingParams::default()
+    })
+}
+
 fn messages(list: &Bound<'_, PyAny>) -> PyResult<Vec<Message>> {
     let items: Vec<Bound<'_, PyAny>> = list.extract().map_err(|_| PyValueError::new_err("messages: expected a list of dicts"))?;
     if items.is_empty() {
@@ -76,13 +103,17 @@ impl PyGenerator {
     /// default one `rlx generate` finds (models/SmolLM2-135M-Instruct.Q4_1.gguf
     /// in a checkout around the current directory or the package, else in
     /// the data directory). `ctx_size` is the cache in tokens, prompt and
-    /// reply together.
+    /// reply together, per sequence; `batch` is how many sequences
+    /// `generate_batch` and `chat_batch` decode side by side.
     #[new]
-    #[pyo3(signature = (model=None, device="cpu", ctx_size=4096))]
-    fn new(py: Python<'_>, model: Option<PathBuf>, device: &str, ctx_size: usize) -> PyResult<Self> {
+    #[pyo3(signature = (model=None, device="cpu", ctx_size=4096, batch=1))]
+    fn new(py: Python<'_>, model: Option<PathBuf>, device: &str, ctx_size: usize, batch: usize) -> PyResult<Self> {
         let device = parse_device(device)?;
         if ctx_size == 0 {
             return Err(PyValueError::new_err("ctx_size must be at least 1, found 0"));
+        }
+        if batch == 0 {
+            return Err(PyValueError::new_err("batch must be at least 1, found 0"));
         }
         let model = match model {
             Some(m) => {
@@ -92,7 +123,7 @@ impl PyGenerator {
             None => default_generation_model(&lookup_env(py)).map_err(PyFileNotFoundError::new_err)?,
         };
         let path = model.clone();
-        let opts = GeneratorOptions { ctx_size, ..GeneratorOptions::default() };
+        let opts = GeneratorOptions { ctx_size, batch, ..GeneratorOptions::default() };
         let g = run_detached(py, move || Generator::load_with(&path, device, opts).map_err(model_error))?;
         Ok(PyGenerator { inner: Arc::new(Mutex::new(g)), streaming: Arc::new(AtomicBool::new(false)), model })
     }
@@ -120,18 +151,7 @@ impl PyGenerator {
         ignore_eos: bool,
         stream: bool,
     ) -> PyResult<Py<PyAny>> {
-        let params = SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repeat_penalty,
-            seed,
-            max_tokens,
-            stop: stop_strings(stop)?,
-            ignore_eos,
-            ..SamplingParams::default()
-        };
+        let params = sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos)?;
         self.start(py, Prompt::Text(prompt), params, stream)
     }
 
@@ -158,19 +178,65 @@ impl PyGenerator {
         stream: bool,
     ) -> PyResult<Py<PyAny>> {
         let messages = self::messages(messages)?;
-        let params = SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repeat_penalty,
-            seed,
-            max_tokens,
-            stop: stop_strings(stop)?,
-            ignore_eos,
-            ..SamplingParams::default()
-        };
+        let params = sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos)?;
         self.start(py, Prompt::Chat(messages), params, stream)
+    }
+
+    /// Continues every prompt of `prompts` (raw text, as `generate`) with the
+    /// same settings, `batch` sequences side by side (the constructor's
+    /// `batch`): a finished sequence's slot takes the next prompt. Returns
+    /// the new texts in the prompts' order; greedy texts equal `generate`'s.
+    #[pyo3(signature = (prompts, max_tokens=256, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                        repeat_penalty=1.0, seed=0, stop=None, ignore_eos=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate_batch(
+        &self,
+        py: Python<'_>,
+        prompts: Vec<String>,
+        max_tokens: usize,
+        temperature: f32,
+        top_k: i32,
+        top_p: f32,
+        min_p: f32,
+        repeat_penalty: f32,
+        seed: u64,
+        stop: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+    ) -> PyResult<Vec<String>> {
+        let params = sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos)?;
+        self.run_batch(py, prompts.into_iter().map(Prompt::Text).collect(), params)
+    }
+
+    /// A reply to every conversation of `conversations` (each a list of
+    /// {"role", "content"} dicts, as `chat`), `batch` side by side. A
+    /// conversation that does not fit the context is an error (no turns are
+    /// dropped).
+    #[pyo3(signature = (conversations, max_tokens=256, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                        repeat_penalty=1.0, seed=0, stop=None, ignore_eos=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn chat_batch(
+        &self,
+        py: Python<'_>,
+        conversations: Vec<Bound<'_, PyAny>>,
+        max_tokens: usize,
+        temperature: f32,
+        top_k: i32,
+        top_p: f32,
+        min_p: f32,
+        repeat_penalty: f32,
+        seed: u64,
+        stop: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+    ) -> PyResult<Vec<String>> {
+        let params = sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, ignore_eos)?;
+        let prompts = conversations
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                self::messages(c).map(Prompt::Chat).map_err(|e| PyValueError::new_err(format!("conversations[{i}]: {}", e.value(py))))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        self.run_batch(py, prompts, params)
     }
 
     /// The prompt's token ids as the model's tokenizer gives them.
@@ -200,6 +266,25 @@ impl PyGenerator {
 }
 
 impl PyGenerator {
+    fn run_batch(&self, py: Python<'_>, prompts: Vec<Prompt>, params: SamplingParams) -> PyResult<Vec<String>> {
+        self.check_idle()?;
+        let inner = self.inner.clone();
+        run_detached(py, move || {
+            let mut g = lock(&inner)?;
+            let ids = prompts
+                .iter()
+                .map(|p| match p {
+                    Prompt::Text(t) => g.encode(t),
+                    Prompt::Chat(m) => g.encode_chat(m),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(model_error)?;
+            let all = vec![params; ids.len()];
+            let out = g.generate_many(&ids, &all).map_err(model_error)?;
+            Ok(out.into_iter().map(|o| o.text).collect())
+        })
+    }
+
     /// A streamed generation holds the model until it ends; a call meanwhile
     /// would wait for a reader that may be this very thread.
     fn check_idle(&self) -> PyResult<()> {

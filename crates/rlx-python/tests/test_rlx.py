@@ -204,6 +204,26 @@ def test_a_stream_holds_the_model_until_closed(generator, reference):
     assert generator.generate(g["prompt"], max_tokens=g["max_tokens"], temperature=0) == g["text"]
 
 
+def test_batched_generation_equals_single_runs(reference):
+    g = reference["generate"]
+    c = reference["chat"]
+    batched = rlx.Generator(env("RLX_TEST_GGUF"), ctx_size=256, batch=2)
+    prompts = [g["prompt"], "Once upon a time", g["prompt"][: len(g["prompt"]) // 2]]
+    want = [batched.generate(p, max_tokens=g["max_tokens"], temperature=0) for p in prompts]
+    assert want[0] == g["text"]
+    assert batched.generate_batch(prompts, max_tokens=g["max_tokens"], temperature=0) == want
+    conversations = [[{"role": "user", "content": c["user"]}], [{"role": "user", "content": "Name a colour."}]]
+    replies = batched.chat_batch(conversations, max_tokens=c["max_tokens"], temperature=0)
+    assert replies[0] == c["text"] and replies[1] == batched.chat(conversations[1], max_tokens=c["max_tokens"], temperature=0)
+    assert batched.generate_batch([]) == []
+    with pytest.raises(ValueError, match="prompt 0: sampling: max_tokens must be at least 1"):
+        batched.generate_batch(["a", "b"], max_tokens=0)
+    with pytest.raises(ValueError, match=r"conversations\[1\]: messages\[0\]: no 'content'"):
+        batched.chat_batch([conversations[0], [{"role": "user"}]])
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        rlx.Generator(env("RLX_TEST_GGUF"), batch=0)
+
+
 def test_stop_strings_end_the_text(generator, reference):
     g = reference["generate"]
     full = g["text"]

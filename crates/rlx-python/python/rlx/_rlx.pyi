@@ -60,6 +60,7 @@ class Generator:
         model: Optional[Union[str, PathLike[str]]] = None,
         device: str = "cpu",
         ctx_size: int = 4096,
+        batch: int = 1,
     ) -> None: ...
     @overload
     def generate(
@@ -123,6 +124,32 @@ class Generator:
         *,
         stream: Literal[True],
     ) -> TextStream: ...
+    def generate_batch(
+        self,
+        prompts: Sequence[str],
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int = 0,
+        stop: Optional[Union[str, Sequence[str]]] = None,
+        ignore_eos: bool = False,
+    ) -> List[str]: ...
+    def chat_batch(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, str]]],
+        max_tokens: int = 256,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int = 0,
+        stop: Optional[Union[str, Sequence[str]]] = None,
+        ignore_eos: bool = False,
+    ) -> List[str]: ...
     def tokenize(self, text: str) -> List[int]: ...
     @property
     def ctx_size(self) -> int: ...
