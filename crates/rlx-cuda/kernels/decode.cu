@@ -218,37 +218,24 @@ __device__ void qmatmul_body(const QMatMulP& p) {
         float acc[RB], acc2[RB];
 #pragma unroll
         for (int j = 0; j < RB; ++j) acc[j] = acc2[j] = 0.0f;
-        // QU chunks per lane per step: their weights are decoded (loads in
-        // flight together) before the first multiply.
-        constexpr int QU = 2;
-        for (i64 c0 = lane; c0 < chunks; c0 += 32 * QU) {
-            float w[QU][8], w2[QU][8];
-            int e[QU][8];
+        for (i64 c = lane; c < chunks; c += 32) {
+            const i64 blk = c / CPB;
+            float w[8], w2[8], g[8];
+            int e[8];
+            dequant8<F>(wrow + blk * QFmt<F>::BB, (int)(c % CPB), w, e);
+            if (glu) dequant8<F>(wup + blk * QFmt<F>::BB, (int)(c % CPB), w2, e);
+            const i64 base = blk * QFmt<F>::BE;
 #pragma unroll
-            for (int u = 0; u < QU; ++u) {
-                const i64 c = c0 + 32 * u < chunks ? c0 + 32 * u : c0;
-                const i64 blk = c / CPB;
-                dequant8<F>(wrow + blk * QFmt<F>::BB, (int)(c % CPB), w[u], e[u]);
-                if (glu) dequant8<F>(wup + blk * QFmt<F>::BB, (int)(c % CPB), w2[u], e[u]);
-            }
+            for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[i]) : 1.0f;
 #pragma unroll
-            for (int u = 0; u < QU; ++u) {
-                const i64 c = c0 + 32 * u;
-                if (c >= chunks) break;
-                const i64 base = (c / CPB) * QFmt<F>::BE;
-                float g[8];
+            for (int j = 0; j < RB; ++j) {
+                if (RB > 1 && r0 + j >= p.rows) break;
+                const T* x = a + (r0 + j) * p.lda + base;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[u][i]) : 1.0f;
-#pragma unroll
-                for (int j = 0; j < RB; ++j) {
-                    if (RB > 1 && r0 + j >= p.rows) break;
-                    const T* x = a + (r0 + j) * p.lda + base;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float xv = ld(x, e[u][i]) * g[i];
-                        acc[j] = fmaf(w[u][i], xv, acc[j]);
-                        if (glu) acc2[j] = fmaf(w2[u][i], xv, acc2[j]);
-                    }
+                for (int i = 0; i < 8; ++i) {
+                    const float xv = ld(x, e[i]) * g[i];
+                    acc[j] = fmaf(w[i], xv, acc[j]);
+                    if (glu) acc2[j] = fmaf(w2[i], xv, acc2[j]);
                 }
             }
         }
@@ -270,38 +257,11 @@ __device__ void qmatmul_body(const QMatMulP& p) {
     }
 }
 
-// Each warp asks L2 for its column's weight rows (and the up rows with
-// glu). Weights are never written by a kernel, so this runs before the
-// wait on the previous kernel: under programmatic dependent launch the
-// weights stream in while that kernel finishes.
-__device__ __forceinline__ void qmatmul_prefetch(const QMatMulP& p) {
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const i64 col = (i64)blockIdx.x * nw + (threadIdx.x >> 5);
-    if (col >= p.n) return;
-    for (int part = 0; part < (p.glu ? 2 : 1); ++part) {
-        const unsigned long long row = (unsigned long long)p.w + (unsigned long long)((col + part * p.n) * p.row_bytes);
-        const unsigned long long end = row + (unsigned long long)p.row_bytes;
-        for (unsigned long long a = (row & ~127ull) + 128ull * lane; a < end; a += 128ull * 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    }
-}
-
 // qmatmul_<format>_r<RB>_<dtype>
 #define RLX_QMM(FN, F, RB)                                                                                                   \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_f32(const QMatMulP p) {                                              \
-        qmatmul_prefetch(p);                                                                                                 \
-        pdl_enter();                                                                                                         \
-        qmatmul_body<float, F, RB>(p);                                                                                       \
-    }                                                                                                                        \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) {                                              \
-        qmatmul_prefetch(p);                                                                                                 \
-        pdl_enter();                                                                                                         \
-        qmatmul_body<__half, F, RB>(p);                                                                                      \
-    }                                                                                                                        \
-    extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) {                                             \
-        qmatmul_prefetch(p);                                                                                                 \
-        pdl_enter();                                                                                                         \
-        qmatmul_body<__nv_bfloat16, F, RB>(p);                                                                               \
-    }
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_f32(const QMatMulP p) { pdl_enter(); qmatmul_body<float, F, RB>(p); } \
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) { pdl_enter(); qmatmul_body<__half, F, RB>(p); } \
+    extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) { pdl_enter(); qmatmul_body<__nv_bfloat16, F, RB>(p); }
 #define RLX_QMM_FMT(FN, F) RLX_QMM(FN, F, 1) RLX_QMM(FN, F, 4)
 RLX_QMM_FMT(q4_0, QF_Q4_0)
 RLX_QMM_FMT(q4_1, QF_Q4_1)
