@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use rand::Rng;
-use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, Op, RopeMode, Session, Tensor};
+use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, Op, RopeMode, RopeSpec, Session, Tensor};
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -51,7 +51,9 @@ impl Case {
 /// One decode step: x `[B, 1, q|k|v]` split into three strided views, RoPE
 /// of q and k at `pos`, the cache writes at `pos`, attention over `pos + 1`
 /// keys (read from a per-row or shared position).
-fn step_graph(c: &Case) -> Graph {
+/// With `by_hand` the graph holds the fused op itself (the pass fuses f32
+/// caches only; this reaches the fused kernels over 16-bit caches).
+fn step_graph(c: &Case, by_hand: bool) -> Graph {
     let (qw, kw) = c.widths();
     let b = c.batch;
     let mut g = Graph::new();
@@ -61,23 +63,25 @@ fn step_graph(c: &Case) -> Graph {
     let q = g.narrow(x, 2, 0, qw).unwrap();
     let mut k = g.narrow(x, 2, qw, kw).unwrap();
     let v = g.narrow(x, 2, qw + kw, kw).unwrap();
+    let (q_raw, k_raw) = (q, k);
+    let mut rope_ins = vec![];
     let mut q = q;
     if let Some(mode) = c.rope {
         let rp = if c.per_batch { g.reshape(pos, [b, 1]).unwrap() } else { pos };
         if c.factors {
             let f: Vec<f32> = (0..c.head_dim / 2).map(|i| 1.0 + (i % 5) as f32 * 0.75).collect();
             let f = g.constant_f32([c.head_dim / 2], &f).unwrap();
+            rope_ins = vec![rp, f];
             q = g.rope_scaled(q, rp, f, c.head_dim, 10000.0, mode).unwrap();
             k = g.rope_scaled(k, rp, f, c.head_dim, 10000.0, mode).unwrap();
         } else {
+            rope_ins = vec![rp];
             q = g.rope(q, rp, c.head_dim, 10000.0, mode).unwrap();
             k = g.rope(k, rp, c.head_dim, 10000.0, mode).unwrap();
         }
     }
     let kc = g.state("k_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
     let vc = g.state("v_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
-    let kc = g.write_state(kc, k, pos).unwrap();
-    let vc = g.write_state(vc, v, pos).unwrap();
     let one = g.constant_i32([np], &vec![1; np]).unwrap();
     let valid = g.add(pos, one).unwrap();
     let spec = AttentionSpec {
@@ -89,7 +93,16 @@ fn step_graph(c: &Case) -> Graph {
         mask: false,
         valid_len: true,
     };
-    let o = g.attention(spec, q, kc, vc, None, Some(valid)).unwrap();
+    let o = if by_hand {
+        let rope = c.rope.map(|mode| RopeSpec { theta: 10000.0, mode, factors: c.factors });
+        let mut ins = vec![q_raw, k_raw, v, kc, vc, pos, valid];
+        ins.extend(rope_ins);
+        g.push(Op::AttentionAppend { spec, rope }, ins, None).unwrap()
+    } else {
+        let kc = g.write_state(kc, k, pos).unwrap();
+        let vc = g.write_state(vc, v, pos).unwrap();
+        g.attention(spec, q, kc, vc, None, Some(valid)).unwrap()
+    };
     g.output(o).unwrap();
     g
 }
@@ -99,7 +112,7 @@ const UNFUSED: CompileOptions = CompileOptions { precision: None, merge_matmuls:
 /// Runs `steps` decode steps (positions 0, 1, .. per row, each row at its
 /// own offset when per-row) and returns every step's output, then both
 /// caches as f32.
-fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize) -> (Vec<Vec<f32>>, Graph) {
+fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize, by_hand: bool) -> (Vec<Vec<f32>>, Graph) {
     let (qw, kw) = c.widths();
     let mut r = rng(seed);
     let s = {
@@ -107,7 +120,7 @@ fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize) 
         s.set_compile_options(opts);
         s
     };
-    let mut exe = s.compile(&step_graph(c)).unwrap();
+    let mut exe = s.compile(&step_graph(c, by_hand)).unwrap();
     let mut outs = vec![];
     for t in 0..steps {
         let x = Tensor::from_f32([c.batch, 1, qw + 2 * kw], &randn(&mut r, c.batch * (qw + 2 * kw))).unwrap();
@@ -132,8 +145,8 @@ fn fused_append_equals_the_separate_steps_bit_for_bit_on_the_cpu() {
     for case in 0..24 {
         let c = Case::random(&mut r);
         let n = steps(&c);
-        let (want, before) = run(&c, Device::Cpu, UNFUSED, case, n);
-        let (got, after) = run(&c, Device::Cpu, CompileOptions::default(), case, n);
+        let (want, before) = run(&c, Device::Cpu, UNFUSED, case, n, false);
+        let (got, after) = run(&c, Device::Cpu, CompileOptions::default(), case, n, false);
         let fused = after.nodes.iter().filter(|x| matches!(x.op, Op::AttentionAppend { .. })).count();
         assert_eq!(fused, 1, "case {case} {c:?}: {after}");
         for op in ["rope", "write_state", "attention"] {
@@ -208,13 +221,48 @@ fn cuda_fused_append_agrees_with_the_cpu() {
     for case in 0..24 {
         let c = Case::random(&mut r);
         let n = steps(&c);
-        let (want, _) = run(&c, Device::Cpu, UNFUSED, case, n);
-        let (got, after) = run(&c, Device::Cuda(0), CompileOptions::default(), case, n);
+        let (want, _) = run(&c, Device::Cpu, UNFUSED, case, n, false);
+        let (got, after) = run(&c, Device::Cuda(0), CompileOptions::default(), case, n, false);
         assert!(after.nodes.iter().any(|x| matches!(x.op, Op::AttentionAppend { .. })), "case {case}: {after}");
         let tol = 2e-5;
         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
             let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
             assert_close(&format!("case {case} {c:?} output {i}"), b, &want64, tol);
+        }
+    }
+}
+
+/// The fused op over f16 and bf16 caches, written into the graph by hand:
+/// on the CPU its bits are the separate steps'; on CUDA (when present) its
+/// kernels agree with them.
+#[test]
+fn fused_op_over_16_bit_caches_equals_the_separate_steps() {
+    let cuda = match Session::new(Device::Cuda(0)) {
+        Ok(_) => true,
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED the CUDA half: no CUDA device ({e})");
+            false
+        }
+    };
+    let mut r = rng(53);
+    for case in 0..12 {
+        let c = Case { kv_dtype: [DType::F16, DType::BF16][case as usize % 2], ..Case::random(&mut r) };
+        let n = steps(&c);
+        let (want, _) = run(&c, Device::Cpu, UNFUSED, case, n, false);
+        let (got, after) = run(&c, Device::Cpu, UNFUSED, case, n, true);
+        assert!(after.nodes.iter().any(|x| matches!(x.op, Op::AttentionAppend { .. })), "case {case}: {after}");
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "case {case} {c:?}: output {i} (steps, then the caches) differs on the CPU");
+        }
+        if cuda {
+            let (gpu, _) = run(&c, Device::Cuda(0), UNFUSED, case, n, true);
+            // The GPU's rotation may round a key to the cache's dtype the other way.
+            for (i, (a, b)) in want.iter().zip(&gpu).enumerate() {
+                let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+                assert_close(&format!("case {case} {c:?} output {i} on CUDA"), b, &want64, 2e-2);
+            }
         }
     }
 }
