@@ -50,10 +50,12 @@ pub fn run(a: &WriteStateArgs<'_>, mem: &Mem) -> Result<()> {
     if a.value_dtype != a.dtype {
         return write_converted(a, mem, &pos_of);
     }
+    // Rows next to each other in the value move as one block.
+    let (rows_per_copy, copies) = if a.value_row_stride == a.width { (a.new_rows, 1) } else { (1, a.new_rows) };
     for b in 0..a.batch {
-        for s in 0..a.new_rows {
+        for s in 0..copies {
             let src = (b * a.value_batch_stride + s * a.value_row_stride) * es;
-            state.copy_from((b * a.max_rows + pos_of(b) as usize + s) * row, &value, src, row);
+            state.copy_from((b * a.max_rows + pos_of(b) as usize + s) * row, &value, src, rows_per_copy * row);
         }
     }
     Ok(())
