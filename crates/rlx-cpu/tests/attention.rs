@@ -205,6 +205,28 @@ fn attention_separate_views_gqa_causal_valid_len() {
     }
 }
 
+/// Decode-shaped attention (1–4 query rows per head) over short and long
+/// caches: the path that reads K and V in place, on one thread below its
+/// work threshold and split over tasks above it, with GQA, masks holding
+/// NaN in masked rows, causal rows and valid lengths.
+#[test]
+fn attention_few_query_rows_random() {
+    for seed in 500..524 {
+        let mut r = rng(seed);
+        let mut c = random_case(&mut r, FLOATS[seed as usize % 3], false);
+        c.hd = [8, 16, 64, 72][r.random_range(0..4)];
+        c.kv_len = if seed % 2 == 0 { r.random_range(1..40) } else { r.random_range(200..700) };
+        c.q_len = r.random_range(1..=4.min(c.kv_len));
+        c.valid = r.random_bool(0.6).then(|| r.random_range(c.q_len..=c.kv_len));
+        if let Some((dt, _)) = c.mask {
+            c.mask = Some((dt, (0..c.batch * c.kv_len).map(|_| r.random_bool(0.8)).collect()));
+            c.poison = true;
+        }
+        c.scale = 1.0 / (c.hd as f32).sqrt();
+        run(seed, &c, false);
+    }
+}
+
 /// A sequence longer than one query block, so several tasks share a head.
 #[test]
 fn attention_long_sequence() {

@@ -24,7 +24,7 @@ fn int(op: &str, d: DType, what: &str) -> Result<()> {
 }
 
 fn heads(op: &str, spec: &crate::AttentionSpec) -> Result<()> {
-    if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || spec.heads % spec.kv_heads != 0 {
+    if spec.heads == 0 || spec.kv_heads == 0 || spec.head_dim == 0 || !spec.heads.is_multiple_of(spec.kv_heads) {
         return Err(IrError::attr(
             op,
             format!("heads {} must be a positive multiple of kv_heads {} (head_dim {})", spec.heads, spec.kv_heads, spec.head_dim),

@@ -7,6 +7,11 @@
 //! [B, H, Sq, Skv] matrix is never built. This replaced two small gemm
 //! calls per task: 3% faster on MiniLM at 1×128 and 8×128 (bench/LOG.md).
 //!
+//! A few query rows per head (a decode step) take another path: one task
+//! per (batch row, head) reads that head's K and V rows where they lie, a
+//! tile of keys at a time, rather than copying and transposing the whole
+//! cache for one query.
+//!
 //! Masking: keys at or past `valid_len` (default kv_len), keys whose
 //! key-padding mask is zero, and with `causal` keys after the query's
 //! position (`valid_len - q_len + i` for query i) get weight exactly 0. A
@@ -133,6 +138,9 @@ fn tasks<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8
             }
         })
         .collect();
+    if t.q_len <= DECODE_ROWS {
+        return decode(t, valid, &kept, q, k, v, out);
+    }
     (0..t.batch * t.heads * blocks).into_par_iter().for_each_init(
         || TaskBuf {
             k: vec![0.0; vp * hd],
@@ -194,6 +202,168 @@ fn tasks<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, mask: Option<Src<u8
     );
 }
 
+/// Queries per head up to which attention reads K and V where they lie
+/// (a decode step, a few speculative rows): copying and transposing a
+/// head's whole cache for one query cost ~8× the arithmetic.
+const DECODE_ROWS: usize = 4;
+
+/// Keys per tile of the decode path: one tile of K or V rows in f32 stays
+/// in L1 while every query row of the head uses it.
+const KEY_TILE: usize = 32;
+
+/// Below this many multiply-adds per call the decode path runs on the
+/// calling thread: handing out tasks costs more than they would save.
+const DECODE_SERIAL_MACS: usize = 1 << 15;
+
+/// One decode task's f32 working set.
+struct RowBuf {
+    /// Q rows pre-multiplied by the scale: [q_len][hd].
+    q: Vec<f32>,
+    /// Scores, then unnormalised probabilities: [q_len][vp].
+    s: Vec<f32>,
+    /// Up to KEY_TILE K or V rows in f32: [KEY_TILE][hd].
+    tile: Vec<f32>,
+    /// Σ p·v per query row: [q_len][hd].
+    acc: Vec<f32>,
+    limit: Vec<usize>,
+    inv: Vec<f32>,
+}
+
+/// Attention for a few query rows per head: one task per (batch row,
+/// head) walks the head's keys in tiles, scores every query row against
+/// each tile, softmaxes, then walks the values the same way. Masked keys'
+/// rows are zeros in the tile, so a non-finite value there never meets a
+/// weight.
+#[allow(clippy::too_many_arguments)]
+fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: Src<T>, k: Src<K>, v: Src<K>, out: Dst<T>) {
+    let (hd, group, qn) = (t.head_dim, t.heads / t.kv_heads.max(1), t.q_len);
+    let vp = valid.div_ceil(16) * 16;
+    let out_w = t.heads * hd;
+    let new_buf = || RowBuf {
+        q: vec![0.0; qn * hd],
+        s: vec![0.0; qn * vp],
+        tile: vec![0.0; KEY_TILE * hd],
+        acc: vec![0.0; qn * hd],
+        limit: vec![0; qn],
+        inv: vec![0.0; qn],
+    };
+    let task = |buf: &mut RowBuf, task: usize| {
+        let (b, h) = (task / t.heads, task % t.heads);
+        let g = h / group;
+        let keep = &kept[b * valid..(b + 1) * valid];
+        for i in 0..qn {
+            let qr = q.row(b * t.q.batch_stride as usize + i * t.q.row_stride as usize + h * hd, hd);
+            buf.q[i * hd..(i + 1) * hd].iter_mut().zip(qr).for_each(|(o, x)| *o = x.to_f32() * t.scale);
+            buf.limit[i] = if t.causal {
+                let p = valid as isize - qn as isize + i as isize;
+                (p + 1).clamp(0, valid as isize) as usize
+            } else {
+                valid
+            };
+        }
+        let keys = buf.limit.iter().copied().max().unwrap_or(0);
+        // Rows j0..j0 + n of K or V (per `src`) into the tile, zeros for
+        // masked keys.
+        let fill = |tile: &mut [f32], src: &Src<K>, view: &rlx_schedule::SeqView, j0: usize, n: usize| {
+            for (jj, row) in tile.chunks_exact_mut(hd).take(n).enumerate() {
+                let j = j0 + jj;
+                if keep[j] == 0.0 {
+                    row.fill(0.0);
+                } else {
+                    let off = b * view.batch_stride as usize + j * view.row_stride as usize + g * hd;
+                    K::load(src.row(off, hd), row);
+                }
+            }
+        };
+        let mut j0 = 0;
+        while j0 < keys {
+            let n = KEY_TILE.min(keys - j0);
+            fill(&mut buf.tile, &k, &t.k, j0, n);
+            tile_scores(&buf.tile[..n * hd], hd, &buf.q, &mut buf.s, vp, j0);
+            j0 += n;
+        }
+        let all = keep[..keys].iter().all(|&x| x != 0.0);
+        let (s, inv, limit) = (&mut buf.s[..qn * vp], &mut buf.inv[..qn], &buf.limit[..qn]);
+        if !avx512::softmax_rows(s, vp, keep, limit, all, inv) {
+            for (i, &lim) in limit.iter().enumerate() {
+                let row = &mut s[i * vp..(i + 1) * vp];
+                inv[i] = if all { softmax_row::<true>(row, keep, lim) } else { softmax_row::<false>(row, keep, lim) };
+            }
+        }
+        buf.acc.fill(0.0);
+        let mut j0 = 0;
+        while j0 < keys {
+            let n = KEY_TILE.min(keys - j0);
+            fill(&mut buf.tile, &v, &t.v, j0, n);
+            tile_pv(&buf.tile[..n * hd], hd, &buf.s, vp, j0, &mut buf.acc);
+            j0 += n;
+        }
+        for i in 0..qn {
+            let row = &mut buf.acc[i * hd..(i + 1) * hd];
+            row.iter_mut().for_each(|x| *x *= buf.inv[i]);
+            out.store((b * qn + i) * out_w + h * hd, row);
+        }
+    };
+    let tasks = t.batch * t.heads;
+    if tasks * valid * hd * qn < DECODE_SERIAL_MACS {
+        let mut buf = new_buf();
+        (0..tasks).for_each(|i| task(&mut buf, i));
+    } else {
+        (0..tasks).into_par_iter().for_each_init(new_buf, task);
+    }
+}
+
+crate::simd::multiversion! {
+    /// s[i][j0 + jj] = q row i · tile row jj, for every query row of `q`
+    /// ([rows][hd]) and tile row ([n][hd]).
+    fn tile_scores(tile: &[f32], hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
+        for (i, qr) in q.chunks_exact(hd).enumerate() {
+            for (jj, kr) in tile.chunks_exact(hd).enumerate() {
+                s[i * vp + j0 + jj] = dot(qr, kr);
+            }
+        }
+    }
+}
+
+crate::simd::multiversion! {
+    /// acc[i] += Σ_jj p[i][j0 + jj] · tile row jj, for every query row.
+    fn tile_pv(tile: &[f32], hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
+        for (i, ar) in acc.chunks_exact_mut(hd).enumerate() {
+            for (jj, vr) in tile.chunks_exact(hd).enumerate() {
+                let w = p[i * vp + j0 + jj];
+                if w != 0.0 {
+                    for (a, &x) in ar.iter_mut().zip(vr) {
+                        *a = w.mul_add(x, *a);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Σ a·b in 16 independent lanes (so it vectorises), folded pairwise.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
+    let mut rest = 0f32;
+    for (&x, &y) in ac.remainder().iter().zip(bc.remainder()) {
+        rest = x.mul_add(y, rest);
+    }
+    for (x, y) in ac.zip(bc) {
+        for l in 0..L {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    for w in [8, 4, 2, 1] {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0] + rest
+}
+
 /// Sizes of one task: head dim (and padded), padded keys, queries.
 struct Dims {
     hd: usize,
@@ -219,8 +389,16 @@ crate::simd::multiversion! {
                 match (nr, vp - j >= 64) {
                     (R, true) => score_tile::<R, 64>(kt, vp, hd, q, i, j, s),
                     (R, false) => score_tile::<R, 16>(kt, vp, hd, q, i, j, s),
-                    (_, true) => (0..nr).for_each(|r| score_tile::<1, 64>(kt, vp, hd, q, i + r, j, s)),
-                    (_, false) => (0..nr).for_each(|r| score_tile::<1, 16>(kt, vp, hd, q, i + r, j, s)),
+                    (_, true) => {
+                        for r in 0..nr {
+                            score_tile::<1, 64>(kt, vp, hd, q, i + r, j, s)
+                        }
+                    }
+                    (_, false) => {
+                        for r in 0..nr {
+                            score_tile::<1, 16>(kt, vp, hd, q, i + r, j, s)
+                        }
+                    }
                 }
                 j += if vp - j >= 64 { 64 } else { 16 };
             }
@@ -247,8 +425,16 @@ crate::simd::multiversion! {
                     (R, 64..) => pv_tile::<R, 64>(s, vp, v, d.hdp, keys, i, c, inv, out),
                     (R, 32..) => pv_tile::<R, 32>(s, vp, v, d.hdp, keys, i, c, inv, out),
                     (R, _) => pv_tile::<R, 16>(s, vp, v, d.hdp, keys, i, c, inv, out),
-                    (_, 32..) => (0..nr).for_each(|r| pv_tile::<1, 32>(s, vp, v, d.hdp, keys, i + r, c, inv, out)),
-                    (_, _) => (0..nr).for_each(|r| pv_tile::<1, 16>(s, vp, v, d.hdp, keys, i + r, c, inv, out)),
+                    (_, 32..) => {
+                        for r in 0..nr {
+                            pv_tile::<1, 32>(s, vp, v, d.hdp, keys, i + r, c, inv, out)
+                        }
+                    }
+                    (_, _) => {
+                        for r in 0..nr {
+                            pv_tile::<1, 16>(s, vp, v, d.hdp, keys, i + r, c, inv, out)
+                        }
+                    }
                 }
                 c += if w >= 64 && nr == R { 64 } else if w >= 32 { 32 } else { 16 };
             }
