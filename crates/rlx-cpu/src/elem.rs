@@ -10,6 +10,10 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn from_f32(v: f32) -> Self;
     fn load(src: &[Self], dst: &mut [f32]);
     fn store(src: &[f32], dst: &mut [Self]);
+    /// The slice itself when it already holds f32.
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Elem for f32 {
@@ -28,6 +32,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn store(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 

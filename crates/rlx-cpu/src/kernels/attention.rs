@@ -262,24 +262,34 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
             };
         }
         let keys = buf.limit.iter().copied().max().unwrap_or(0);
-        // Rows j0..j0 + n of K or V (per `src`) into the tile, zeros for
-        // masked keys.
-        let fill = |tile: &mut [f32], src: &Src<K>, view: &rlx_schedule::SeqView, j0: usize, n: usize| {
+        // Rows j0..j0 + n of K or V (per `src`) as (rows, row stride): read
+        // in place when they are f32 and none is masked, else converted
+        // into the tile, zeros for masked keys.
+        let rows = |tile: &'_ mut [f32], src: &'_ Src<K>, view: &rlx_schedule::SeqView, j0: usize, n: usize| -> (usize, bool) {
+            let (rs, first) = (view.row_stride as usize, b * view.batch_stride as usize + j0 * view.row_stride as usize + g * hd);
+            if K::as_f32(src.row(first, 0)).is_some() && keep[j0..j0 + n].iter().all(|&x| x != 0.0) {
+                return (rs, true);
+            }
             for (jj, row) in tile.chunks_exact_mut(hd).take(n).enumerate() {
-                let j = j0 + jj;
-                if keep[j] == 0.0 {
+                if keep[j0 + jj] == 0.0 {
                     row.fill(0.0);
                 } else {
-                    let off = b * view.batch_stride as usize + j * view.row_stride as usize + g * hd;
-                    K::load(src.row(off, hd), row);
+                    K::load(src.row(first + jj * rs, hd), row);
                 }
             }
+            (hd, false)
+        };
+        let span = |view: &rlx_schedule::SeqView, j0: usize, n: usize| {
+            let rs = view.row_stride as usize;
+            (b * view.batch_stride as usize + j0 * rs + g * hd, (n - 1) * rs + hd)
         };
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            fill(&mut buf.tile, &k, &t.k, j0, n);
-            tile_scores(&buf.tile[..n * hd], hd, &buf.q, &mut buf.s, vp, j0);
+            let (stride, direct) = rows(&mut buf.tile, &k, &t.k, j0, n);
+            let (first, len) = span(&t.k, j0, n);
+            let tile = if direct { K::as_f32(k.row(first, len)).unwrap_or(&[]) } else { &buf.tile[..n * hd] };
+            tile_scores(tile, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
             j0 += n;
         }
         let all = keep[..keys].iter().all(|&x| x != 0.0);
@@ -294,8 +304,10 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            fill(&mut buf.tile, &v, &t.v, j0, n);
-            tile_pv(&buf.tile[..n * hd], hd, &buf.s, vp, j0, &mut buf.acc);
+            let (stride, direct) = rows(&mut buf.tile, &v, &t.v, j0, n);
+            let (first, len) = span(&t.v, j0, n);
+            let tile = if direct { K::as_f32(v.row(first, len)).unwrap_or(&[]) } else { &buf.tile[..n * hd] };
+            tile_pv(tile, stride, n, hd, &buf.s, vp, j0, &mut buf.acc);
             j0 += n;
         }
         for i in 0..qn {
@@ -315,21 +327,25 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
 
 crate::simd::multiversion! {
     /// s[i][j0 + jj] = q row i · tile row jj, for every query row of `q`
-    /// ([rows][hd]) and tile row ([n][hd]).
-    fn tile_scores(tile: &[f32], hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
+    /// ([rows][hd]) and the n tile rows (`stride` apart).
+    #[allow(clippy::too_many_arguments)]
+    fn tile_scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
         for (i, qr) in q.chunks_exact(hd).enumerate() {
-            for (jj, kr) in tile.chunks_exact(hd).enumerate() {
-                s[i * vp + j0 + jj] = dot(qr, kr);
+            for jj in 0..n {
+                s[i * vp + j0 + jj] = dot(qr, &tile[jj * stride..jj * stride + hd]);
             }
         }
     }
 }
 
 crate::simd::multiversion! {
-    /// acc[i] += Σ_jj p[i][j0 + jj] · tile row jj, for every query row.
-    fn tile_pv(tile: &[f32], hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
+    /// acc[i] += Σ_jj p[i][j0 + jj] · tile row jj (rows `stride` apart),
+    /// for every query row.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_pv(tile: &[f32], stride: usize, n: usize, hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
         for (i, ar) in acc.chunks_exact_mut(hd).enumerate() {
-            for (jj, vr) in tile.chunks_exact(hd).enumerate() {
+            for jj in 0..n {
+                let vr = &tile[jj * stride..jj * stride + hd];
                 let w = p[i * vp + j0 + jj];
                 if w != 0.0 {
                     for (a, &x) in ar.iter_mut().zip(vr) {
