@@ -166,59 +166,76 @@ RLX_ATTN(96, 4)
 RLX_ATTN(128, 1)
 RLX_ATTN(128, 4)
 
-// One query row (decode: q_len 1) per (batch, head): the 8 warps of a block
-// split the visible keys (warp w takes keys w, w+8, ..), each with its own
-// online softmax, lanes over the head dims; the 8 partial (max, sum,
-// output) triples are merged through shared memory at the end. Masked keys
-// are skipped outright (weight 0, and their V rows never read). With one
-// query row the causal rule admits exactly the valid keys.
+// One query row (decode: q_len 1) per (batch, head): the DEC_WARPS warps of
+// a block split the visible keys in steps of KEYS (8, or 4 for head dims
+// over 64; warp w takes keys w*KEYS.. , then DEC_WARPS*KEYS further on),
+// lanes over the head
+// dims. A step issues every load of its keys' K and V rows before the
+// first use (raw values, converted after), scores the keys, then folds
+// them into the warp's online softmax at once; the partial (max, sum,
+// output) triples of the warps are merged through shared memory at the
+// end. A masked key, or one past the valid end, scores -inf (its rows are
+// read but weigh 0). With one query row the causal rule admits exactly the
+// valid keys.
 //
 // `dec_core` is that loop for scaled query values `qv` already in
-// registers; key `own` (or none: -1) is read from `own_k` / `own_v` in
-// shared memory instead of kb / vb (the row an append is writing).
-#define DEC_WARPS 8
+// registers (0 past hd); key `own` (or none: -1) is read from `own_k` /
+// `own_v` in shared memory instead of kb / vb (the row an append is
+// writing).
+#define DEC_WARPS 16
 template <typename T, typename TK, int HDP>
 __device__ void dec_core(const float (&qv)[HDP / 32], const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
                          i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
-    constexpr int NC = HDP / 32;
+    constexpr int NC = HDP / 32, KEYS = HDP <= 64 ? 8 : 4;
     __shared__ float sm_m[DEC_WARPS], sm_l[DEC_WARPS];
     __shared__ float sm_o[DEC_WARPS][HDP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int dc[NC];  // this lane's dims, clamped into the row (qv is 0 past hd)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) dc[c] = lane + 32 * c < hd ? lane + 32 * c : (int)hd - 1;
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    // Four keys per step: their loads are in flight together.
-    for (i64 k0 = (i64)warp * 4; k0 < kv_end; k0 += 4 * DEC_WARPS) {
-        float kr[4][NC], vr[4][NC];
-        bool ok[4];
+    for (i64 k0 = (i64)warp * KEYS; k0 < kv_end; k0 += KEYS * DEC_WARPS) {
+        TK kraw[KEYS][NC], vraw[KEYS][NC];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const i64 key = k0 + j;
-            ok[j] = key < kv_end;
-            if (ok[j] && mask) ok[j] = ld_any(mask, mask_row + key, mask_dt) != 0.0;
-            const bool mine = key == own;
+        for (int j = 0; j < KEYS; ++j) {
+            const i64 key = k0 + j < kv_end ? k0 + j : 0;  // in bounds; dropped below
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
-                const int d = lane + 32 * c;
-                const bool in = ok[j] && d < hd;
-                kr[j][c] = in ? (mine ? own_k[d] : ld(kb, key * krs + d)) : 0.0f;
-                vr[j][c] = in ? (mine ? own_v[d] : ld(vb, key * vrs + d)) : 0.0f;
+                kraw[j][c] = kb[key * krs + dc[c]];
+                vraw[j][c] = vb[key * vrs + dc[c]];
             }
         }
+        float sc[KEYS];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (!ok[j]) continue;  // uniform across the warp
+        for (int j = 0; j < KEYS; ++j) {
+            const i64 key = k0 + j;
             float s = 0.0f;
 #pragma unroll
-            for (int c = 0; c < NC; ++c) s = fmaf(qv[c], kr[j][c], s);
+            for (int c = 0; c < NC; ++c) s = fmaf(qv[c], key == own ? own_k[dc[c]] : to_f32(kraw[j][c]), s);
             s = warp_sum(s);
-            const float mn = fmaxf(m, s);
-            const float corr = expf(m - mn), pr = expf(s - mn);
-            l = l * corr + pr;
-            m = mn;
-#pragma unroll
-            for (int c = 0; c < NC; ++c) acc[c] = fmaf(pr, vr[j][c], acc[c] * corr);
+            bool ok = key < kv_end;
+            if (ok && mask) ok = ld_any(mask, mask_row + key, mask_dt) != 0.0;
+            sc[j] = ok ? s : -INFINITY;
         }
+        float mn = m;
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) mn = fmaxf(mn, sc[j]);
+        if (mn == -INFINITY) continue;  // no key of the step counts (uniform across the warp)
+        const float corr = expf(m - mn);
+        l *= corr;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] *= corr;
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) {
+            const float pr = expf(sc[j] - mn);
+            const i64 key = k0 + j;
+            l += pr;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[c] = fmaf(pr, key == own ? own_v[dc[c]] : to_f32(vraw[j][c]), acc[c]);
+        }
+        m = mn;
     }
     if (lane == 0) {
         sm_m[warp] = m;
@@ -367,14 +384,14 @@ __device__ void attention_app_body(const AttnAppP& p) {
 
 // attention_dec_<HDP>_<dtype>, and _f32_kv<dtype> for f32 queries over f16/bf16 keys and values
 #define RLX_ATTN_DEC(HDP)                                                                                                      \
-    extern "C" __global__ void attention_dec_##HDP##_f32(const AttnP p) { pdl_enter(); attention_dec_body<float, float, HDP>(p); } \
-    extern "C" __global__ void attention_dec_##HDP##_f16(const AttnP p) { pdl_enter(); attention_dec_body<__half, __half, HDP>(p); } \
-    extern "C" __global__ void attention_dec_##HDP##_bf16(const AttnP p) {                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_dec_##HDP##_f32(const AttnP p) { pdl_enter(); attention_dec_body<float, float, HDP>(p); } \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_dec_##HDP##_f16(const AttnP p) { pdl_enter(); attention_dec_body<__half, __half, HDP>(p); } \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_dec_##HDP##_bf16(const AttnP p) {                                                     \
         pdl_enter();                                                                                                           \
         attention_dec_body<__nv_bfloat16, __nv_bfloat16, HDP>(p);                                                              \
     }                                                                                                                          \
-    extern "C" __global__ void attention_dec_##HDP##_f32_kvf16(const AttnP p) { pdl_enter(); attention_dec_body<float, __half, HDP>(p); } \
-    extern "C" __global__ void attention_dec_##HDP##_f32_kvbf16(const AttnP p) {                                               \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_dec_##HDP##_f32_kvf16(const AttnP p) { pdl_enter(); attention_dec_body<float, __half, HDP>(p); } \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_dec_##HDP##_f32_kvbf16(const AttnP p) {                                               \
         pdl_enter();                                                                                                           \
         attention_dec_body<float, __nv_bfloat16, HDP>(p);                                                                      \
     }
@@ -385,17 +402,17 @@ RLX_ATTN_DEC(128)
 
 // attention_app_<HDP>_<dtype>, and _f32_kv<dtype> for f32 queries over an f16/bf16 cache
 #define RLX_ATTN_APP(HDP)                                                                                                      \
-    extern "C" __global__ void attention_app_##HDP##_f32(const AttnAppP p) { pdl_enter(); attention_app_body<float, float, HDP>(p); } \
-    extern "C" __global__ void attention_app_##HDP##_f16(const AttnAppP p) { pdl_enter(); attention_app_body<__half, __half, HDP>(p); } \
-    extern "C" __global__ void attention_app_##HDP##_bf16(const AttnAppP p) {                                                  \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_app_##HDP##_f32(const AttnAppP p) { pdl_enter(); attention_app_body<float, float, HDP>(p); } \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_app_##HDP##_f16(const AttnAppP p) { pdl_enter(); attention_app_body<__half, __half, HDP>(p); } \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_app_##HDP##_bf16(const AttnAppP p) {                                                  \
         pdl_enter();                                                                                                           \
         attention_app_body<__nv_bfloat16, __nv_bfloat16, HDP>(p);                                                              \
     }                                                                                                                          \
-    extern "C" __global__ void attention_app_##HDP##_f32_kvf16(const AttnAppP p) {                                             \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_app_##HDP##_f32_kvf16(const AttnAppP p) {                                             \
         pdl_enter();                                                                                                           \
         attention_app_body<float, __half, HDP>(p);                                                                             \
     }                                                                                                                          \
-    extern "C" __global__ void attention_app_##HDP##_f32_kvbf16(const AttnAppP p) {                                            \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attention_app_##HDP##_f32_kvbf16(const AttnAppP p) {                                            \
         pdl_enter();                                                                                                           \
         attention_app_body<float, __nv_bfloat16, HDP>(p);                                                                      \
     }

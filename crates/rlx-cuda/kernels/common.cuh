@@ -38,6 +38,9 @@ typedef long long i64;
 __device__ __forceinline__ float ld(const float* p, i64 i) { return p[i]; }
 __device__ __forceinline__ float ld(const __half* p, i64 i) { return __half2float(p[i]); }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p, i64 i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ void st(float* p, i64 i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(__half* p, i64 i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ void st(__nv_bfloat16* p, i64 i, float v) { p[i] = __float2bfloat16_rn(v); }

@@ -54,39 +54,72 @@ __device__ __forceinline__ void k4_scale_min(const u8* s, int j, int& sc, int& m
 // 32-byte group c, elements 64c+4q.. (low nibbles) and 64c+32+4q.. (high).
 // Q6_K: part p = 16h + q holds columns l = 2q, 2q+1 of half h, elements
 // 128h + l + {0, 32, 64, 96}.
+// The bytes of a 32-element format's block that one chunk (`part`, 0..4)
+// needs, in three registers: a = scale | min << 16, b = the chunk's four
+// nibble bytes (Q8_0: its first four bytes), c = the high bits of a Q5
+// block (Q8_0: the chunk's last four bytes). Loaded apart from their use so
+// a kernel can issue every load of its row before it needs any.
+struct QRaw {
+    unsigned a, b, c;
+};
+
 template <int F>
-__device__ __forceinline__ void dequant8(const u8* b, int part, float* w, int* e) {
-    if (F == QF_Q4_0 || F == QF_Q4_1 || F == QF_Q5_0 || F == QF_Q5_1) {
+__device__ __forceinline__ QRaw qraw(const u8* b, int part) {
+    QRaw r;
+    r.a = ld16(b);
+    r.c = 0u;
+    if (F == QF_Q4_1 || F == QF_Q5_1) r.a |= ld16(b + 2) << 16;
+    if (F == QF_Q8_0) {
+        r.b = ld32(b + 2 + 8 * part);
+        r.c = ld32(b + 6 + 8 * part);
+    } else {
         const int qs = F == QF_Q4_0 ? 2 : F == QF_Q4_1 ? 4 : F == QF_Q5_0 ? 6 : 8;
-        const float d = ldh(b);
-        const float m = (F == QF_Q4_1 || F == QF_Q5_1) ? ldh(b + 2) : 0.0f;
-        const unsigned qh = (F == QF_Q5_0) ? ld32(b + 2) : (F == QF_Q5_1) ? ld32(b + 4) : 0u;
-        const unsigned q4 = ld32(b + qs + 4 * part);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int j0 = 4 * part + i, j1 = 16 + 4 * part + i;
-            int q0 = (q4 >> (8 * i)) & 15, q1 = (q4 >> (8 * i + 4)) & 15;
-            if (F == QF_Q5_0 || F == QF_Q5_1) {
-                q0 |= ((qh >> j0) & 1) << 4;
-                q1 |= ((qh >> j1) & 1) << 4;
-            }
-            if (F == QF_Q4_0) { w[i] = d * (float)(q0 - 8); w[4 + i] = d * (float)(q1 - 8); }
-            else if (F == QF_Q5_0) { w[i] = d * (float)(q0 - 16); w[4 + i] = d * (float)(q1 - 16); }
-            // Unfused (no FMA contraction): the CPU's rounding, so a gathered
-            // row is bit-identical.
-            else { w[i] = __fadd_rn(__fmul_rn(d, (float)q0), m); w[4 + i] = __fadd_rn(__fmul_rn(d, (float)q1), m); }
-            e[i] = j0;
-            e[4 + i] = j1;
-        }
-    } else if (F == QF_Q8_0) {
-        const float d = ldh(b);
-        const unsigned lo = ld32(b + 2 + 8 * part), hi = ld32(b + 6 + 8 * part);
+        r.b = ld32(b + qs + 4 * part);
+        if (F == QF_Q5_0) r.c = ld32(b + 2);
+        if (F == QF_Q5_1) r.c = ld32(b + 4);
+    }
+    return r;
+}
+
+__device__ __forceinline__ float h2f(unsigned bits) { return __half2float(__ushort_as_half((unsigned short)(bits & 0xFFFFu))); }
+
+// The 8 weights of chunk `part` of a 32-element block from its QRaw, and
+// their element offsets in the block (see dequant8).
+template <int F>
+__device__ __forceinline__ void qdecode(const QRaw r, int part, float* w, int* e) {
+    const float d = h2f(r.a);
+    if (F == QF_Q8_0) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const unsigned word = i < 4 ? lo : hi;
+            const unsigned word = i < 4 ? r.b : r.c;
             w[i] = d * (float)(signed char)((word >> (8 * (i & 3))) & 0xFF);
             e[i] = 8 * part + i;
         }
+        return;
+    }
+    const float m = (F == QF_Q4_1 || F == QF_Q5_1) ? h2f(r.a >> 16) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int j0 = 4 * part + i, j1 = 16 + 4 * part + i;
+        int q0 = (r.b >> (8 * i)) & 15, q1 = (r.b >> (8 * i + 4)) & 15;
+        if (F == QF_Q5_0 || F == QF_Q5_1) {
+            q0 |= ((r.c >> j0) & 1) << 4;
+            q1 |= ((r.c >> j1) & 1) << 4;
+        }
+        if (F == QF_Q4_0) { w[i] = d * (float)(q0 - 8); w[4 + i] = d * (float)(q1 - 8); }
+        else if (F == QF_Q5_0) { w[i] = d * (float)(q0 - 16); w[4 + i] = d * (float)(q1 - 16); }
+        // Unfused (no FMA contraction): the CPU's rounding, so a gathered
+        // row is bit-identical.
+        else { w[i] = __fadd_rn(__fmul_rn(d, (float)q0), m); w[4 + i] = __fadd_rn(__fmul_rn(d, (float)q1), m); }
+        e[i] = j0;
+        e[4 + i] = j1;
+    }
+}
+
+template <int F>
+__device__ __forceinline__ void dequant8(const u8* b, int part, float* w, int* e) {
+    if (QFmt<F>::BE == 32) {
+        qdecode<F>(qraw<F>(b, part), part, w, e);
     } else if (F == QF_Q4K) {
         const int c = part >> 3, q = part & 7;
         const float d = ldh(b), dmin = ldh(b + 2);
@@ -256,6 +289,85 @@ __device__ void qmatmul_body(const QMatMulP& p) {
         }
     }
 }
+
+// One activation row (a decode step at batch 1) against a 32-element
+// format, a warp per output column as above, but each lane issues the
+// loads of every weight chunk it will need (at most MC) before it waits on
+// the previous kernel: weights never depend on it, so under programmatic
+// dependent launch they arrive while that kernel finishes. After the wait
+// only the activations (in L2) are read. A warp covers its whole row, so a
+// fused RmsNorm's sum of squares is a warp sum of the values it loaded
+// (no block-wide pass).
+template <typename T, int F, int MC>
+__device__ void qmatvec_body(const QMatMulP& p) {
+    static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
+    constexpr int BB = QFmt<F>::BB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 col = (i64)blockIdx.x * nw + warp;
+    const bool norm = p.gamma != nullptr, glu = p.glu != 0, active = col < p.n;
+    const int chunks = (int)(p.k / 8);
+    const u8* wrow = (const u8*)p.w + col * p.row_bytes;
+    const u8* wup = wrow + p.n * p.row_bytes;
+    QRaw rw[MC], ru[MC];
+#pragma unroll
+    for (int m = 0; m < MC; ++m) {
+        const int c = lane + 32 * m;
+        if (active && c < chunks) {
+            rw[m] = qraw<F>(wrow + (c >> 2) * BB, c & 3);
+            if (glu) ru[m] = qraw<F>(wup + (c >> 2) * BB, c & 3);
+        }
+    }
+    pdl_enter();
+    if (!active) return;
+    const T* x = (const T*)p.a;
+    const T* gamma = (const T*)p.gamma;
+    float acc = 0.0f, acc2 = 0.0f, ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < MC; ++m) {
+        const int c = lane + 32 * m;
+        if (c < chunks) {
+            float w[8], w2[8];
+            int e[8];
+            qdecode<F>(rw[m], c & 3, w, e);
+            if (glu) qdecode<F>(ru[m], c & 3, w2, e);
+            const i64 base = (i64)(c >> 2) * 32;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float xv = ld(x, base + e[i]);
+                if (norm) {
+                    ss = fmaf(xv, xv, ss);
+                    xv *= ld(gamma, base + e[i]);
+                }
+                acc = fmaf(w[i], xv, acc);
+                if (glu) acc2 = fmaf(w2[i], xv, acc2);
+            }
+        }
+    }
+    float s = warp_sum(acc);
+    // 1/sqrt(mean(x²) + eps), the RmsNorm kernel's formula.
+    const float inv = norm ? rsqrtf(warp_sum(ss) / (float)p.k + (float)p.eps) : 1.0f;
+    s *= inv;
+    if (glu) {
+        const float u = warp_sum(acc2) * inv;
+        s = s / (1.0f + expf(-s)) * u;
+    }
+    if (lane == 0) {
+        if (p.res) s += ld((const T*)p.res, col);
+        st((T*)p.out, col, s);
+    }
+}
+
+// qmatvec_<format>_c<MC>_<dtype>: rows == 1, k ≤ 256·MC.
+#define RLX_QMV(FN, F, MC)                                                                                                      \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_body<float, F, MC>(p); }                  \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_body<__half, F, MC>(p); }                 \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_body<__nv_bfloat16, F, MC>(p); }
+#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8)
+RLX_QMV_FMT(q4_0, QF_Q4_0)
+RLX_QMV_FMT(q4_1, QF_Q4_1)
+RLX_QMV_FMT(q5_0, QF_Q5_0)
+RLX_QMV_FMT(q5_1, QF_Q5_1)
+RLX_QMV_FMT(q8_0, QF_Q8_0)
 
 // qmatmul_<format>_r<RB>_<dtype>
 #define RLX_QMM(FN, F, RB)                                                                                                   \
@@ -683,6 +795,73 @@ __device__ unsigned sample_prefix(const Src& src, Cut a, long long na, unsigned 
     return last_of(src, c, sh);
 }
 
+// Copies the candidates of cut `a` (at most SAMPLE_CAP are kept) to
+// shared memory in a fixed order: thread-major, each thread's in index
+// order, at offsets from a block-wide exclusive scan. Returns how many the
+// cut holds.
+__device__ long long copy_cut(const RowSrc& row, const Cut& a, float* cval, unsigned* cidx, SampleShared& sh) {
+    long long mine = 0;
+    for (int e = threadIdx.x; e < row.n; e += blockDim.x) {
+        float v;
+        unsigned i, k;
+        if (row.get(e, v, i, k) && in_cut(a, k, i)) ++mine;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    long long incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) sh.ired[warp][0] = incl;
+    __syncthreads();
+    long long off = incl - mine, total = 0;
+    for (int w = 0; w < nw; ++w) {
+        if (w < warp) off += sh.ired[w][0];
+        total += sh.ired[w][0];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < row.n; e += blockDim.x) {
+        float v;
+        unsigned i, k;
+        if (row.get(e, v, i, k) && in_cut(a, k, i) && off < SAMPLE_CAP) {
+            cval[off] = v;
+            cidx[off] = i;
+            ++off;
+        }
+    }
+    __syncthreads();
+    return total;
+}
+
+// first_k over the whole row (k below the number of candidates), the same
+// cut, found faster: one pass counts the candidates at or above NT
+// thresholds below the largest logit (mx − 2^-4 .. mx − 2^11); when one of
+// them holds between k and SAMPLE_CAP candidates, those (a superset of the
+// first k) move to shared memory and the search runs there instead of
+// reading the whole vocabulary once per step.
+__device__ Cut first_k_of_row(const RowSrc& row, unsigned kmax, unsigned ilast, float mx, long long k, float* cval, unsigned* cidx,
+                              SampleShared& sh) {
+    if (k <= SAMPLE_CAP && isfinite(mx)) {
+        unsigned t[NT];
+        double f[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) t[j] = fkey(mx - ldexpf(1.0f, j - 4));
+        sums_at(row, cut_all(), Weight{false, 0.0f, false, 1.0, 1.0}, 0, 0u, t, f, sh);
+        int pick = -1;
+#pragma unroll
+        for (int j = NT - 1; j >= 0; --j) pick = (f[j] >= (double)k && f[j] <= (double)SAMPLE_CAP) ? j : pick;
+        if (pick >= 0) {
+            const long long n = copy_cut(row, Cut{t[pick], 0xFFFFFFFFu}, cval, cidx, sh);
+            const SmemSrc cs{cval, cidx, (int)n};
+            const Cut c = first_k(cs, cut_all(), kmax, ilast, k, sh);
+            // Every thread has read the copy before the caller reuses it.
+            __syncthreads();
+            return c;
+        }
+    }
+    return first_k(row, cut_all(), kmax, ilast, k, sh);
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const SampleP p) {
     pdl_enter();
     extern __shared__ unsigned smem[];
@@ -783,39 +962,11 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
         Cut a = cut_all();
         long long na = nvalid;
         if (top_k > 0 && (long long)top_k < nvalid) {
-            a = first_k(row, cut_all(), kmax, ilast, top_k, sh);
+            a = first_k_of_row(row, kmax, ilast, mx, top_k, cval, cidx, sh);
             na = top_k;
         }
         if (na <= SAMPLE_CAP) {
-            // Copy them out in a fixed order: thread-major, each thread's in
-            // index order, at offsets from a block-wide exclusive scan.
-            long long mine = 0;
-            for (int e = threadIdx.x; e < V; e += blockDim.x) {
-                float v;
-                unsigned i, k;
-                if (row.get(e, v, i, k) && in_cut(a, k, i)) ++mine;
-            }
-            const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-            long long incl = mine;
-            for (int o = 1; o < 32; o <<= 1) {
-                const long long y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            if (lane == 31) sh.ired[warp][0] = incl;
-            __syncthreads();
-            long long off = incl - mine;
-            for (int w = 0; w < warp; ++w) off += sh.ired[w][0];
-            __syncthreads();
-            for (int e = threadIdx.x; e < V; e += blockDim.x) {
-                float v;
-                unsigned i, k;
-                if (row.get(e, v, i, k) && in_cut(a, k, i) && off < SAMPLE_CAP) {
-                    cval[off] = v;
-                    cidx[off] = i;
-                    ++off;
-                }
-            }
-            __syncthreads();
+            copy_cut(row, a, cval, cidx, sh);
             const SmemSrc cs{cval, cidx, (int)na};
             tok = sample_prefix(cs, cut_all(), na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
         } else {

@@ -112,10 +112,19 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 glu: *glu as i64,
                 eps: norm.map_or(0.0, |nm| nm.eps as f64),
             };
-            // One row: each warp's weights decoded once; more rows: once
-            // per 4 (more rows per block leave a batch of 8 too few blocks).
+            // One row of a 32-element format: the kernel that loads its
+            // weights before waiting on the previous kernel, sized to hold
+            // a whole row per warp (8 elements a chunk, 32 lanes).
+            let chunks_per_lane = kk.div_ceil(8 * 32);
+            let matvec = [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && format.block_elems() == 32);
+            // Otherwise one row: each warp's weights decoded once; more
+            // rows: once per 4 (more rows per block leave a batch of 8 too
+            // few blocks).
             let rb = if *rows == 1 { 1 } else { 4 };
-            let name = format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype));
+            let name = match matvec {
+                Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
+                None => format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype)),
+            };
             let grid = [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, rows.div_ceil(rb).clamp(1, 65535) as u32, 1];
             Step::new(Op::kernel(k.decode()?.get(&name)?, grid, QMM_THREADS, 0, [1, 1, 1], &p)?, kind)
         }

@@ -684,7 +684,7 @@ pub(crate) fn lower(
             let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
             let (grid, func, block, smem) = match rows {
                 // One query row (a decode step): the keys split over 8 warps.
-                _ if a.q_len == 1 => ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{sfx}"))?, 256, 0),
+                _ if a.q_len == 1 => ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{sfx}"))?, DEC_THREADS, 0),
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
@@ -752,7 +752,7 @@ pub(crate) fn lower(
                 scale: a.scale as f64,
             };
             let func = k.get(&format!("attention_app_{hdp}_{sfx}"))?;
-            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], 256, 0, [1, 1, 1], &p)?, kind));
+            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], DEC_THREADS, 0, [1, 1, 1], &p)?, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -811,6 +811,9 @@ pub(crate) fn lower(
     }
     Ok(steps)
 }
+
+/// Threads of a decode attention block (`DEC_WARPS` warps in kernels/attention.cu).
+const DEC_THREADS: u32 = 16 * 32;
 
 /// The `AttnP` of kernels/attention_mma.cu (and attention.cu) for a thunk.
 fn attention_params(a: &rlx_schedule::AttentionThunk, b: &Bases) -> Result<params::AttnP> {

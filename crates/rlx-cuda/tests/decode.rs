@@ -99,6 +99,13 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (1, 20, 2, DType::F16),
             (6, 11, 2, DType::BF16),
             (43, 10, 1, DType::F32),
+            // One row of up to 4 and 8 chunks per lane (576 and 1536
+            // elements of a 32-element format), one of exactly 8, and one
+            // past them (the general kernel again).
+            (1, 33, 18, DType::F32),
+            (1, 19, 48, DType::F16),
+            (1, 9, 64, DType::F32),
+            (1, 7, 65, DType::BF16),
         ] {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
@@ -203,15 +210,19 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(37);
     for f in QFormat::ALL {
-        let k = 2 * f.block_elems();
-        for (rows, n, norm, glu, res) in [
-            (1, 24, true, false, false),
-            (1, 12, false, true, false),
-            (3, 20, false, false, true),
-            (1, 16, true, true, true),
-            (5, 9, true, true, true),
-            (19, 7, true, true, true),
+        for (rows, n, norm, glu, res, nblk) in [
+            (1, 24, true, false, false, 2),
+            (1, 12, false, true, false, 2),
+            (3, 20, false, false, true, 2),
+            (1, 16, true, true, true, 2),
+            (5, 9, true, true, true, 2),
+            (19, 7, true, true, true, 2),
+            // A decode step's shapes: 576-element rows with the norm and
+            // the gate, 1536-element rows with the residual.
+            (1, 40, true, true, false, 18),
+            (1, 21, false, false, true, 48),
         ] {
+            let k = nblk * f.block_elems();
             let lda = k + 4;
             let mut sb = Sb::new();
             let a = sb.input("a", &[rows, lda], DType::F32);

@@ -7,11 +7,9 @@
 //! output projection (two RoPEs, two cache writes, attention) become one.
 //!
 //! Only single-row steps fuse (q `[B, 1, ..]`): a prompt's many rows are
-//! better served by the separate kernels. Only f32 caches fuse: the CUDA
-//! backend's fused kernel reads a 16-bit cache slower than its separate
-//! kernels do (bench/LOG.md), so f16 and bf16 caches keep them.
+//! better served by the separate kernels.
 
-use rlx_ir::{DType, Graph, IrError, NodeId, Op, RopeSpec};
+use rlx_ir::{Graph, IrError, NodeId, Op, RopeSpec};
 
 use super::{emit_plan, users, Plan};
 
@@ -38,8 +36,7 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
         };
         let (Some((kc, kn, kpos)), Some((vc, vn, vpos))) = (write(k), write(v)) else { continue };
         let dt = node.dtype;
-        if g.nodes[kc].dtype != DType::F32
-            || k == v
+        if k == v
             || kc == vc
             || kpos != vpos
             || g.nodes[kn].dtype != dt
