@@ -290,16 +290,15 @@ __device__ void qmatmul_body(const QMatMulP& p) {
     }
 }
 
-// A few activation rows (a decode step: one per sequence) against a
-// 32-element format, a warp per output column as above, but each lane
-// issues the loads of every weight chunk it will need (at most MC) before
-// it waits on the previous kernel: weights never depend on it, so under
-// programmatic dependent launch they arrive while that kernel finishes.
-// After the wait only the activations (in L2) are read, R rows at a time
-// against the weights decoded once; blocks along y take further groups of
-// R rows. A warp covers its whole row of weights, so a fused RmsNorm's sum
-// of squares is a warp sum of the values it loaded (no block-wide pass).
-template <typename T, int F, int MC, int R>
+// One activation row (a decode step at batch 1) against a 32-element
+// format, a warp per output column as above, but each lane issues the
+// loads of every weight chunk it will need (at most MC) before it waits on
+// the previous kernel: weights never depend on it, so under programmatic
+// dependent launch they arrive while that kernel finishes. After the wait
+// only the activations (in L2) are read. A warp covers its whole row, so a
+// fused RmsNorm's sum of squares is a warp sum of the values it loaded
+// (no block-wide pass).
+template <typename T, int F, int MC>
 __device__ void qmatvec_body(const QMatMulP& p) {
     static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
     constexpr int BB = QFmt<F>::BB;
@@ -320,65 +319,50 @@ __device__ void qmatvec_body(const QMatMulP& p) {
     }
     pdl_enter();
     if (!active) return;
+    const T* x = (const T*)p.a;
     const T* gamma = (const T*)p.gamma;
-    for (i64 r0 = (i64)blockIdx.y * R; r0 < p.rows; r0 += (i64)gridDim.y * R) {
-        float acc[R], acc2[R], ss[R];
+    float acc = 0.0f, acc2 = 0.0f, ss = 0.0f;
 #pragma unroll
-        for (int j = 0; j < R; ++j) acc[j] = acc2[j] = ss[j] = 0.0f;
+    for (int m = 0; m < MC; ++m) {
+        const int c = lane + 32 * m;
+        if (c < chunks) {
+            float w[8], w2[8];
+            int e[8];
+            qdecode<F>(rw[m], c & 3, w, e);
+            if (glu) qdecode<F>(ru[m], c & 3, w2, e);
+            const i64 base = (i64)(c >> 2) * 32;
 #pragma unroll
-        for (int m = 0; m < MC; ++m) {
-            const int c = lane + 32 * m;
-            if (c < chunks) {
-                float w[8], w2[8], g[8];
-                int e[8];
-                qdecode<F>(rw[m], c & 3, w, e);
-                if (glu) qdecode<F>(ru[m], c & 3, w2, e);
-                const i64 base = (i64)(c >> 2) * 32;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) g[i] = norm ? ld(gamma, base + e[i]) : 1.0f;
-#pragma unroll
-                for (int j = 0; j < R; ++j) {
-                    if (R > 1 && r0 + j >= p.rows) break;
-                    const T* x = (const T*)p.a + (r0 + j) * p.lda + base;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        float xv = ld(x, e[i]);
-                        if (norm) {
-                            ss[j] = fmaf(xv, xv, ss[j]);
-                            xv *= g[i];
-                        }
-                        acc[j] = fmaf(w[i], xv, acc[j]);
-                        if (glu) acc2[j] = fmaf(w2[i], xv, acc2[j]);
-                    }
+            for (int i = 0; i < 8; ++i) {
+                float xv = ld(x, base + e[i]);
+                if (norm) {
+                    ss = fmaf(xv, xv, ss);
+                    xv *= ld(gamma, base + e[i]);
                 }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            if (R > 1 && r0 + j >= p.rows) break;
-            float s = warp_sum(acc[j]);
-            // 1/sqrt(mean(x²) + eps), the RmsNorm kernel's formula.
-            const float inv = norm ? rsqrtf(warp_sum(ss[j]) / (float)p.k + (float)p.eps) : 1.0f;
-            s *= inv;
-            if (glu) {
-                const float u = warp_sum(acc2[j]) * inv;
-                s = s / (1.0f + expf(-s)) * u;
-            }
-            if (lane == 0) {
-                const i64 o = (r0 + j) * p.n + col;
-                if (p.res) s += ld((const T*)p.res, o);
-                st((T*)p.out, o, s);
+                acc = fmaf(w[i], xv, acc);
+                if (glu) acc2 = fmaf(w2[i], xv, acc2);
             }
         }
     }
+    float s = warp_sum(acc);
+    // 1/sqrt(mean(x²) + eps), the RmsNorm kernel's formula.
+    const float inv = norm ? rsqrtf(warp_sum(ss) / (float)p.k + (float)p.eps) : 1.0f;
+    s *= inv;
+    if (glu) {
+        const float u = warp_sum(acc2) * inv;
+        s = s / (1.0f + expf(-s)) * u;
+    }
+    if (lane == 0) {
+        if (p.res) s += ld((const T*)p.res, col);
+        st((T*)p.out, col, s);
+    }
 }
 
-// qmatvec_<format>_c<MC>_r<R>_<dtype>: k ≤ 256·MC, R rows per block and step.
-#define RLX_QMV(FN, F, MC, R)                                                                                                        \
-    extern "C" __global__ void qmatvec_##FN##_c##MC##_r##R##_f32(const QMatMulP p) { qmatvec_body<float, F, MC, R>(p); }             \
-    extern "C" __global__ void qmatvec_##FN##_c##MC##_r##R##_f16(const QMatMulP p) { qmatvec_body<__half, F, MC, R>(p); }            \
-    extern "C" __global__ void qmatvec_##FN##_c##MC##_r##R##_bf16(const QMatMulP p) { qmatvec_body<__nv_bfloat16, F, MC, R>(p); }
-#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 4, 1) RLX_QMV(FN, F, 8, 1) RLX_QMV(FN, F, 4, 4) RLX_QMV(FN, F, 8, 4)
+// qmatvec_<format>_c<MC>_<dtype>: rows == 1, k ≤ 256·MC.
+#define RLX_QMV(FN, F, MC)                                                                                                      \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_body<float, F, MC>(p); }                  \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_body<__half, F, MC>(p); }                 \
+    extern "C" __global__ void qmatvec_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_body<__nv_bfloat16, F, MC>(p); }
+#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8)
 RLX_QMV_FMT(q4_0, QF_Q4_0)
 RLX_QMV_FMT(q4_1, QF_Q4_1)
 RLX_QMV_FMT(q5_0, QF_Q5_0)
@@ -489,8 +473,6 @@ extern "C" __global__ void binary_int(const IntBinaryP p) {
 
 #define SAMPLE_THREADS 512
 #define SAMPLE_CAP 2048
-// At most this many candidates after top-k are searched by one warp.
-#define WARP_CANDIDATES 256
 #define NT 16
 
 struct SampleP {
@@ -556,18 +538,11 @@ struct SampleShared {
     unsigned ured[SAMPLE_THREADS / 32];
 };
 
-// Sums of NT values per thread over a team of TM threads (the block, or
-// for a few candidates in shared memory its first warp alone), in a fixed
-// order; every thread of the team gets them back in `acc`.
-template <int TM, typename V>
+// Block-wide sums of NT values per thread, in a fixed order; every thread
+// gets them back in `acc`.
+template <typename V>
 __device__ void block_sums(V (&acc)[NT], V (*red)[NT], V* res) {
-    if (TM == 32) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-            for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-        return;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = TM >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         V v = acc[j];
@@ -586,27 +561,23 @@ __device__ void block_sums(V (&acc)[NT], V (*red)[NT], V* res) {
     __syncthreads();
 }
 
-template <int TM>
 __device__ long long block_sum_ll(long long v, SampleShared& sh) {
     long long a[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) a[j] = j == 0 ? v : 0;
-    block_sums<TM, long long>(a, sh.ired, sh.ires);
+    block_sums<long long>(a, sh.ired, sh.ires);
     return a[0];
 }
-template <int TM>
 __device__ double block_sum_d(double v, SampleShared& sh) {
     double a[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) a[j] = j == 0 ? v : 0.0;
-    block_sums<TM, double>(a, sh.dred, sh.dres);
+    block_sums<double>(a, sh.dred, sh.dres);
     return a[0];
 }
-template <int TM>
 __device__ unsigned block_min_u(unsigned v, SampleShared& sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = TM >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (TM == 32) return v;
     if (lane == 0) sh.ured[warp] = v;
     __syncthreads();
     unsigned r = 0xFFFFFFFFu;
@@ -614,8 +585,7 @@ __device__ unsigned block_min_u(unsigned v, SampleShared& sh) {
     __syncthreads();
     return r;
 }
-template <int TM>
-__device__ unsigned block_max_u(unsigned v, SampleShared& sh) { return ~block_min_u<TM>(~v, sh); }
+__device__ unsigned block_max_u(unsigned v, SampleShared& sh) { return ~block_min_u(~v, sh); }
 
 // What a search adds up per candidate: 1 (`mass` false), or the CPU's
 // weight exp(f64(l - mx) [/ t]) · scale (the difference in f32, the rest in
@@ -637,14 +607,14 @@ struct Cond {
 // Sums over the candidates of cut `in`, for NT thresholds t[j]: mode 0,
 // those with key >= t[j]; mode 1, those with key > `at`, or key == `at` and
 // index <= t[j].
-template <int TM, class Src>
+template <class Src>
 __device__ void sums_at(const Src& src, const Cut& in, const Weight& w, int mode, unsigned at, const unsigned (&t)[NT], double (&out)[NT],
                         SampleShared& sh) {
     if (w.mass) {
         double acc[NT];
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[j] = 0.0;
-        for (int e = threadIdx.x; e < src.n; e += TM) {
+        for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
             float v;
             unsigned i, k;
             if (!src.get(e, v, i, k) || !in_cut(in, k, i) || (mode == 1 && k < at)) continue;
@@ -652,21 +622,21 @@ __device__ void sums_at(const Src& src, const Cut& in, const Weight& w, int mode
 #pragma unroll
             for (int j = 0; j < NT; ++j) acc[j] += (mode == 0 ? k >= t[j] : (k > at || i <= t[j])) ? x : 0.0;
         }
-        block_sums<TM, double>(acc, sh.dred, sh.dres);
+        block_sums<double>(acc, sh.dred, sh.dres);
 #pragma unroll
         for (int j = 0; j < NT; ++j) out[j] = acc[j];
     } else {
         long long acc[NT];
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[j] = 0;
-        for (int e = threadIdx.x; e < src.n; e += TM) {
+        for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
             float v;
             unsigned i, k;
             if (!src.get(e, v, i, k) || !in_cut(in, k, i) || (mode == 1 && k < at)) continue;
 #pragma unroll
             for (int j = 0; j < NT; ++j) acc[j] += (mode == 0 ? k >= t[j] : (k > at || i <= t[j])) ? 1 : 0;
         }
-        block_sums<TM, long long>(acc, sh.ired, sh.ires);
+        block_sums<long long>(acc, sh.ired, sh.ires);
 #pragma unroll
         for (int j = 0; j < NT; ++j) out[j] = (double)acc[j];
     }
@@ -675,7 +645,7 @@ __device__ void sums_at(const Src& src, const Cut& in, const Weight& w, int mode
 // The shortest prefix of cut `in` whose sum passes `cond`, as a cut; false
 // when all of `in` does not. `kmax`: the largest key in `in`; `ilast`: the
 // largest index there may be.
-template <int TM, class Src>
+template <class Src>
 __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigned ilast, const Weight& w, const Cond& cond, Cut& res,
                            SampleShared& sh) {
     unsigned t[NT];
@@ -684,7 +654,7 @@ __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigne
     // (their sum falls as v rises); lo always passes, hi + 1 never.
 #pragma unroll
     for (int j = 0; j < NT; ++j) t[j] = 0;
-    sums_at<TM>(src, in, w, 0, 0, t, f, sh);
+    sums_at(src, in, w, 0, 0, t, f, sh);
     if (!cond.ok(f[0])) return false;
     unsigned lo = 0, hi = kmax;
     while (lo < hi) {
@@ -692,7 +662,7 @@ __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigne
         // NT thresholds in (lo, hi], the last one hi.
 #pragma unroll
         for (int j = 0; j < NT; ++j) t[j] = lo + (unsigned)((span * (j + 1) + NT - 1) / NT);
-        sums_at<TM>(src, in, w, 0, 0, t, f, sh);
+        sums_at(src, in, w, 0, 0, t, f, sh);
         int best = -1;
 #pragma unroll
         for (int j = 0; j < NT; ++j) best = cond.ok(f[j]) ? j : best;
@@ -711,15 +681,15 @@ __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigne
     {
         long long n = 0;
         unsigned imax = 0;
-        for (int e = threadIdx.x; e < src.n; e += TM) {
+        for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
             float v;
             unsigned i, k;
             if (!src.get(e, v, i, k) || k != key || !in_cut(in, k, i)) continue;
             ++n;
             imax = max(imax, i);
         }
-        n = block_sum_ll<TM>(n, sh);
-        imax = block_max_u<TM>(imax, sh);
+        n = block_sum_ll(n, sh);
+        imax = block_max_u(imax, sh);
         if (n == 1) clo = chi = imax;
     }
     while (clo < chi) {
@@ -727,7 +697,7 @@ __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigne
         // NT thresholds in [clo, chi).
 #pragma unroll
         for (int j = 0; j < NT; ++j) t[j] = clo + (unsigned)(span * j / NT);
-        sums_at<TM>(src, in, w, 1, key, t, f, sh);
+        sums_at(src, in, w, 1, key, t, f, sh);
         int first = NT;
 #pragma unroll
         for (int j = NT - 1; j >= 0; --j) first = cond.ok(f[j]) ? j : first;
@@ -745,84 +715,84 @@ __device__ bool prefix_cut(const Src& src, const Cut& in, unsigned kmax, unsigne
 }
 
 // The first k candidates of cut `in` (k at most its size).
-template <int TM, class Src>
+template <class Src>
 __device__ Cut first_k(const Src& src, const Cut& in, unsigned kmax, unsigned ilast, long long k, SampleShared& sh) {
     const Weight count{false, 0.0f, false, 1.0, 1.0};
     Cut c = in;
-    prefix_cut<TM>(src, in, kmax, ilast, count, Cond{(double)k, false}, c, sh);
+    prefix_cut(src, in, kmax, ilast, count, Cond{(double)k, false}, c, sh);
     return c;
 }
 
 // The sum of weights over cut `in`.
-template <int TM, class Src>
+template <class Src>
 __device__ double mass_of(const Src& src, const Cut& in, const Weight& w, SampleShared& sh) {
     double s = 0.0;
-    for (int e = threadIdx.x; e < src.n; e += TM) {
+    for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
         float v;
         unsigned i, k;
         if (src.get(e, v, i, k) && in_cut(in, k, i)) s += w.of(v);
     }
-    return block_sum_d<TM>(s, sh);
+    return block_sum_d(s, sh);
 }
 
 // Candidates of cut `in` whose weight is at least thr.
-template <int TM, class Src>
+template <class Src>
 __device__ long long count_at_least(const Src& src, const Cut& in, const Weight& w, double thr, SampleShared& sh) {
     long long s = 0;
-    for (int e = threadIdx.x; e < src.n; e += TM) {
+    for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
         float v;
         unsigned i, k;
         if (src.get(e, v, i, k) && in_cut(in, k, i) && w.of(v) >= thr) ++s;
     }
-    return block_sum_ll<TM>(s, sh);
+    return block_sum_ll(s, sh);
 }
 
 // The last candidate of cut `in`: the largest index at its smallest key.
-template <int TM, class Src>
+template <class Src>
 __device__ unsigned last_of(const Src& src, const Cut& in, SampleShared& sh) {
     unsigned kmin = 0xFFFFFFFFu;
-    for (int e = threadIdx.x; e < src.n; e += TM) {
+    for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
         float v;
         unsigned i, k;
         if (src.get(e, v, i, k) && in_cut(in, k, i)) kmin = min(kmin, k);
     }
-    kmin = block_min_u<TM>(kmin, sh);
+    kmin = block_min_u(kmin, sh);
     unsigned imax = 0;
-    for (int e = threadIdx.x; e < src.n; e += TM) {
+    for (int e = threadIdx.x; e < src.n; e += blockDim.x) {
         float v;
         unsigned i, k;
         if (src.get(e, v, i, k) && k == kmin && in_cut(in, k, i)) imax = max(imax, i);
     }
-    return block_max_u<TM>(imax, sh);
+    return block_max_u(imax, sh);
 }
 
 // Everything after top-k, over the candidates of cut `a` (na of them,
 // largest key kmax): min-p, top-p (`filter`), the temperature, the draw.
-template <int TM, class Src>
+template <class Src>
 __device__ unsigned sample_prefix(const Src& src, Cut a, long long na, unsigned kmax, unsigned ilast, float mx, float top_p, float min_p,
                                   float temp, double u01, SampleShared& sh) {
     Cut c = a;
     const Weight w{true, mx, false, 1.0, 1.0};
     if (min_p > 0.0f) {
         // The candidates whose weight is at least min_p lead the order.
-        long long keep = count_at_least<TM>(src, a, w, (double)min_p, sh);
+        long long keep = count_at_least(src, a, w, (double)min_p, sh);
         keep = keep < 1 ? 1 : keep;
-        if (keep < na) c = first_k<TM>(src, a, kmax, ilast, keep, sh);
+        if (keep < na) c = first_k(src, a, kmax, ilast, keep, sh);
     }
     if (top_p < 1.0f) {
         // Normalised by the sum over all of top-k, as the CPU.
-        const double total = mass_of<TM>(src, a, w, sh);
+        const double total = mass_of(src, a, w, sh);
         const Weight wn{true, mx, false, 1.0, 1.0 / total};
         Cut pc;
-        if (prefix_cut<TM>(src, c, kmax, ilast, wn, Cond{(double)top_p, false}, pc, sh)) c = pc;
+        if (prefix_cut(src, c, kmax, ilast, wn, Cond{(double)top_p, false}, pc, sh)) c = pc;
     }
     const Weight wt{true, mx, true, (double)temp, 1.0};
-    const double total = mass_of<TM>(src, c, wt, sh);
+    const double total = mass_of(src, c, wt, sh);
     Cut pick;
     // The first candidate whose running sum passes u; when rounding leaves
     // u at or past the total, the last one (the CPU's fallback).
-    if (prefix_cut<TM>(src, c, kmax, ilast, wt, Cond{u01 * total, true}, pick, sh)) return pick.idx;
-    return last_of<TM>(src, c, sh);
+    if (prefix_cut(src, c, kmax, ilast, wt, Cond{u01 * total, true}, pick, sh)) return pick.idx;
+    return last_of(src, c, sh);
 }
 
 // Copies the candidates of cut `a` (at most SAMPLE_CAP are kept) to
@@ -876,20 +846,20 @@ __device__ Cut first_k_of_row(const RowSrc& row, unsigned kmax, unsigned ilast, 
         double f[NT];
 #pragma unroll
         for (int j = 0; j < NT; ++j) t[j] = fkey(mx - ldexpf(1.0f, j - 4));
-        sums_at<SAMPLE_THREADS>(row, cut_all(), Weight{false, 0.0f, false, 1.0, 1.0}, 0, 0u, t, f, sh);
+        sums_at(row, cut_all(), Weight{false, 0.0f, false, 1.0, 1.0}, 0, 0u, t, f, sh);
         int pick = -1;
 #pragma unroll
         for (int j = NT - 1; j >= 0; --j) pick = (f[j] >= (double)k && f[j] <= (double)SAMPLE_CAP) ? j : pick;
         if (pick >= 0) {
             const long long n = copy_cut(row, Cut{t[pick], 0xFFFFFFFFu}, cval, cidx, sh);
             const SmemSrc cs{cval, cidx, (int)n};
-            const Cut c = first_k<SAMPLE_THREADS>(cs, cut_all(), kmax, ilast, k, sh);
+            const Cut c = first_k(cs, cut_all(), kmax, ilast, k, sh);
             // Every thread has read the copy before the caller reuses it.
             __syncthreads();
             return c;
         }
     }
-    return first_k<SAMPLE_THREADS>(row, cut_all(), kmax, ilast, k, sh);
+    return first_k(row, cut_all(), kmax, ilast, k, sh);
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const SampleP p) {
@@ -937,8 +907,6 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
     float best = -INFINITY;
     int bi = -1;
     long long nvalid = 0;
-    // Unrolled so each thread has several logit loads in flight.
-#pragma unroll 8
     for (int e = threadIdx.x; e < V; e += blockDim.x) {
         float v;
         unsigned i, k;
@@ -976,7 +944,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
         }
         __syncthreads();
     }
-    nvalid = block_sum_ll<SAMPLE_THREADS>(nvalid, sh);
+    nvalid = block_sum_ll(nvalid, sh);
     if (!(temp > 0.0f) || nvalid == 0) {
         // Greedy; a row of NaNs gives 0, as on the CPU.
         if (threadIdx.x == 0) out[b] = bi < 0 ? 0 : bi;
@@ -988,7 +956,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
     if (top_k <= 0 && !(top_p < 1.0f) && !(min_p > 0.0f)) {
         // Nothing cut: every candidate, drawn in index order.
         const RowSrc flat{row.l, bits, rp, pen, true, V};
-        tok = sample_prefix<SAMPLE_THREADS>(flat, cut_all(), nvalid, 1u, ilast, mx, 1.0f, 0.0f, temp, u01, sh);
+        tok = sample_prefix(flat, cut_all(), nvalid, 1u, ilast, mx, 1.0f, 0.0f, temp, u01, sh);
     } else {
         const unsigned kmax = fkey(mx);
         Cut a = cut_all();
@@ -1000,18 +968,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
         if (na <= SAMPLE_CAP) {
             copy_cut(row, a, cval, cidx, sh);
             const SmemSrc cs{cval, cidx, (int)na};
-            if (na <= WARP_CANDIDATES) {
-                // A few candidates (the usual top-k): the first warp alone
-                // runs every search over them, with no block-wide barrier.
-                if (threadIdx.x < 32) {
-                    const unsigned t = sample_prefix<32>(cs, cut_all(), na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
-                    if (threadIdx.x == 0) out[b] = (int)t;
-                }
-                return;
-            }
-            tok = sample_prefix<SAMPLE_THREADS>(cs, cut_all(), na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
+            tok = sample_prefix(cs, cut_all(), na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
         } else {
-            tok = sample_prefix<SAMPLE_THREADS>(row, a, na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
+            tok = sample_prefix(row, a, na, kmax, ilast, mx, top_p, min_p, temp, u01, sh);
         }
     }
     if (threadIdx.x == 0) out[b] = (int)tok;

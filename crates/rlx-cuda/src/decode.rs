@@ -16,9 +16,6 @@ use crate::params::{self, arr, i};
 
 /// Threads per block of the quantized matmul: one warp per output column.
 const QMM_THREADS: u32 = 256;
-/// The most rows the weights-first matvec kernels take (a decode step of
-/// that many sequences); more go to the general quantized matmul.
-const QMV_ROWS: usize = 32;
 /// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
 const SAMPLE_THREADS: u32 = 512;
 /// Candidates the sampling kernel holds in shared memory after top-k
@@ -115,17 +112,17 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 glu: *glu as i64,
                 eps: norm.map_or(0.0, |nm| nm.eps as f64),
             };
-            // Up to QMV_ROWS rows (a decode step's) of a 32-element format:
-            // the kernel that loads its weights before waiting on the
-            // previous kernel, sized to hold a whole row per warp (8
-            // elements a chunk, 32 lanes); 4 rows per block past one.
-            // Otherwise (a prompt, the K formats) 4 rows per block as well,
-            // one for a single row, with every weight loaded after the wait.
+            // One row of a 32-element format: the kernel that loads its
+            // weights before waiting on the previous kernel, sized to hold
+            // a whole row per warp (8 elements a chunk, 32 lanes).
             let chunks_per_lane = kk.div_ceil(8 * 32);
-            let matvec = [4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows <= QMV_ROWS && format.block_elems() == 32);
+            let matvec = [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && format.block_elems() == 32);
+            // Otherwise one row: each warp's weights decoded once; more
+            // rows: once per 4 (more rows per block leave a batch of 8 too
+            // few blocks).
             let rb = if *rows == 1 { 1 } else { 4 };
             let name = match matvec {
-                Some(mc) => format!("qmatvec_{}_c{mc}_r{rb}_{}", format.name(), suffix(*dtype)),
+                Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                 None => format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype)),
             };
             let grid = [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, rows.div_ceil(rb).clamp(1, 65535) as u32, 1];

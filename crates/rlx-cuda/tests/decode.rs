@@ -106,10 +106,6 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (1, 19, 48, DType::F16),
             (1, 9, 64, DType::F32),
             (1, 7, 65, DType::BF16),
-            // The most rows the weights-first kernel takes (a decode step
-            // of 32 sequences), and one more.
-            (32, 13, 18, DType::F16),
-            (33, 5, 2, DType::F32),
         ] {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
@@ -225,8 +221,6 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // the gate, 1536-element rows with the residual.
             (1, 40, true, true, false, 18),
             (1, 21, false, false, true, 48),
-            (8, 40, true, true, false, 18),
-            (8, 21, false, false, true, 48),
         ] {
             let k = nblk * f.block_elems();
             let lda = k + 4;
