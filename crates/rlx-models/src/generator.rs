@@ -231,8 +231,12 @@ pub struct Generator {
     eos: Vec<u32>,
     states: Arc<StateSet>,
     opts: GeneratorOptions,
-    prefill: BTreeMap<usize, CompiledGraph>,
-    decode: Option<CompiledGraph>,
+    /// Prefill steps by (batch width, bucket).
+    prefill: BTreeMap<(usize, usize), CompiledGraph>,
+    /// Decode steps by batch width: a step over slots `0..w` runs at the
+    /// smallest width that holds them, on the first rows of the shared
+    /// states (batch is their outermost dimension).
+    decode: BTreeMap<usize, CompiledGraph>,
     /// Slot 0's tokens whose keys and values are in the cache, by position
     /// (the single-sequence API reuses them as a prompt prefix).
     cached: Vec<u32>,
@@ -416,13 +420,15 @@ impl Generator {
             states: StateSet::new(),
             opts,
             prefill: BTreeMap::new(),
-            decode: None,
+            decode: BTreeMap::new(),
             cached: vec![],
             slot_pos: vec![0; opts_batch],
             slots: (0..opts_batch).map(|_| None).collect(),
         };
-        // Compile the decode step now: load errors show at load time.
-        g.decode_exe()?;
+        // Compile the full-width decode step now: load errors show at load
+        // time, and it makes the shared states at their full size, which
+        // the narrower steps use the first rows of.
+        g.decode_exe(opts_batch)?;
         Ok(g)
     }
 
@@ -468,10 +474,16 @@ impl Generator {
         Ok(enc.get_ids().to_vec())
     }
 
-    fn decode_exe(&mut self) -> Result<&mut CompiledGraph> {
-        if self.decode.is_none() {
+    /// The batch width of a step whose highest slot in use is `top`: the
+    /// smallest power of two past it, at most the batch.
+    fn width_for(&self, top: usize) -> usize {
+        (top + 1).next_power_of_two().min(self.opts.batch)
+    }
+
+    fn decode_exe(&mut self, width: usize) -> Result<&mut CompiledGraph> {
+        if !self.decode.contains_key(&width) {
             let shape = StepShape {
-                batch: self.opts.batch,
+                batch: width,
                 seq: 1,
                 decode: true,
                 ctx: self.opts.ctx_size,
@@ -479,15 +491,16 @@ impl Generator {
                 kv_dtype: self.kv_dtype(),
             };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
-            self.decode = Some(self.session.compile_shared(&graph, &self.states)?);
+            let exe = self.session.compile_shared(&graph, &self.states)?;
+            self.decode.insert(width, exe);
         }
-        self.decode.as_mut().ok_or_else(|| ModelError::Input("decode step missing".into()))
+        self.decode.get_mut(&width).ok_or_else(|| ModelError::Input("decode step missing".into()))
     }
 
-    fn prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
-        if !self.prefill.contains_key(&bucket) {
+    fn prefill_exe(&mut self, width: usize, bucket: usize) -> Result<&mut CompiledGraph> {
+        if !self.prefill.contains_key(&(width, bucket)) {
             let shape = StepShape {
-                batch: self.opts.batch,
+                batch: width,
                 seq: bucket,
                 decode: false,
                 ctx: self.opts.ctx_size,
@@ -496,18 +509,23 @@ impl Generator {
             };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
             let exe = self.session.compile_shared(&graph, &self.states)?;
-            self.prefill.insert(bucket, exe);
+            self.prefill.insert((width, bucket), exe);
         }
-        self.prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("prefill step missing".into()))
+        self.prefill.get_mut(&(width, bucket)).ok_or_else(|| ModelError::Input("prefill step missing".into()))
     }
 
     /// Feeds `ids[from..]` (positions `from..`) of the sequence in `slot`
     /// through prefill chunks and returns the first sampled token (and its
-    /// logits). The other slots' token and position are left alone: their
-    /// rows write past their own length (see `llama.rs`).
-    fn prefill_from(&mut self, slot: usize, ids: &[u32], from: usize, f: &Tensor, i: &Tensor) -> Result<(u32, Option<Vec<f32>>)> {
+    /// logits). The step runs at the width that holds `slot` and every
+    /// slot in use; the other slots' token and position are left alone:
+    /// their rows write past their own length (see `llama.rs`).
+    fn prefill_from(&mut self, slot: usize, ids: &[u32], from: usize, params: &SamplingParams) -> Result<(u32, Option<Vec<f32>>)> {
         let largest = *self.opts.prefill_buckets.last().unwrap_or(&16);
-        let b = self.opts.batch;
+        let top = (0..self.opts.batch).filter(|&r| r == slot || self.slots[r].is_some()).max().unwrap_or(slot);
+        let b = self.width_for(top);
+        let rows: Vec<Option<&SamplingParams>> = (0..b).map(|r| (r == slot).then_some(params)).collect();
+        let (f, i) = sampling_tensors(&rows)?;
+        let (f, i) = (&f, &i);
         let mut at = from;
         let mut last = None;
         while at < ids.len() {
@@ -522,7 +540,7 @@ impl Generator {
             // cache, leaving the row their sampled token's history entry
             // goes to.
             let dump = self.opts.ctx_size.saturating_sub(bucket + 1);
-            for (r, &p) in self.slot_pos.iter().enumerate() {
+            for (r, &p) in self.slot_pos.iter().enumerate().take(b) {
                 if r != slot && self.slots[r].is_some() && p > dump {
                     return Err(ModelError::Input(format!(
                         "cannot prefill slot {slot} while slot {r} holds {p} tokens, within {bucket} of the context's {} (raise --ctx-size)",
@@ -552,7 +570,7 @@ impl Generator {
             let (ids_t, pos_t) = (t(&[b, bucket], &tok)?, t(&[b, bucket], &pos)?);
             let (start, valid, last_row, next_pos, row) =
                 (t(&[b], &start)?, t(&[b], &valid)?, t(&[b], &last_row)?, t(&[b], &next_pos)?, t(&[b], &row)?);
-            let exe = self.prefill_exe(bucket)?;
+            let exe = self.prefill_exe(b, bucket)?;
             let out = exe.run(&[
                 (io::IDS, &ids_t),
                 (io::POSITIONS, &pos_t),
@@ -600,9 +618,10 @@ impl Generator {
     /// [`step_batch`](Self::step_batch), which advances every sequence at
     /// once; a sequence leaves when it ends or on
     /// [`remove_sequence`](Self::remove_sequence), and its slot takes the
-    /// next one. Prefilling runs the whole batch's rows (the others write
-    /// where it is harmless), so it costs `batch` times one sequence's
-    /// prefill.
+    /// next one. A sequence takes the lowest free slot; prefill and decode
+    /// steps run the rows of the lowest slots up to the highest one in use,
+    /// rounded up to a power of two (the others write where it is
+    /// harmless), so a lone sequence costs one row.
     pub fn add_sequence(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<BatchEvent> {
         self.check_prompt(prompt, params)?;
         let slot = self.slots.iter().position(Option::is_none).ok_or_else(|| {
@@ -612,9 +631,7 @@ impl Generator {
         if slot == 0 {
             self.cached.clear();
         }
-        let rows: Vec<Option<&SamplingParams>> = (0..self.opts.batch).map(|r| (r == slot).then_some(params)).collect();
-        let (f, i) = sampling_tensors(&rows)?;
-        let (token, logits) = self.prefill_from(slot, prompt, 0, &f, &i)?;
+        let (token, logits) = self.prefill_from(slot, prompt, 0, params)?;
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
@@ -655,18 +672,20 @@ impl Generator {
     }
 
     /// One decode step for every sequence of the batch API; returns each
-    /// one's new token. Free slots ride along masked.
+    /// one's new token. Free slots below the highest one in use ride along
+    /// masked.
     pub fn step_batch(&mut self) -> Result<Vec<BatchEvent>> {
         let active: Vec<usize> = (0..self.opts.batch).filter(|&r| self.slots[r].is_some()).collect();
-        if active.is_empty() {
+        let Some(&top) = active.last() else {
             return Ok(vec![]);
-        }
-        let rows: Vec<Option<&SamplingParams>> = self.slots.iter().map(|s| s.as_ref().map(|x| &x.params)).collect();
+        };
+        let w = self.width_for(top);
+        let rows: Vec<Option<&SamplingParams>> = self.slots[..w].iter().map(|s| s.as_ref().map(|x| &x.params)).collect();
         let (f, i) = sampling_tensors(&rows)?;
-        let mask: Vec<i32> = self.slots.iter().map(|s| s.is_some() as i32).collect();
-        let step = Tensor::from_i32([self.opts.batch], &mask)?;
+        let mask: Vec<i32> = self.slots[..w].iter().map(|s| s.is_some() as i32).collect();
+        let step = Tensor::from_i32([w], &mask)?;
         let v = self.config.vocab;
-        let out = self.decode_exe()?.run(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
+        let out = self.decode_exe(w)?.run(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
         let tokens = out.first().map(|t| t.to_i32()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
         let logits = out.get(1).map(|l| l.to_f32());
         let mut events = Vec::with_capacity(active.len());
@@ -772,14 +791,13 @@ impl Generator {
         if self.active_sequences() > 0 {
             return Err(ModelError::Input(format!("{} batch sequences are running; finish or remove them first", self.active_sequences())));
         }
-        let rows: Vec<Option<&SamplingParams>> = (0..self.opts.batch).map(|r| (r == 0).then_some(params)).collect();
-        let (f, i) = sampling_tensors(&rows)?;
+        let (f, i) = sampling_tensors(&[Some(params)])?;
         // Reuse the cached prefix; at least the last prompt token is fed
         // again, since its logits give the first new token.
         let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         let t0 = Instant::now();
         self.cached.truncate(common);
-        let first = self.prefill_from(0, prompt, common, &f, &i);
+        let first = self.prefill_from(0, prompt, common, params);
         let (first, logits) = match first {
             Ok(x) => x,
             Err(e) => {
@@ -790,8 +808,8 @@ impl Generator {
         self.cached = prompt.to_vec();
         let prefill_time = t0.elapsed();
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
-        let mask: Vec<i32> = (0..self.opts.batch).map(|r| (r == 0) as i32).collect();
-        let step = Tensor::from_i32([self.opts.batch], &mask)?;
+        // Slot 0 alone: the width-1 steps.
+        let step = Tensor::from_i32([1], &[1])?;
         Ok(Generation {
             stats: GenerationStats { prompt_tokens: prompt.len(), cached_tokens: common, prefill_time, ..Default::default() },
             gen: self,
@@ -871,7 +889,7 @@ impl Generation<'_> {
                 break;
             }
             let (f, i, step) = (self.f.clone(), self.i.clone(), self.step.clone());
-            let exe = self.gen.decode_exe()?;
+            let exe = self.gen.decode_exe(1)?;
             let t = exe.submit(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
             self.pending.push_back(t);
             self.submitted += 1;
@@ -883,7 +901,7 @@ impl Generation<'_> {
     /// state, so nothing else may run before they finish).
     fn drain(&mut self) {
         while let Some(t) = self.pending.pop_front() {
-            if let Ok(exe) = self.gen.decode_exe() {
+            if let Ok(exe) = self.gen.decode_exe(1) {
                 let _ = exe.wait(t);
             }
         }
@@ -914,7 +932,7 @@ impl Generation<'_> {
                     self.finish(StopReason::ContextFull);
                     return Ok(None);
                 };
-                let out = self.gen.decode_exe()?.wait(t)?;
+                let out = self.gen.decode_exe(1)?.wait(t)?;
                 let token = out
                     .first()
                     .and_then(|t| t.to_i32().first().copied())

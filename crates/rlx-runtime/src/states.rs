@@ -42,7 +42,10 @@ impl StateSet {
     }
 
     /// The buffer named `name`, made by `make` on first use. A later request
-    /// must come from the same backend and ask for the same size.
+    /// must come from the same backend and ask for at most its size: one
+    /// that asks for fewer bytes uses the buffer's first bytes (the first
+    /// rows of a state whose batch dimension is outermost, for an
+    /// executable built for a smaller batch).
     pub fn get_or_create<T: Any + Send + Sync>(
         &self,
         backend: &str,
@@ -52,11 +55,11 @@ impl StateSet {
     ) -> Result<Arc<T>> {
         let mut map = self.entries.lock().map_err(|_| RuntimeError::backend(backend, "state set lock poisoned"))?;
         if let Some(e) = map.get(name) {
-            if e.backend != backend || e.bytes != bytes {
+            if e.backend != backend || bytes > e.bytes {
                 return Err(RuntimeError::backend(
                     backend,
                     format!(
-                        "shared state '{name}' is a {} byte buffer of the {} backend; this executable needs {bytes} bytes on {backend}",
+                        "shared state '{name}' is a {} byte buffer of the {} backend; this executable needs {bytes} bytes on {backend} (at most the buffer's size)",
                         e.bytes, e.backend
                     ),
                 ));
@@ -75,5 +78,24 @@ impl StateSet {
     /// Names of the buffers made so far.
     pub fn names(&self) -> Vec<String> {
         self.entries.lock().map(|e| e.keys().cloned().collect()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A smaller request gets the same buffer (its first bytes); a larger
+    /// one, or one from another backend, is refused with both sizes named.
+    #[test]
+    fn smaller_requests_share_the_buffer_larger_ones_fail() {
+        let set = StateSet::new();
+        let full = set.get_or_create("cpu", "k", 64, || Ok(vec![7u8; 64])).expect("make");
+        let part = set.get_or_create("cpu", "k", 16, || -> Result<Vec<u8>> { panic!("made twice") }).expect("prefix");
+        assert!(Arc::ptr_eq(&full, &part));
+        let err = set.get_or_create("cpu", "k", 65, || Ok(vec![0u8; 65])).expect_err("larger").to_string();
+        assert!(err.contains("64 byte buffer") && err.contains("needs 65 bytes"), "{err}");
+        assert!(set.get_or_create("cuda:0", "k", 64, || Ok(vec![0u8; 64])).is_err());
+        assert_eq!(set.names(), vec!["k".to_string()]);
     }
 }
