@@ -269,10 +269,12 @@ pub fn run(b: &GenBench) -> Result<String, String> {
         let kv = b.kv_dtype.unwrap_or_else(|| rlx_models::default_kv_dtype(b.device));
         notes.push(format!("RLX KV cache: {kv} (llama.cpp's default cache is f16)."));
     }
+    let machine = super::report::machine(!matches!(b.device, Device::Cpu));
     let mut md = format!(
-        "# RLX generation benchmark\n\nmodel: {}\ndevice: {}\nruns: {} (medians)\n\n| measurement | RLX | llama.cpp | RLX / llama.cpp |\n|---|---:|---:|---:|\n",
+        "# RLX generation benchmark\n\nmodel: {}\ndevice: {} ({machine})\ndate: {}\nruns: {} (medians)\n\n| measurement | RLX | llama.cpp | RLX / llama.cpp |\n|---|---:|---:|---:|\n",
         b.gguf.display(),
         b.device_name,
+        super::report::utc_now(),
         b.runs
     );
     let fmt = |r: &Result<f64, String>, unit: &str| match r {
