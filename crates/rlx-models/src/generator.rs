@@ -691,7 +691,8 @@ impl Generator {
         let mut events = Vec::with_capacity(active.len());
         for slot in active {
             self.slot_pos[slot] += 1;
-            let token = tokens.get(slot).copied().unwrap_or(0) as u32;
+            let token =
+                *tokens.get(slot).ok_or_else(|| ModelError::Input(format!("the decode step returned no token for slot {slot}")))? as u32;
             let (text, finished) = self.accept(slot, token)?;
             let logits = logits.as_ref().map(|l| l[slot * v..(slot + 1) * v].to_vec());
             events.push(BatchEvent { slot, piece: Piece { text, token, logits }, finished });

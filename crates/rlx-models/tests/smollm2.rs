@@ -203,3 +203,67 @@ fn batched_decode_matches_single_runs() {
     }
     assert_eq!(got, want, "batched greedy tokens vs single runs");
 }
+
+/// Steps sized to the slots in use, with holes: four slots, sequences of
+/// different lengths, so the highest slot runs on alone (a width-4 step
+/// with three masked rows), then two new sequences take the lowest free
+/// slots while it runs, and the single-sequence API afterwards runs at
+/// width 1 on slot 0 again. Every greedy sequence equals its single run.
+#[test]
+fn batch_widths_follow_the_highest_slot_in_use() {
+    let Some(path) = model("batch_widths_follow_the_highest_slot_in_use") else { return };
+    let r = reference();
+    let items = r["items"].as_array().expect("items");
+    let mut single = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, ..Default::default() }).expect("load");
+    let base: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
+    // Six prompts: the reference items and prefixes of them.
+    let prompts: Vec<Vec<u32>> = (0..6).map(|k| base[k % base.len()][..base[k % base.len()].len() - k / base.len()].to_vec()).collect();
+    let lens = [3usize, 4, 5, 14, 6, 4];
+    let params: Vec<SamplingParams> =
+        lens.iter().map(|&n| SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }).collect();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect())
+        .collect();
+    let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 4, ..Default::default() }).expect("load");
+    let mut got: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
+    let mut owner: Vec<Option<usize>> = vec![None; 4];
+    let mut take = |ev: rlx_models::BatchEvent, owner: &mut Vec<Option<usize>>| {
+        let k = owner[ev.slot].expect("a known slot");
+        got[k].push(ev.piece.token);
+        if ev.finished.is_some() {
+            owner[ev.slot] = None;
+        }
+    };
+    for k in 0..4 {
+        let ev = g.add_sequence(&prompts[k], &params[k]).expect("add");
+        assert_eq!(ev.slot, k, "the lowest free slot");
+        owner[k] = Some(k);
+        take(ev, &mut owner);
+    }
+    let mut next = 4;
+    for _ in 0..40 {
+        // Once slots 0..3 are free and slot 3 still runs, refill from the
+        // bottom: the new sequences land below the running one.
+        if next < prompts.len() && owner[..3].iter().all(Option::is_none) && owner[3].is_some() {
+            while next < prompts.len() {
+                let ev = g.add_sequence(&prompts[next], &params[next]).expect("add");
+                assert!(ev.slot < 3, "slot {}", ev.slot);
+                owner[ev.slot] = Some(next);
+                take(ev, &mut owner);
+                next += 1;
+            }
+        }
+        for ev in g.step_batch().expect("step") {
+            take(ev, &mut owner);
+        }
+        if next == prompts.len() && g.active_sequences() == 0 {
+            break;
+        }
+    }
+    assert_eq!(got, want, "batched greedy tokens vs single runs");
+    // The single-sequence API on the same generator: slot 0 at width 1.
+    let again: Vec<u32> = g.generate_ids(&prompts[0], &params[0]).expect("gen").map(|x| x.expect("piece").token).collect();
+    assert_eq!(again, want[0]);
+}
