@@ -114,9 +114,12 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
             };
             // One row of a 32-element format: the kernel that loads its
             // weights before waiting on the previous kernel, sized to hold
-            // a whole row per warp (8 elements a chunk, 32 lanes).
+            // a whole row per warp (8 elements a chunk, 32 lanes). Only for
+            // weights and constants, which no kernel writes.
             let chunks_per_lane = kk.div_ceil(8 * 32);
-            let matvec = [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && format.block_elems() == 32);
+            let fixed = matches!(w.space, rlx_schedule::Space::Weight(_) | rlx_schedule::Space::Const(_));
+            let matvec =
+                [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && fixed && format.block_elems() == 32);
             // Otherwise one row: each warp's weights decoded once; more
             // rows: once per 4 (more rows per block leave a batch of 8 too
             // few blocks).
