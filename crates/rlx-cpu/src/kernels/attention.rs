@@ -262,52 +262,22 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
             };
         }
         let keys = buf.limit.iter().copied().max().unwrap_or(0);
-        // Rows j0..j0 + n of K or V (per `src`) as (rows, row stride): read
-        // in place when they are f32 and none is masked, else converted
-        // into the tile, zeros for masked keys.
-        let rows = |tile: &'_ mut [f32], src: &'_ Src<K>, view: &rlx_schedule::SeqView, j0: usize, n: usize| -> (usize, bool) {
-            let (rs, first) = (view.row_stride as usize, b * view.batch_stride as usize + j0 * view.row_stride as usize + g * hd);
-            if K::as_f32(src.row(first, 0)).is_some() && keep[j0..j0 + n].iter().all(|&x| x != 0.0) {
-                return (rs, true);
-            }
-            for (jj, row) in tile.chunks_exact_mut(hd).take(n).enumerate() {
-                if keep[j0 + jj] == 0.0 {
-                    row.fill(0.0);
-                } else {
-                    K::load(src.row(first + jj * rs, hd), row);
-                }
-            }
-            (hd, false)
-        };
-        let span = |view: &rlx_schedule::SeqView, j0: usize, n: usize| {
-            let rs = view.row_stride as usize;
-            (b * view.batch_stride as usize + j0 * rs + g * hd, (n - 1) * rs + hd)
-        };
+        let first = |view: &rlx_schedule::SeqView, j0: usize| b * view.batch_stride as usize + j0 * view.row_stride as usize + g * hd;
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            let (stride, direct) = rows(&mut buf.tile, &k, &t.k, j0, n);
-            let (first, len) = span(&t.k, j0, n);
-            let tile = if direct { K::as_f32(k.row(first, len)).unwrap_or(&[]) } else { &buf.tile[..n * hd] };
-            tile_scores(tile, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
+            let (rows, stride) = head_rows(&k, first(&t.k, j0), t.k.row_stride as usize, hd, &keep[j0..j0 + n], &mut buf.tile);
+            tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
             j0 += n;
         }
         let all = keep[..keys].iter().all(|&x| x != 0.0);
-        let (s, inv, limit) = (&mut buf.s[..qn * vp], &mut buf.inv[..qn], &buf.limit[..qn]);
-        if !avx512::softmax_rows(s, vp, keep, limit, all, inv) {
-            for (i, &lim) in limit.iter().enumerate() {
-                let row = &mut s[i * vp..(i + 1) * vp];
-                inv[i] = if all { softmax_row::<true>(row, keep, lim) } else { softmax_row::<false>(row, keep, lim) };
-            }
-        }
+        softmax_all(&mut buf.s[..qn * vp], vp, keep, &buf.limit[..qn], all, &mut buf.inv[..qn]);
         buf.acc.fill(0.0);
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            let (stride, direct) = rows(&mut buf.tile, &v, &t.v, j0, n);
-            let (first, len) = span(&t.v, j0, n);
-            let tile = if direct { K::as_f32(v.row(first, len)).unwrap_or(&[]) } else { &buf.tile[..n * hd] };
-            tile_pv(tile, stride, n, hd, &buf.s, vp, j0, &mut buf.acc);
+            let (rows, stride) = head_rows(&v, first(&t.v, j0), t.v.row_stride as usize, hd, &keep[j0..j0 + n], &mut buf.tile);
+            tile_pv(rows, stride, n, hd, &buf.s, vp, j0, &mut buf.acc);
             j0 += n;
         }
         for i in 0..qn {
@@ -325,6 +295,40 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
     }
 }
 
+/// One head's K or V rows for the keys of `keep` (one flag per row, the
+/// first at element `first`, rows `rs` apart), as (rows, row stride): the
+/// rows where they lie when they are f32 and none is masked, else
+/// converted into `tile` with zeros for masked keys.
+fn head_rows<'a, K: Elem>(src: &'a Src<K>, first: usize, rs: usize, hd: usize, keep: &[f32], tile: &'a mut [f32]) -> (&'a [f32], usize) {
+    let n = keep.len();
+    if keep.iter().all(|&x| x != 0.0) {
+        if let Some(rows) = K::as_f32(src.row(first, (n - 1) * rs + hd)) {
+            return (rows, rs);
+        }
+    }
+    for (jj, row) in tile.chunks_exact_mut(hd).take(n).enumerate() {
+        if keep[jj] == 0.0 {
+            row.fill(0.0);
+        } else {
+            K::load(src.row(first + jj * rs, hd), row);
+        }
+    }
+    (&tile[..n * hd], hd)
+}
+
+/// Masked softmax of every row of `s` (rows `vp` apart) up to its limit,
+/// leaving unnormalised weights and 1 / Σ in `inv`: AVX-512 where the CPU
+/// has it.
+#[inline(always)]
+fn softmax_all(s: &mut [f32], vp: usize, keep: &[f32], limit: &[usize], all: bool, inv: &mut [f32]) {
+    if !avx512::softmax_rows(s, vp, keep, limit, all, inv) {
+        for (i, &lim) in limit.iter().enumerate() {
+            let row = &mut s[i * vp..(i + 1) * vp];
+            inv[i] = if all { softmax_row::<true>(row, keep, lim) } else { softmax_row::<false>(row, keep, lim) };
+        }
+    }
+}
+
 crate::simd::multiversion! {
     /// s[i][j0 + jj] = q row i · tile row jj, for every query row of `q`
     /// ([rows][hd]) and the n tile rows (`stride` apart).
@@ -332,7 +336,7 @@ crate::simd::multiversion! {
     fn tile_scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
         for (i, qr) in q.chunks_exact(hd).enumerate() {
             for jj in 0..n {
-                s[i * vp + j0 + jj] = dot(qr, &tile[jj * stride..jj * stride + hd]);
+                s[i * vp + j0 + jj] = lanes::dot(qr, &tile[jj * stride..jj * stride + hd]);
             }
         }
     }
@@ -355,29 +359,6 @@ crate::simd::multiversion! {
             }
         }
     }
-}
-
-/// Σ a·b in 16 independent lanes (so it vectorises), folded pairwise.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0f32; L];
-    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
-    let mut rest = 0f32;
-    for (&x, &y) in ac.remainder().iter().zip(bc.remainder()) {
-        rest = x.mul_add(y, rest);
-    }
-    for (x, y) in ac.zip(bc) {
-        for l in 0..L {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    for w in [8, 4, 2, 1] {
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0] + rest
 }
 
 /// Sizes of one task: head dim (and padded), padded keys, queries.
@@ -422,12 +403,7 @@ crate::simd::multiversion! {
         }
         // No masked key before any row's limit: the select-free softmax.
         let all = keep[..limit.iter().copied().max().unwrap_or(0)].iter().all(|&k| k != 0.0);
-        if !avx512::softmax_rows(s, vp, keep, limit, all, inv) {
-            for (i, &lim) in limit.iter().enumerate() {
-                let row = &mut s[i * vp..(i + 1) * vp];
-                inv[i] = if all { softmax_row::<true>(row, keep, lim) } else { softmax_row::<false>(row, keep, lim) };
-            }
-        }
+        softmax_all(s, vp, keep, limit, all, inv);
         let mut i = 0;
         while i < qn {
             let nr = (qn - i).min(R);

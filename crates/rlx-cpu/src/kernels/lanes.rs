@@ -46,6 +46,31 @@ pub fn max(v: &[f32]) -> f32 {
     fold(v, f32::NEG_INFINITY, f32::max, |x| x)
 }
 
+/// Σ a·b in 16 independent lanes, folded pairwise: one 16-lane chain per
+/// vector of a short row (an attention head's 64 or 128 values), which the
+/// 64-accumulator folds above would mostly leave empty.
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
+    let mut rest = 0f32;
+    for (&x, &y) in ac.remainder().iter().zip(bc.remainder()) {
+        rest = x.mul_add(y, rest);
+    }
+    for (x, y) in ac.zip(bc) {
+        for l in 0..L {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    for w in [8, 4, 2, 1] {
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0] + rest
+}
+
 /// e^x in f32 without a libm call, so loops over it vectorise: x = n·ln2 + r
 /// with |r| ≤ ln2/2, e^r by its Taylor series to r⁷ (relative error ~2e-7),
 /// times 2^n built in the exponent bits. Inputs are clamped to the normal
