@@ -1,8 +1,8 @@
-//! Launches of kernels/decode.cu, the generation step's kernels: matmuls
-//! and embedding gathers over block-quantized weights read as stored,
-//! next-token sampling, and integer binary ops (positions). The module is
-//! compiled and loaded the first time a schedule needs it
-//! (`Kernels::decode`). Every launch reads its changing values (ids,
+//! Launches of the generation step's kernels: matmuls and embedding
+//! gathers over block-quantized weights read as stored (kernels/decode.cu,
+//! kernels/qmma.cu), next-token sampling (kernels/sample.cu), and integer
+//! binary ops (positions). The module is compiled and loaded the first time
+//! a schedule needs it (`Kernels::decode`). Every launch reads its changing values (ids,
 //! positions, sampling settings) from device memory, so a recorded decode
 //! step serves every position.
 
@@ -14,8 +14,11 @@ use crate::driver::err;
 use crate::launch::{collapse, suffix, Bases, Kernels, Op, Step};
 use crate::params::{self, arr, i};
 
-/// Threads per block of the quantized matmul: one warp per output column.
+/// Threads per block of the quantized matvec: one warp per output column.
 const QMM_THREADS: u32 = 256;
+/// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
+/// kernels/qmma.cu): its warps split k.
+const QMMA_THREADS: u32 = 128;
 /// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
 const SAMPLE_THREADS: u32 = 512;
 /// Candidates the sampling kernel holds in shared memory after top-k
@@ -29,7 +32,7 @@ const SAMPLE_STATIC_SMEM: usize = 8192;
 /// beside the candidates is refused at prepare.
 const SMEM_LIMIT: usize = 160 * 1024;
 
-/// The format's code in kernels/decode.cu (`QF_*`).
+/// The format's code in kernels/quant.cuh (`QF_*`).
 pub(crate) fn qformat_code(f: QFormat) -> i64 {
     match f {
         QFormat::Q4_0 => 0,
@@ -120,16 +123,20 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
             let fixed = matches!(w.space, rlx_schedule::Space::Weight(_) | rlx_schedule::Space::Const(_));
             let matvec =
                 [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && fixed && format.block_elems() == 32);
-            // Otherwise one row: each warp's weights decoded once; more
-            // rows: once per 4 (more rows per block leave a batch of 8 too
-            // few blocks).
-            let rb = if *rows == 1 { 1 } else { 4 };
-            let name = match matvec {
-                Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
-                None => format!("qmatmul_{}_r{rb}_{}", format.name(), suffix(*dtype)),
+            let (name, grid, threads) = if *rows >= 2 {
+                // Two and more rows on tensor cores (kernels/qmma.cu): 16
+                // columns a block, 8 rows a tile up to 8 rows, else 32.
+                let tile = if *rows <= 8 { 8 } else { 32 };
+                let grid = [n.div_ceil(16).max(1) as u32, rows.div_ceil(tile).clamp(1, 65535) as u32, 1];
+                (format!("qmma_{}_r{tile}_{}", format.name(), suffix(*dtype)), grid, QMMA_THREADS)
+            } else {
+                let name = match matvec {
+                    Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
+                    None => format!("qmatmul_{}_r1_{}", format.name(), suffix(*dtype)),
+                };
+                (name, [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, 1, 1], QMM_THREADS)
             };
-            let grid = [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, rows.div_ceil(rb).clamp(1, 65535) as u32, 1];
-            Step::new(Op::kernel(k.decode()?.get(&name)?, grid, QMM_THREADS, 0, [1, 1, 1], &p)?, kind)
+            Step::new(Op::kernel(k.decode()?.get(&name)?, grid, threads, 0, [1, 1, 1], &p)?, kind)
         }
         Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
             let row_bytes =
@@ -206,8 +213,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn format_codes_match_the_kernel_file() {
-        let src = include_str!("../kernels/decode.cu");
+    fn constants_match_the_kernel_files() {
+        let src = include_str!("../kernels/quant.cuh");
         for (f, name) in [
             (QFormat::Q4_0, "QF_Q4_0"),
             (QFormat::Q4_1, "QF_Q4_1"),
@@ -219,9 +226,12 @@ mod tests {
         ] {
             assert!(src.contains(&format!("#define {name} {}\n", qformat_code(f))), "{name}");
         }
+        let sample = include_str!("../kernels/sample.cu");
         for (name, v) in [("SAMPLE_THREADS", SAMPLE_THREADS as usize), ("SAMPLE_CAP", SAMPLE_CAP)] {
-            assert!(src.contains(&format!("#define {name} {v}\n")), "{name}");
+            assert!(sample.contains(&format!("#define {name} {v}\n")), "{name}");
         }
+        let qmma = include_str!("../kernels/qmma.cu");
+        assert!(qmma.contains(&format!("#define QMMA_WARPS {}\n", QMMA_THREADS / 32)), "QMMA_WARPS");
     }
 
     #[test]

@@ -183,7 +183,7 @@ pub(crate) struct Kernels {
     /// The fused feed-forward kernels, loaded on first use (`ffn`); a
     /// failure is kept as its message and repeated to every caller.
     ffn: OnceLock<std::result::Result<LazyModule, String>>,
-    /// The generation step's kernels (kernels/decode.cu), loaded on first
+    /// The generation step's kernels (kernels/decode.cu, qmma.cu, sample.cu), loaded on first
     /// use (`decode`) in the same way.
     decode: OnceLock<std::result::Result<LazyModule, String>>,
     /// The fault-injection hook's trapping kernel (kernels/fault.cu).
@@ -191,7 +191,7 @@ pub(crate) struct Kernels {
 }
 
 /// Kernels compiled and loaded on first use: the fused feed-forward
-/// block's (kernels/ffn.cu) and the generation step's (kernels/decode.cu),
+/// block's (kernels/ffn.cu) and the generation step's (kernels/decode.cu and its siblings),
 /// which only some schedules run.
 pub(crate) struct LazyModule {
     funcs: HashMap<String, Func>,
@@ -244,7 +244,7 @@ impl Kernels {
         let loaded = self.decode.get_or_init(|| {
             let files = crate::nvrtc::decode_sources_for(self.dev.cc);
             let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs, file: "decode.cu" })
+            Ok(LazyModule { funcs, file: "decode.cu, qmma.cu or sample.cu" })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the generation kernels: {e}")))
     }

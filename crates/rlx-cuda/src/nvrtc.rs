@@ -13,8 +13,22 @@ use crate::driver::err;
 use crate::kernel_cache;
 use crate::options::CudaOptions;
 
-/// Our shared header, given to NVRTC in memory.
-pub(crate) const HEADER: (&str, &str) = ("common.cuh", include_str!("../kernels/common.cuh"));
+/// Our headers, given to NVRTC in memory: (file name, text).
+pub(crate) const HEADERS: &[(&str, &str)] =
+    &[("common.cuh", include_str!("../kernels/common.cuh")), ("quant.cuh", include_str!("../kernels/quant.cuh"))];
+
+/// The text of `source` with the text of every header of ours it includes
+/// (where parameter structs may be defined).
+pub(crate) fn with_headers(source: &str) -> String {
+    let mut all = source.to_string();
+    for (name, text) in HEADERS {
+        if source.contains(&format!("#include \"{name}\"")) {
+            all.push('\n');
+            all.push_str(text);
+        }
+    }
+    all
+}
 
 /// The kernel files every device loads when it opens: (file name, text).
 pub const SOURCES: &[(&str, &str)] = &[
@@ -32,7 +46,12 @@ pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/f
 /// The generation step's kernels (src/decode.rs): compiled and loaded the
 /// first time a schedule has a quantized matmul or gather, a sample, or an
 /// integer binary op.
-pub const DECODE_SOURCES: &[(&str, &str)] = &[("decode.cu", include_str!("../kernels/decode.cu"))];
+/// Separate files so that a cold start compiles them on parallel threads.
+pub const DECODE_SOURCES: &[(&str, &str)] = &[
+    ("decode.cu", include_str!("../kernels/decode.cu")),
+    ("qmma.cu", include_str!("../kernels/qmma.cu")),
+    ("sample.cu", include_str!("../kernels/sample.cu")),
+];
 
 /// The trapping kernel of the fault-injection test hook: compiled and
 /// loaded only when the hook is used.
@@ -171,9 +190,10 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     let include = find_include_dir(cfg.cuda_include.as_deref())?;
     let opts = nvrtc_options(arch, &include, cfg.ptxas_verbose);
     // The parameter structs' sizes and offsets, checked against their Rust twins.
-    let source = &format!("{source}\n{}", crate::params::asserts(source));
+    let source = &format!("{source}\n{}", crate::params::asserts(&with_headers(source)));
     let mut h = Sha256::new();
-    for part in [source.as_str(), HEADER.1, &opts.join(" "), &format!("{arch} {version:?}")] {
+    let headers = HEADERS.iter().map(|(_, text)| *text);
+    for part in [source.as_str(), &opts.join(" "), &format!("{arch} {version:?}")].into_iter().chain(headers) {
         h.update(part.as_bytes());
         h.update([0u8]);
     }
@@ -207,17 +227,19 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
     let bad = |what: &str| err(format!("{file}: {what} contains a NUL byte"));
     let src = CString::new(source).map_err(|_| bad("source"))?;
     let name = CString::new(file).map_err(|_| bad("name"))?;
-    let hsrc = CString::new(HEADER.1).map_err(|_| bad("header"))?;
-    let hname = CString::new(HEADER.0).map_err(|_| bad("header name"))?;
+    let hsrc: Vec<CString> =
+        HEADERS.iter().map(|(_, t)| CString::new(*t)).collect::<std::result::Result<_, _>>().map_err(|_| bad("a header"))?;
+    let hname: Vec<CString> =
+        HEADERS.iter().map(|(n, _)| CString::new(*n)).collect::<std::result::Result<_, _>>().map_err(|_| bad("a header name"))?;
     let copts: Vec<CString> =
         opts.iter().map(|o| CString::new(o.as_str())).collect::<std::result::Result<_, _>>().map_err(|_| bad("an option"))?;
     let opt_ptrs: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
-    let headers = [hsrc.as_ptr()];
-    let names = [hname.as_ptr()];
+    let headers: Vec<*const c_char> = hsrc.iter().map(|c| c.as_ptr()).collect();
+    let names: Vec<*const c_char> = hname.iter().map(|c| c.as_ptr()).collect();
     let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: every pointer is a live NUL-terminated string; prog is destroyed below.
     unsafe {
-        let r = nv::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), 1, headers.as_ptr(), names.as_ptr());
+        let r = nv::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), headers.len() as i32, headers.as_ptr(), names.as_ptr());
         if r != nv::nvrtcResult::NVRTC_SUCCESS {
             return Err(err(format!("{file}: nvrtcCreateProgram failed: {r:?}")));
         }

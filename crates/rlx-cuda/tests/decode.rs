@@ -69,6 +69,19 @@ fn u8_weight(sb: &mut Sb, name: &str, rows: usize, bytes: Vec<u8>) -> BufRef {
     BufRef { space: Space::Weight(i), offset: 0, bytes: (rows * rb) as u64 }
 }
 
+/// The GPU's rounding of one product's operands in a quantized matmul of
+/// `rows` rows: none for one row (f32 throughout); two and more rows run on
+/// tensor cores with both operands rounded to 16 bits (f16, bf16 for bf16
+/// activations). Returns (relative bound per product, absolute bound per
+/// unit of |w| + |x|: f16's subnormal spacing).
+fn mma_rounding(rows: usize, dt: DType) -> (f64, f64) {
+    match (rows, dt) {
+        (1, _) => (0.0, 0.0),
+        (_, DType::BF16) => (2.0 * 2f64.powi(-8) * 1.01, 0.0),
+        _ => (2.0 * 2f64.powi(-11) * 1.01, 2f64.powi(-25)),
+    }
+}
+
 fn run_both(
     what: &str,
     g: &Option<rlx_cuda::CudaBackend>,
@@ -106,10 +119,17 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (1, 19, 48, DType::F16),
             (1, 9, 64, DType::F32),
             (1, 7, 65, DType::BF16),
+            // Tensor-core tiles: a batch of 8, two tiles of 32 rows with a
+            // partial third, columns past a multiple of 16, and (odd rows)
+            // a row stride that is not a multiple of 4 elements.
+            (8, 40, 18, DType::F32),
+            (70, 33, 5, DType::F32),
+            (37, 24, 3, DType::F16),
+            (9, 17, 4, DType::BF16),
         ] {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
-            let lda = k + 8;
+            let lda = if rows % 2 == 1 && rows > 1 { k + 3 } else { k + 8 };
             let mut sb = Sb::new();
             let a = sb.input("a", &[rows, lda], dt);
             let wb = random_blocks(&mut r, f, n, k);
@@ -139,6 +159,8 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             let mut wrow = vec![0f32; k];
             let mut want = vec![0f64; rows * n];
             let mut mag = vec![0f64; rows * n];
+            // Sum of |w| + |x| over the products (f16's subnormal steps).
+            let mut spread = vec![0f64; rows * n];
             for j in 0..n {
                 dequantize_row(f, &wb[j * rb..(j + 1) * rb], &mut wrow).unwrap_or_else(|e| panic!("{e}"));
                 for i in 0..rows {
@@ -146,6 +168,7 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
                         let p = x[i * lda + c] as f64 * *wv as f64;
                         want[i * n + j] += p;
                         mag[i * n + j] += p.abs();
+                        spread[i * n + j] += (x[i * lda + c] as f64).abs() + (*wv as f64).abs();
                     }
                 }
             }
@@ -182,16 +205,17 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
                 DType::BF16 => 2f64.powi(-8),
                 _ => 0.0,
             };
+            let (rel, abs) = mma_rounding(rows, dt);
             let got = replay[0].to_f32();
             let mut worst = 0f64;
             for (e, (gv, wv)) in got.iter().zip(&want).enumerate() {
                 // Past f16's largest finite value (65504, rounding up from
                 // 65520) the right answer is an infinity of the sum's sign.
-                if dt == DType::F16 && wv.abs() >= 65520.0 * (1.0 + 1e-5 * mag[e] / wv.abs()) {
+                if dt == DType::F16 && wv.abs() >= 65520.0 * (1.0 + (1e-5 + rel) * mag[e] / wv.abs()) {
                     assert!(gv.is_infinite() && (*gv > 0.0) == (*wv > 0.0), "{what}: element {e}: gpu {gv} vs oracle {wv} (beyond f16)");
                     continue;
                 }
-                let bound = 1e-5 * mag[e] + unit * wv.abs() * 1.01 + 1e-30;
+                let bound = (1e-5 + rel) * mag[e] + abs * spread[e] + unit * wv.abs() * 1.01 + 1e-30;
                 let d = (*gv as f64 - wv).abs();
                 assert!(d <= bound, "{what}: element {e}: gpu {gv} vs oracle {wv} (|diff| {d:e} > {bound:e})");
                 worst = worst.max(d / mag[e].max(1e-30));
@@ -221,6 +245,10 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // the gate, 1536-element rows with the residual.
             (1, 40, true, true, false, 18),
             (1, 21, false, false, true, 48),
+            // The same on tensor cores: a batch of 8, and two 32-row tiles
+            // with a partial third.
+            (8, 40, true, true, false, 18),
+            (70, 21, true, true, true, 5),
         ] {
             let k = nblk * f.block_elems();
             let lda = k + 4;
@@ -256,7 +284,10 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             let (x, gv, rv) = (at.to_f32(), gt.to_f32(), rt.to_f32());
             let rb = f.row_bytes(k).unwrap_or(0);
             let mut wrow = vec![0f32; k];
-            // (value, sum of |terms|) of each weight row against each a row.
+            // (value, bound on the GPU's error) of each weight row against
+            // each a row: f32 accumulation, and on tensor cores the rounding
+            // of x·gamma and w to f16 (the norm's scale comes after).
+            let (rel, abs) = mma_rounding(rows, DType::F32);
             let mut dots = vec![(0f64, 0f64); rows * wrows];
             for i in 0..rows {
                 let xr = &x[i * lda..i * lda + k];
@@ -264,13 +295,15 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
                     if norm { 1.0 / (xr.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / k as f64 + eps as f64).sqrt() } else { 1.0 };
                 for j in 0..wrows {
                     dequantize_row(f, &wb[j * rb..(j + 1) * rb], &mut wrow).unwrap_or_else(|e| panic!("{e}"));
-                    let (mut v, mut m) = (0f64, 0f64);
+                    let (mut v, mut m, mut spread) = (0f64, 0f64, 0f64);
                     for c in 0..k {
-                        let h = xr[c] as f64 * if norm { inv * gv[c] as f64 } else { 1.0 };
+                        let xg = xr[c] as f64 * if norm { gv[c] as f64 } else { 1.0 };
+                        let h = xg * if norm { inv } else { 1.0 };
                         v += h * wrow[c] as f64;
                         m += (h * wrow[c] as f64).abs();
+                        spread += (xg.abs() + (wrow[c] as f64).abs()) * if norm { inv } else { 1.0 };
                     }
-                    dots[i * wrows + j] = (v, m);
+                    dots[i * wrows + j] = (v, (1e-5 + rel) * m + abs * spread);
                 }
             }
             let Some(g) = &g else { continue };
@@ -280,13 +313,13 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             let got = replay[0].to_f32();
             for i in 0..rows {
                 for j in 0..n {
-                    let (sv, se) = (dots[i * wrows + j].0, 1e-5 * dots[i * wrows + j].1);
+                    let (sv, se) = dots[i * wrows + j];
                     let (mut want, mut bound) = (sv, se);
                     if glu {
-                        let (uv, ue) = (dots[i * wrows + n + j].0, 1e-5 * dots[i * wrows + n + j].1);
+                        let (uv, ue) = dots[i * wrows + n + j];
                         let silu = sv / (1.0 + (-sv).exp());
                         want = silu * uv;
-                        bound = 1.1 * uv.abs() * se + silu.abs() * ue + 1e-5 * want.abs();
+                        bound = 1.1 * uv.abs() * se + silu.abs() * ue + 1.1 * se * ue + 1e-5 * want.abs();
                     }
                     if res {
                         want += rv[i * n + j] as f64;

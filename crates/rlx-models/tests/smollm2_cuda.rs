@@ -79,9 +79,12 @@ fn cuda_f16_kv_cache_against_f32_cache_and_the_cpu() {
     }
 }
 
-/// The CUDA quantized kernels keep activations in f32 and read the same
-/// block values the f32 path dequantises, so they match the CUDA f32 path
-/// up to summation order (stated tolerance 2e-3). The CPU's quantized path
+/// The CUDA quantized kernels read the same block values the f32 path
+/// dequantises. One row (a decode step) stays in f32, but a prompt's rows
+/// run on tensor cores with activations and weights rounded to f16 (2^-11
+/// relative each), so the first logits, which come from the prompt, differ
+/// from the f32 path by that rounding carried through 30 layers: 0.026 at
+/// most on the H100, stated tolerance 0.1. The CPU's quantized path
 /// rounds activations to int8 per block (llama.cpp's scheme), so against
 /// it the stated tolerance is the CPU test's against the f32 path: max
 /// |logit diff| 1.5 and cosine >= 0.995.
@@ -94,7 +97,7 @@ fn cuda_quantized_path_against_the_f32_path_and_the_cpu() {
     let mut q = Generator::load_with(&path, Device::Cuda(0), base.clone()).expect("load cuda quantized");
     let mut f = Generator::load_with(&path, Device::Cuda(0), GeneratorOptions { dequantize: true, ..base.clone() }).expect("load cuda f32");
     let mut c = Generator::load_with(&path, Device::Cpu, base).expect("load cpu quantized");
-    const TOL_F32: f32 = 2e-3;
+    const TOL_F32: f32 = 0.1;
     const TOL_CPU: f32 = 1.5;
     for (n, item) in r["items"].as_array().expect("items").iter().enumerate() {
         let ids = prompt_ids(&q, item);
