@@ -11,7 +11,9 @@
 // each 32 weights (8 weights, dequant8's chunk of a block) for columns g
 // and g + 8, and the same 8 activation elements for rows g of its
 // fragments; the 8 fill its fragment slots k = 2t, 2t+1, 2t+8, 2t+9 of two
-// k16 steps. A weight is decoded once per 8·NF rows.
+// k16 steps. A weight is decoded once per 8·NF rows. For 32-element
+// formats a warp loads its next block's bytes before it works on the
+// current one, so weights are always in flight.
 //
 // A block of QMMA_WARPS warps owns 16 columns and 8·NF rows; its warps
 // split k (32-element groups dealt round-robin) and add their partial tiles
@@ -19,7 +21,7 @@
 // timing. Warp 0 applies the fused norm, gate and residual and stores.
 #include "quant.cuh"
 
-#define QMMA_WARPS 4
+#define QMMA_WARPS 8
 
 // The tensor-core input type: f16, or bf16 for bf16 activations.
 template <typename T> struct MmaIn { typedef __half type; };
@@ -92,31 +94,9 @@ __device__ void qmma_body(const QMatMulP& p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[f][i] = acc2[f][i] = 0.0f;
         }
-        for (i64 gi = warp; gi < groups; gi += QMMA_WARPS) {
-            const i64 blk = gi / SUBS;
-            const int part = (int)(gi % SUBS) * 4 + t;
-            float lo[8], hi[8];
-            int e[8];
-            unsigned a[2][4], u[2][4];
-            dequant8<F>(w_lo + blk * BB, part, lo, e);
-            dequant8<F>(w_hi + blk * BB, part, hi, e);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                lo[i] = v_lo ? lo[i] : 0.0f;
-                hi[i] = v_hi ? hi[i] : 0.0f;
-            }
-            a_frags<M>(lo, hi, a);
-            if (glu) {
-                dequant8<F>(w_lo + up + blk * BB, part, lo, e);
-                dequant8<F>(w_hi + up + blk * BB, part, hi, e);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    lo[i] = v_lo ? lo[i] : 0.0f;
-                    hi[i] = v_hi ? hi[i] : 0.0f;
-                }
-                a_frags<M>(lo, hi, u);
-            }
-            const i64 base = blk * BE;
+        // One group's mma steps: the A fragments (a; u for the up half) of
+        // its weights, whose elements sit at base + e[i].
+        auto rows_step = [&](i64 base, const int* e, const unsigned (&a)[2][4], const unsigned (&u)[2][4]) {
             float gm[8];
 #pragma unroll
             for (int i = 0; i < 8; ++i) gm[i] = norm ? ld(gamma, base + e[i]) : 1.0f;
@@ -150,6 +130,65 @@ __device__ void qmma_body(const QMatMulP& p) {
                     Mma<M>::run(acc[f], a[s], b0, b1);
                     if (glu) Mma<M>::run(acc2[f], u[s], b0, b1);
                 }
+            }
+        };
+        // Decoded weights of columns g (lo) and g + 8 (hi) into fragments,
+        // zeros for columns past n.
+        auto frags = [&](float* lo, float* hi, unsigned (&a)[2][4]) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                lo[i] = v_lo ? lo[i] : 0.0f;
+                hi[i] = v_hi ? hi[i] : 0.0f;
+            }
+            a_frags<M>(lo, hi, a);
+        };
+        if constexpr (BE == 32) {
+            // A 32-element group is one block: the next group's block bytes
+            // are loaded before this group's math, so a warp always has a
+            // group's weights in flight.
+            QRaw cur[4], nxt[4];
+            auto fetch = [&](i64 gi, QRaw (&r)[4]) {
+                r[0] = qraw<F>(w_lo + gi * BB, t);
+                r[1] = qraw<F>(w_hi + gi * BB, t);
+                if (glu) {
+                    r[2] = qraw<F>(w_lo + up + gi * BB, t);
+                    r[3] = qraw<F>(w_hi + up + gi * BB, t);
+                }
+            };
+            if (warp < groups) fetch(warp, cur);
+            for (i64 gi = warp; gi < groups; gi += QMMA_WARPS) {
+                if (gi + QMMA_WARPS < groups) fetch(gi + QMMA_WARPS, nxt);
+                float lo[8], hi[8];
+                int e[8];
+                unsigned a[2][4], u[2][4];
+                qdecode<F>(cur[0], t, lo, e);
+                qdecode<F>(cur[1], t, hi, e);
+                frags(lo, hi, a);
+                if (glu) {
+                    qdecode<F>(cur[2], t, lo, e);
+                    qdecode<F>(cur[3], t, hi, e);
+                    frags(lo, hi, u);
+                }
+                rows_step(gi * BE, e, a, u);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) cur[j] = nxt[j];
+            }
+        } else {
+            for (i64 gi = warp; gi < groups; gi += QMMA_WARPS) {
+                const i64 blk = gi / SUBS;
+                const int part = (int)(gi % SUBS) * 4 + t;
+                float lo[8], hi[8];
+                int e[8];
+                unsigned a[2][4], u[2][4];
+                dequant8<F>(w_lo + blk * BB, part, lo, e);
+                dequant8<F>(w_hi + blk * BB, part, hi, e);
+                frags(lo, hi, a);
+                if (glu) {
+                    dequant8<F>(w_lo + up + blk * BB, part, lo, e);
+                    dequant8<F>(w_hi + up + blk * BB, part, hi, e);
+                    frags(lo, hi, u);
+                }
+                rows_step(blk * BE, e, a, u);
             }
         }
         // Row sums of squares: lanes 4g..4g+3 hold row g's four chunks.

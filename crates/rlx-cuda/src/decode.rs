@@ -18,7 +18,7 @@ use crate::params::{self, arr, i};
 const QMM_THREADS: u32 = 256;
 /// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
 /// kernels/qmma.cu): its warps split k.
-const QMMA_THREADS: u32 = 128;
+const QMMA_THREADS: u32 = 256;
 /// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
 const SAMPLE_THREADS: u32 = 512;
 /// Candidates the sampling kernel holds in shared memory after top-k
