@@ -683,8 +683,11 @@ pub(crate) fn lower(
             // bf16 cache read it as stored (`f32_kvf16`, `f32_kvbf16`).
             let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
             let (grid, func, block, smem) = match rows {
-                // One query row (a decode step): the keys split over 8 warps.
-                _ if a.q_len == 1 => ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec_{hdp}_{sfx}"))?, DEC_THREADS, 0),
+                // One query row (a decode step): the keys split over a block's warps.
+                _ if a.q_len == 1 => {
+                    let w = decode_warps(a.heads * a.batch, k.sm_count);
+                    ([a.heads as u32, a.batch as u32, 1], k.get(&format!("attention_dec{w}_{hdp}_{sfx}"))?, w * 32, 0)
+                }
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
                     // The short-range kernel folds the scale into its exponent (it must be positive).
@@ -751,8 +754,9 @@ pub(crate) fn lower(
                 theta: rope.map_or(0.0, |r| r.theta as f64),
                 scale: a.scale as f64,
             };
-            let func = k.get(&format!("attention_app_{hdp}_{sfx}"))?;
-            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], DEC_THREADS, 0, [1, 1, 1], &p)?, kind));
+            let w = decode_warps(a.heads * a.batch, k.sm_count);
+            let func = k.get(&format!("attention_app{w}_{hdp}_{sfx}"))?;
+            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], w * 32, 0, [1, 1, 1], &p)?, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -812,8 +816,17 @@ pub(crate) fn lower(
     Ok(steps)
 }
 
-/// Threads of a decode attention block (`DEC_WARPS` warps in kernels/attention.cu).
-const DEC_THREADS: u32 = 16 * 32;
+/// Warps of a decode attention block (kernels/attention_dec.cu) for a grid
+/// of `blocks` (heads × batch): 16 while one block per SM covers the grid
+/// (a 16-warp block's registers fill an SM), else 4, so that a batch's
+/// blocks run in one wave instead of queueing behind each other.
+pub(crate) fn decode_warps(blocks: usize, sm_count: u32) -> u32 {
+    if blocks <= sm_count as usize {
+        16
+    } else {
+        4
+    }
+}
 
 /// The `AttnP` of kernels/attention_mma.cu (and attention.cu) for a thunk.
 fn attention_params(a: &rlx_schedule::AttentionThunk, b: &Bases) -> Result<params::AttnP> {

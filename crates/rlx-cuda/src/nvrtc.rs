@@ -36,6 +36,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rows.cu", include_str!("../kernels/rows.cu")),
     ("indexed.cu", include_str!("../kernels/indexed.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("attention_dec.cu", include_str!("../kernels/attention_dec.cu")),
     ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
 ];
 

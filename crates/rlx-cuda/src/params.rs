@@ -58,7 +58,7 @@ kernel_params! {
         batch: i64, heads: i64, kv_heads: i64, hd: i64, q_len: i64, kv_len: i64, causal: i64, mask_dt: i64,
         qbs: i64, qrs: i64, kbs: i64, krs: i64, vbs: i64, vrs: i64, scale: f64, err: u64, valid_pb: i64,
     }
-    /// A decode step's attention with its KV-cache append (kernels/attention.cu `attention_app_*`).
+    /// A decode step's attention with its KV-cache append (kernels/attention_dec.cu `attention_app*`).
     struct AttnAppP {
         q: u64, kn: u64, vn: u64, kc: u64, vc: u64, wpos: u64, rpos: u64, factors: u64,
         valid: u64, mask: u64, out: u64, err: u64,

@@ -219,17 +219,28 @@ fn cuda_fused_append_agrees_with_the_cpu() {
         Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
     }
     let mut r = rng(52);
-    for case in 0..24 {
-        let c = Case::random(&mut r);
-        let n = steps(&c);
-        let (want, _) = run(&c, Device::Cpu, UNFUSED, case, n, false);
-        let (got, after) = run(&c, Device::Cuda(0), CompileOptions::default(), case, n, false);
-        assert!(after.nodes.iter().any(|x| matches!(x.op, Op::AttentionAppend { .. })), "case {case}: {after}");
+    let mut cases: Vec<Case> = (0..24).map(|_| Case::random(&mut r)).collect();
+    // Grids of more blocks (heads × batch) than an H100 has SMs: the
+    // 4-warp decode kernels.
+    for (batch, heads, kv_heads, kv_dtype) in [(20, 9, 3, DType::F16), (48, 4, 1, DType::F32)] {
+        let rope = Some(RopeMode::Interleaved);
+        cases.push(Case { batch, heads, kv_heads, head_dim: 64, ctx: batch + 24, rope, factors: false, kv_dtype, per_batch: true });
+    }
+    for (case, c) in cases.iter().enumerate() {
+        let case = case as u64;
+        let n = steps(c);
+        let (want, _) = run(c, Device::Cpu, UNFUSED, case, n, false);
         // f16/bf16 caches: the GPU's rotation may round a key the other way.
         let tol = if c.kv_dtype == DType::F32 { 2e-5 } else { 2e-2 };
-        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-            let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
-            assert_close(&format!("case {case} {c:?} output {i}"), b, &want64, tol);
+        // Fused (attention_app), then unfused (the decode attention kernel).
+        for opts in [CompileOptions::default(), UNFUSED] {
+            let fused = opts.fuse;
+            let (got, after) = run(c, Device::Cuda(0), opts, case, n, false);
+            assert_eq!(after.nodes.iter().any(|x| matches!(x.op, Op::AttentionAppend { .. })), fused, "case {case}: {after}");
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+                assert_close(&format!("case {case} {c:?} fused {fused} output {i}"), b, &want64, tol);
+            }
         }
     }
 }
