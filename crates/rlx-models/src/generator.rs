@@ -200,9 +200,21 @@ pub struct GenerationStats {
     pub generated: usize,
     pub prefill_time: Duration,
     pub decode_time: Duration,
+    /// Host time of the decode steps after the prompt: submitting them and
+    /// handling their tokens (reading, detokenizing, stop checks), waits
+    /// on the device excluded.
+    pub host_time: Duration,
 }
 
 impl GenerationStats {
+    /// Mean host time per decode step in µs (see `host_time`).
+    pub fn host_us_per_step(&self) -> f64 {
+        if self.generated < 2 {
+            0.0
+        } else {
+            self.host_time.as_secs_f64() * 1e6 / (self.generated - 1) as f64
+        }
+    }
     pub fn prefill_tok_s(&self) -> f64 {
         let n = (self.prompt_tokens - self.cached_tokens) as f64;
         if self.prefill_time.is_zero() {
@@ -822,6 +834,7 @@ impl Generator {
             pending: VecDeque::new(),
             next: Some((first, logits)),
             submitted: 0,
+            waited: Duration::ZERO,
             done: None,
             ids: vec![],
             decode_start: None,
@@ -847,6 +860,8 @@ pub struct Generation<'g> {
     ids: Vec<u32>,
     decode_start: Option<Instant>,
     stats: GenerationStats,
+    /// Time spent waiting on the device during the current `next` call.
+    waited: Duration,
 }
 
 impl Generation<'_> {
@@ -901,11 +916,13 @@ impl Generation<'_> {
     /// Waits out the steps still in flight (they may write the shared
     /// state, so nothing else may run before they finish).
     fn drain(&mut self) {
+        let t0 = Instant::now();
         while let Some(t) = self.pending.pop_front() {
             if let Ok(exe) = self.gen.decode_exe(1) {
                 let _ = exe.wait(t);
             }
         }
+        self.waited += t0.elapsed();
         if let Some(s) = self.decode_start.take() {
             self.stats.decode_time = s.elapsed();
         }
@@ -933,7 +950,10 @@ impl Generation<'_> {
                     self.finish(StopReason::ContextFull);
                     return Ok(None);
                 };
-                let out = self.gen.decode_exe(1)?.wait(t)?;
+                let t0 = Instant::now();
+                let out = self.gen.decode_exe(1)?.wait(t);
+                self.waited += t0.elapsed();
+                let out = out?;
                 let token = out
                     .first()
                     .and_then(|t| t.to_i32().first().copied())
@@ -973,7 +993,14 @@ impl Generation<'_> {
 impl Iterator for Generation<'_> {
     type Item = Result<Piece>;
     fn next(&mut self) -> Option<Self::Item> {
-        match self.advance() {
+        let t0 = Instant::now();
+        self.waited = Duration::ZERO;
+        let r = self.advance();
+        // The first call hands out the prompt's token: decode starts after it.
+        if self.stats.generated > 1 {
+            self.stats.host_time += t0.elapsed().saturating_sub(self.waited);
+        }
+        match r {
             Ok(Some(p)) => Some(Ok(p)),
             Ok(None) => None,
             Err(e) => {

@@ -71,7 +71,8 @@ fn params(max_tokens: usize) -> SamplingParams {
 }
 
 /// Prefill tok/s and batch-1 decode tok/s, medians of `runs`.
-fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
+/// Batch 1: (prefill tok/s, decode tok/s, host µs per decode step, load s).
+fn single(b: &GenBench) -> Result<(f64, f64, f64, f64), String> {
     let bucket = b.prompt_tokens.next_power_of_two();
     let ctx = (b.prompt_tokens + b.new_tokens + bucket + 16).next_power_of_two();
     let buckets = vec![bucket];
@@ -81,7 +82,7 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
     let load_s = t0.elapsed().as_secs_f64();
     let vocab = g.config().vocab;
     let mut rng = Ids(b.seed);
-    let (mut pre, mut dec) = (vec![], vec![]);
+    let (mut pre, mut dec, mut host) = (vec![], vec![], vec![]);
     // One untimed warm-up run, then the timed ones.
     for run in 0..=b.runs {
         let prompt = random_prompt(&mut rng, vocab, b.prompt_tokens);
@@ -96,9 +97,10 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64), String> {
         if run > 0 {
             pre.push(st.prefill_tok_s());
             dec.push(st.decode_tok_s());
+            host.push(st.host_us_per_step());
         }
     }
-    Ok((median(pre), median(dec), load_s))
+    Ok((median(pre), median(dec), median(host), load_s))
 }
 
 /// Aggregate decode tok/s of `batch` sequences decoding together (after
@@ -217,7 +219,7 @@ pub fn run(b: &GenBench) -> Result<String, String> {
     eprintln!("rlx: prefill {} tokens, decode {} tokens at batch 1...", b.prompt_tokens, b.new_tokens);
     let single = single(b);
     let (pre, dec, load) = match &single {
-        Ok((p, d, l)) => (Ok(*p), Ok(*d), Some(*l)),
+        Ok((p, d, h, l)) => (Ok(*p), Ok(*d), Some((*h, *l))),
         Err(e) => (Err(e.clone()), Err(e.clone()), None),
     };
     let mut rlx_batched = vec![];
@@ -264,8 +266,11 @@ pub fn run(b: &GenBench) -> Result<String, String> {
         };
         lines.push(Line { what: format!("aggregate decode, batch {bs}, {} tokens each", b.batch_tokens), rlx: r, peer, unit: "tok/s" });
     }
-    if let Some(l) = load {
+    if let Some((h, l)) = load {
         notes.push(format!("RLX model load and compile: {l:.2} s."));
+        notes.push(format!(
+            "RLX host time per decode step at batch 1: {h:.1} µs (submitting the step and handling its token; waits on the device excluded)."
+        ));
         let kv = b.kv_dtype.unwrap_or_else(|| rlx_models::default_kv_dtype(b.device));
         notes.push(format!("RLX KV cache: {kv} (llama.cpp's default cache is f16)."));
     }
