@@ -66,6 +66,8 @@ struct Worker {
     arenas: Vec<AlignedBuf>,
     /// Shared with the other executables of a [`StateSet`] when bound to one.
     states: Vec<Arc<AlignedBuf>>,
+    /// Where each state lies in its buffer (`PrepareOptions::state_block`).
+    state_offsets: Vec<usize>,
     consts: Vec<AlignedBuf>,
     weights: Vec<WeightMem>,
     /// Per thunk: f32 copy of a half-precision matmul weight.
@@ -119,19 +121,30 @@ impl Worker {
         schedule: Arc<Schedule>,
         store: &WeightStore,
         shared_states: Option<&Arc<StateSet>>,
+        state_block: u64,
         slots: usize,
         pool: Option<Arc<rayon::ThreadPool>>,
         profile: bool,
     ) -> Result<Worker> {
         check_fits(&schedule, slots)?;
         let arenas = (0..slots).map(|i| alloc(schedule.arena_bytes, &format!("arena of slot {i}"))).collect::<Result<Vec<_>>>()?;
+        if state_block > 0 && shared_states.is_none() {
+            return Err(exec_err(format!("state block {state_block} needs states shared through a StateSet")));
+        }
+        let mut state_offsets = Vec::with_capacity(schedule.states.len());
         let states = schedule
             .states
             .iter()
             .map(|s| {
+                // Block b of a shared buffer: bytes b·size .. (b + 1)·size.
+                let at = state_block.checked_mul(s.buf.bytes).filter(|&a| a.checked_add(s.buf.bytes).is_some());
+                let at = at.ok_or_else(|| exec_err(format!("state '{}': block {state_block} overflows", s.name)))?;
+                state_offsets.push(at as usize);
                 let make = || alloc(s.buf.bytes, &format!("state '{}'", s.name));
                 match shared_states {
-                    Some(set) => set.get_or_create("cpu", &s.name, s.buf.bytes, make),
+                    Some(set) => {
+                        set.get_or_create("cpu", &s.name, at + s.buf.bytes, || alloc(at + s.buf.bytes, &format!("state '{}'", s.name)))
+                    }
                     None => make().map(Arc::new),
                 }
             })
@@ -146,6 +159,7 @@ impl Worker {
             schedule,
             arenas,
             states,
+            state_offsets,
             consts,
             weights: Vec::new(),
             b_cache: Vec::new(),
@@ -163,7 +177,13 @@ impl Worker {
         Mem {
             arena: self.arenas.get(slot).map(|a| a.region()).unwrap_or(Region::borrowed(&[])),
             weights: self.weights.iter().map(|w| w.region()).collect(),
-            states: self.states.iter().map(|s| s.region()).collect(),
+            states: self
+                .states
+                .iter()
+                .zip(&self.state_offsets)
+                .zip(&self.schedule.states)
+                .map(|((b, &at), s)| b.view(at, s.buf.bytes as usize).unwrap_or(Region::borrowed(&[])))
+                .collect(),
             consts: self.consts.iter().map(|c| c.region()).collect(),
         }
     }
@@ -337,15 +357,17 @@ impl Worker {
                     }
                 }
                 Job::Reset(reply) => {
-                    this.states.iter().for_each(|s| s.zero());
+                    for ((b, &at), s) in this.states.iter().zip(&this.state_offsets).zip(&this.schedule.states) {
+                        b.zero_range(at, s.buf.bytes as usize);
+                    }
                     let _ = reply.send(());
                 }
                 Job::ReadState(i, reply) => {
-                    let r = match (this.schedule.states.get(i), this.states.get(i)) {
-                        (Some(s), Some(b)) => Tensor::from_bytes(
+                    let r = match (this.schedule.states.get(i), this.states.get(i), this.state_offsets.get(i)) {
+                        (Some(s), Some(b), Some(&at)) => Tensor::from_bytes(
                             s.shape.clone(),
                             s.dtype,
-                            b.bytes()[..(s.shape.numel() * s.dtype.size()).min(b.len())].to_vec(),
+                            b.bytes()[at.min(b.len())..(at + s.shape.numel() * s.dtype.size()).min(b.len())].to_vec(),
                         ),
                         _ => Err(exec_err(format!("no state #{i}"))),
                     };
@@ -387,12 +409,13 @@ impl CpuExecutable {
         schedule: Arc<Schedule>,
         store: Arc<WeightStore>,
         states: Option<&Arc<StateSet>>,
+        state_block: u64,
         slots: usize,
         pool: Option<Arc<rayon::ThreadPool>>,
         profile: bool,
     ) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let worker = Worker::new(schedule.clone(), &store, states, slots, pool, profile)?;
+        let worker = Worker::new(schedule.clone(), &store, states, state_block, slots, pool, profile)?;
         let rebind_failed = worker.rebind_failed.clone();
         let shared = Arc::new(Mutex::new(worker));
         let (job_tx, job_rx) = channel();

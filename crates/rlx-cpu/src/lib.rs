@@ -105,7 +105,15 @@ impl Backend for CpuBackend {
 
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
         self.check(&schedule)?;
-        Ok(Box::new(CpuExecutable::new(schedule, weights, None, opts.slots.max(1), self.pool.clone(), self.opts.profile)?))
+        Ok(Box::new(CpuExecutable::new(
+            schedule,
+            weights,
+            None,
+            opts.state_block,
+            opts.slots.max(1),
+            self.pool.clone(),
+            self.opts.profile,
+        )?))
     }
 
     fn prepare_shared(
@@ -116,7 +124,15 @@ impl Backend for CpuBackend {
         opts: &PrepareOptions,
     ) -> Result<Box<dyn Executable>> {
         self.check(&schedule)?;
-        Ok(Box::new(CpuExecutable::new(schedule, weights, Some(states), opts.slots.max(1), self.pool.clone(), self.opts.profile)?))
+        Ok(Box::new(CpuExecutable::new(
+            schedule,
+            weights,
+            Some(states),
+            opts.state_block,
+            opts.slots.max(1),
+            self.pool.clone(),
+            self.opts.profile,
+        )?))
     }
 }
 

@@ -73,15 +73,24 @@ impl AlignedBuf {
         Region { base: self.ptr.as_ptr(), len: self.len }
     }
 
-    /// Zeroes the buffer through a shared reference: state buffers are
-    /// shared by the executables of a state set, which write them through
-    /// regions the same way (see the aliasing note at the top).
-    pub fn zero(&self) {
-        if self.len > 0 {
-            // SAFETY: ptr is valid for len bytes; the caller orders this
-            // against every other access to the buffer (executables bound
-            // to one state set run one call at a time, by contract).
-            unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) }
+    /// Bytes `offset..offset + len` as a region, if the buffer holds them.
+    pub fn view(&self, offset: usize, len: usize) -> Option<Region> {
+        let end = offset.checked_add(len)?;
+        // SAFETY: offset + len <= self.len, so the pointer stays inside the allocation.
+        (end <= self.len).then(|| Region { base: unsafe { self.ptr.as_ptr().add(offset) }, len })
+    }
+
+    /// Zeroes bytes `offset..offset + len` (clamped to the buffer) through
+    /// a shared reference: state buffers are shared by the executables of a
+    /// state set, which write them through regions the same way (see the
+    /// aliasing note at the top).
+    pub fn zero_range(&self, offset: usize, len: usize) {
+        let end = offset.saturating_add(len).min(self.len);
+        if end > offset {
+            // SAFETY: offset < end <= len; the caller orders this against
+            // every other access to the buffer (executables bound to one
+            // state set run one call at a time, by contract).
+            unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, end - offset) }
         }
     }
 }

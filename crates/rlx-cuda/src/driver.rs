@@ -218,6 +218,15 @@ impl DeviceBuffer {
         // SAFETY: whole allocation.
         check(unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.bytes as usize) }, "cuMemsetD8")
     }
+
+    /// Zeroes bytes `offset..offset + len`.
+    pub fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(err(format!("zeroing {len} bytes at {offset} overruns a {}-byte buffer", self.bytes)));
+        }
+        // SAFETY: range checked above.
+        check(unsafe { sys::cuMemsetD8_v2(self.ptr + offset, 0, len as usize) }, "cuMemsetD8")
+    }
 }
 
 impl Drop for DeviceBuffer {

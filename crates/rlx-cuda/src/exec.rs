@@ -67,6 +67,8 @@ pub struct CudaExecutable {
     _weight_bufs: Vec<Arc<DeviceBuffer>>,
     /// Shared with the other executables of a state set, if any.
     states: Vec<Arc<DeviceBuffer>>,
+    /// Where each state lies in its buffer (`PrepareOptions::state_block`).
+    state_at: Vec<u64>,
     _consts: Vec<DeviceBuffer>,
     _plans: Vec<Option<Arc<MatMulPlan>>>,
     _blas: Arc<Blas>,
@@ -111,13 +113,13 @@ fn check_buf(
     b: &rlx_schedule::BufRef,
     arena: u64,
     weights: &[Arc<DeviceBuffer>],
-    states: &[Arc<DeviceBuffer>],
+    states: &[u64],
     consts: &[DeviceBuffer],
 ) -> Result<()> {
     let cap = match b.space {
         Space::Arena => Some(arena),
         Space::Weight(i) => weights.get(i as usize).map(|w| w.bytes),
-        Space::State(i) => states.get(i as usize).map(|w| w.bytes),
+        Space::State(i) => states.get(i as usize).copied(),
         Space::Const(i) => consts.get(i as usize).map(|w| w.bytes),
     };
     match cap {
@@ -166,18 +168,27 @@ impl CudaExecutable {
         let weights = DeviceWeights::for_store(&dev, &store)?;
         let weight_bufs = weights.bind(&store, &schedule.weights)?;
         let mut states = Vec::new();
+        let mut state_at = Vec::new();
+        if opts.state_block > 0 && shared.is_none() {
+            return Err(err(format!("state block {} needs states shared through a StateSet", opts.state_block)));
+        }
         for s in &schedule.states {
+            // Block b of a shared buffer: bytes b·size .. (b + 1)·size.
+            let at = opts.state_block.checked_mul(s.buf.bytes).filter(|a| a.checked_add(s.buf.bytes).is_some());
+            let at = at.ok_or_else(|| err(format!("state '{}': block {} overflows", s.name, opts.state_block)))?;
             let make = || -> Result<DeviceBuffer> {
-                let b = DeviceBuffer::alloc(&dev, s.buf.bytes)?;
+                let b = DeviceBuffer::alloc(&dev, at + s.buf.bytes)?;
                 b.zero()?;
                 Ok(b)
             };
             states.push(match shared {
                 // Keyed by device too: a set's buffers serve one device.
-                Some(set) => set.get_or_create(&format!("cuda:{}", dev.ordinal), &s.name, s.buf.bytes, make)?,
+                Some(set) => set.get_or_create(&format!("cuda:{}", dev.ordinal), &s.name, at + s.buf.bytes, make)?,
                 None => Arc::new(make()?),
             });
+            state_at.push(at);
         }
+        let state_caps: Vec<u64> = schedule.states.iter().map(|s| s.buf.bytes).collect();
         let mut consts = Vec::new();
         for c in &schedule.consts {
             let b = DeviceBuffer::alloc(&dev, c.data.len() as u64)?;
@@ -187,14 +198,14 @@ impl CudaExecutable {
         let arena_bytes = schedule.arena_bytes;
         for (i, t) in schedule.thunks.iter().enumerate() {
             for b in thunk_bufs(t) {
-                check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &states, &consts)?;
+                check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &state_caps, &consts)?;
             }
             // Stride lists, alignment, and dims × strides of every operand
             // inside its BufRef (the CPU backend runs the same checks).
             rlx_schedule::operands::check_operands(t).map_err(|e| err(format!("thunk {i} ({}): {e}", t.kind())))?;
         }
         for s in schedule.inputs.iter().chain(&schedule.outputs) {
-            check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &states, &consts)?;
+            check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &state_caps, &consts)?;
         }
 
         let blas = Arc::new(Blas::new(&dev)?);
@@ -247,7 +258,7 @@ impl CudaExecutable {
             let bases = Bases {
                 arena: arena.ptr,
                 weights: weight_bufs.iter().map(|b| b.ptr).collect(),
-                states: states.iter().map(|b| b.ptr).collect(),
+                states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
                 consts: consts.iter().map(|b| b.ptr).collect(),
                 err: errbuf.ptr,
             };
@@ -348,6 +359,7 @@ impl CudaExecutable {
             weights,
             _weight_bufs: weight_bufs,
             states,
+            state_at,
             _consts: consts,
             _plans: plans,
             _blas: blas,
@@ -792,8 +804,8 @@ impl Executable for CudaExecutable {
         driver::check_context()?;
         self.dev.bind()?;
         self.stream.synchronize()?;
-        for s in &self.states {
-            s.zero()?;
+        for ((b, at), s) in self.states.iter().zip(&self.state_at).zip(&self.schedule.states) {
+            b.zero_range(*at, s.buf.bytes)?;
         }
         Ok(())
     }
@@ -808,7 +820,7 @@ impl Executable for CudaExecutable {
         self.stream.synchronize()?;
         let slot = &self.schedule.states[i];
         let mut data = vec![0u8; slot.buf.bytes as usize];
-        self.states[i].download(0, &mut data)?;
+        self.states[i].download(self.state_at[i], &mut data)?;
         Tensor::from_bytes(slot.shape.clone(), slot.dtype, data)
     }
 

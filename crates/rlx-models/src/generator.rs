@@ -243,7 +243,8 @@ pub struct Generator {
     eos: Vec<u32>,
     states: Arc<StateSet>,
     opts: GeneratorOptions,
-    /// Prefill steps by (batch width, bucket).
+    /// Prefill steps by (slot, bucket): one row, on the slot's row of the
+    /// shared states (`Session::compile_shared_at`).
     prefill: BTreeMap<(usize, usize), CompiledGraph>,
     /// Decode steps by batch width: a step over slots `0..w` runs at the
     /// smallest width that holds them, on the first rows of the shared
@@ -509,10 +510,10 @@ impl Generator {
         self.decode.get_mut(&width).ok_or_else(|| ModelError::Input("decode step missing".into()))
     }
 
-    fn prefill_exe(&mut self, width: usize, bucket: usize) -> Result<&mut CompiledGraph> {
-        if !self.prefill.contains_key(&(width, bucket)) {
+    fn prefill_exe(&mut self, slot: usize, bucket: usize) -> Result<&mut CompiledGraph> {
+        if !self.prefill.contains_key(&(slot, bucket)) {
             let shape = StepShape {
-                batch: width,
+                batch: 1,
                 seq: bucket,
                 decode: false,
                 ctx: self.opts.ctx_size,
@@ -520,23 +521,20 @@ impl Generator {
                 kv_dtype: self.kv_dtype(),
             };
             let graph = build_step_graph(&self.config, &self.kinds, shape)?;
-            let exe = self.session.compile_shared(&graph, &self.states)?;
-            self.prefill.insert((width, bucket), exe);
+            let exe = self.session.compile_shared_at(&graph, &self.states, slot as u64)?;
+            self.prefill.insert((slot, bucket), exe);
         }
-        self.prefill.get_mut(&(width, bucket)).ok_or_else(|| ModelError::Input("prefill step missing".into()))
+        self.prefill.get_mut(&(slot, bucket)).ok_or_else(|| ModelError::Input("prefill step missing".into()))
     }
 
     /// Feeds `ids[from..]` (positions `from..`) of the sequence in `slot`
     /// through prefill chunks and returns the first sampled token (and its
-    /// logits). The step runs at the width that holds `slot` and every
-    /// slot in use; the other slots' token and position are left alone:
-    /// their rows write past their own length (see `llama.rs`).
+    /// logits). Each chunk is a one-row step on the slot's row of the
+    /// shared states, so prefilling one sequence costs the same whatever
+    /// the other slots hold.
     fn prefill_from(&mut self, slot: usize, ids: &[u32], from: usize, params: &SamplingParams) -> Result<(u32, Option<Vec<f32>>)> {
         let largest = *self.opts.prefill_buckets.last().unwrap_or(&16);
-        let top = (0..self.opts.batch).filter(|&r| r == slot || self.slots[r].is_some()).max().unwrap_or(slot);
-        let b = self.width_for(top);
-        let rows: Vec<Option<&SamplingParams>> = (0..b).map(|r| (r == slot).then_some(params)).collect();
-        let (f, i) = sampling_tensors(&rows)?;
+        let (f, i) = sampling_tensors(&[Some(params)])?;
         let (f, i) = (&f, &i);
         let mut at = from;
         let mut last = None;
@@ -548,41 +546,19 @@ impl Generator {
             let bucket =
                 if bucket <= room { bucket } else { self.opts.prefill_buckets.iter().copied().rev().find(|&x| x <= room).unwrap_or(1) };
             let n = remaining.min(bucket);
-            // Where the other rows write: past their length, inside the
-            // cache, leaving the row their sampled token's history entry
-            // goes to.
-            let dump = self.opts.ctx_size.saturating_sub(bucket + 1);
-            for (r, &p) in self.slot_pos.iter().enumerate().take(b) {
-                if r != slot && self.slots[r].is_some() && p > dump {
-                    return Err(ModelError::Input(format!(
-                        "cannot prefill slot {slot} while slot {r} holds {p} tokens, within {bucket} of the context's {} (raise --ctx-size)",
-                        self.opts.ctx_size
-                    )));
-                }
-            }
-            let (mut tok, mut pos, mut start, mut valid, mut last_row, mut next_pos, mut row) =
-                (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
-            for r in 0..b {
-                let (base, real, chunk): (usize, usize, Vec<i32>) = if r == slot {
-                    let mut c: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
-                    c.resize(bucket, c.last().copied().unwrap_or(0));
-                    (at, n, c)
-                } else {
-                    (dump, bucket, vec![0; bucket])
-                };
-                tok.extend(chunk);
-                pos.extend((0..bucket).map(|j| (base + j) as i32));
-                start.push(base as i32);
-                valid.push((base + bucket) as i32);
-                last_row.push((r * bucket + real - 1) as i32);
-                next_pos.push((base + real) as i32);
-                row.push(if r == slot { 0 } else { 1 });
-            }
+            let mut chunk: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
+            chunk.resize(bucket, chunk.last().copied().unwrap_or(0));
+            let pos: Vec<i32> = (0..bucket).map(|j| (at + j) as i32).collect();
             let t = |shape: &[usize], v: &[i32]| Tensor::from_i32(shape.to_vec(), v);
-            let (ids_t, pos_t) = (t(&[b, bucket], &tok)?, t(&[b, bucket], &pos)?);
-            let (start, valid, last_row, next_pos, row) =
-                (t(&[b], &start)?, t(&[b], &valid)?, t(&[b], &last_row)?, t(&[b], &next_pos)?, t(&[b], &row)?);
-            let exe = self.prefill_exe(b, bucket)?;
+            let (ids_t, pos_t) = (t(&[1, bucket], &chunk)?, t(&[1, bucket], &pos)?);
+            let (start, valid, last_row, next_pos, row) = (
+                t(&[1], &[at as i32])?,
+                t(&[1], &[(at + bucket) as i32])?,
+                t(&[1], &[n as i32 - 1])?,
+                t(&[1], &[(at + n) as i32])?,
+                t(&[1], &[0])?,
+            );
+            let exe = self.prefill_exe(slot, bucket)?;
             let out = exe.run(&[
                 (io::IDS, &ids_t),
                 (io::POSITIONS, &pos_t),
@@ -599,9 +575,9 @@ impl Generator {
         }
         let out = last.ok_or_else(|| ModelError::Input("empty prompt".into()))?;
         let token =
-            out.first().and_then(|t| t.to_i32().get(slot).copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
+            out.first().and_then(|t| t.to_i32().first().copied()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
         let v = self.config.vocab;
-        let logits = out.get(1).map(|l| l.to_f32()[slot * v..(slot + 1) * v].to_vec());
+        let logits = out.get(1).map(|l| l.to_f32()[..v].to_vec());
         self.slot_pos[slot] = ids.len();
         Ok((token as u32, logits))
     }
@@ -630,9 +606,10 @@ impl Generator {
     /// [`step_batch`](Self::step_batch), which advances every sequence at
     /// once; a sequence leaves when it ends or on
     /// [`remove_sequence`](Self::remove_sequence), and its slot takes the
-    /// next one. A sequence takes the lowest free slot; prefill and decode
-    /// steps run the rows of the lowest slots up to the highest one in use,
-    /// rounded up to a power of two (the others write where it is
+    /// next one. A sequence takes the lowest free slot. Its prompt is
+    /// prefilled by one-row steps on its slot's row of the shared states;
+    /// decode steps run the rows of the lowest slots up to the highest one
+    /// in use, rounded up to a power of two (the others write where it is
     /// harmless), so a lone sequence costs one row.
     pub fn add_sequence(&mut self, prompt: &[u32], params: &SamplingParams) -> Result<BatchEvent> {
         self.check_prompt(prompt, params)?;

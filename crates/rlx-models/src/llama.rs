@@ -19,11 +19,11 @@
 //! - `token`: i32 `[batch, 2, 1]`, row 0 the next token to feed;
 //! - `pos`: i32 `[batch, 2, 1]`, row 0 its position (= tokens in the cache).
 //!
-//! Row 1 of `token` and `pos` is a dump: a prefill step writes a sequence's
-//! new token and position to row 0 (`slot_row` 0) or, for the batch rows it
-//! is not prefilling, to row 1, so one sequence can join while the others
-//! keep theirs. Those rows' cache and history writes land past their
-//! current length, where nothing is read before decode overwrites it.
+//! Row 1 of `token` and `pos` is a dump: a prefill step writes a row's new
+//! token and position to row 0 (`slot_row` 0) or, for a batch row it is not
+//! prefilling, to row 1, so that row keeps its own. (The generator prefills
+//! one row at a time, on the slot's row of the shared states, and always
+//! passes 0.)
 //!
 //! A prefill step (`seq` > 1, or a decode-less first chunk) takes the prompt
 //! chunk as inputs; a decode step (`decode`) reads its token and position

@@ -19,11 +19,19 @@ pub struct PrepareOptions {
     pub replay: bool,
     /// GPU: allow TF32 tensor cores for f32 matmuls.
     pub allow_tf32: bool,
+    /// With states shared through a [`StateSet`] (`prepare_shared`): the
+    /// block of the shared buffers this executable's states occupy, in
+    /// units of each state's own size. State `s` of `n` bytes lies at bytes
+    /// `state_block·n .. (state_block + 1)·n` of the shared buffer, so an
+    /// executable built for one row of a batch-outermost state, at block
+    /// `r`, reads and writes row `r` of a wider executable's state. 0 (the
+    /// default) is the buffers' start. Without a state set it must be 0.
+    pub state_block: u64,
 }
 
 impl Default for PrepareOptions {
     fn default() -> Self {
-        PrepareOptions { slots: 2, replay: true, allow_tf32: false }
+        PrepareOptions { slots: 2, replay: true, allow_tf32: false, state_block: 0 }
     }
 }
 

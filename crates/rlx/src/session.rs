@@ -101,9 +101,19 @@ impl Session {
     /// prefill of every length bucket and by the decode step. The caller
     /// orders calls of different executables that touch the set.
     pub fn compile_shared(&self, graph: &Graph, states: &Arc<StateSet>) -> Result<CompiledGraph> {
+        self.compile_shared_at(graph, states, 0)
+    }
+
+    /// As [`compile_shared`](Self::compile_shared), with the executable's
+    /// states at block `block` of the shared buffers
+    /// (`PrepareOptions::state_block`): a graph built for one row of
+    /// batch-outermost states, at block `r`, works on row `r` of a wider
+    /// graph's states.
+    pub fn compile_shared_at(&self, graph: &Graph, states: &Arc<StateSet>, block: u64) -> Result<CompiledGraph> {
         let compiled = rlx_compile::compile(graph, &self.options.compile)?;
         let schedule = Arc::new(compiled.schedule.clone());
-        let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &self.options.prepare)?;
+        let opts = PrepareOptions { state_block: block, ..self.options.prepare.clone() };
+        let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &opts)?;
         Ok(CompiledGraph { compiled, exec })
     }
 }

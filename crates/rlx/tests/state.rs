@@ -195,3 +195,62 @@ fn valid_len_out_of_range_is_an_error_on_every_backend() {
         }
     }
 }
+
+/// `[b, MAX, 2]` state "c" with one row of x written per batch row at its
+/// own position; the output is x + x (a graph needs one).
+fn writer(b: usize) -> Graph {
+    let mut g = Graph::new();
+    let x = g.input("x", [b, 1, 2], DType::F32).unwrap();
+    let pos = g.input("pos", [b], DType::I32).unwrap();
+    let c = g.state("c", [b, MAX, 2], DType::F32).unwrap();
+    g.write_state(c, x, pos).unwrap();
+    let y = g.add(x, x).unwrap();
+    g.output(y).unwrap();
+    g
+}
+
+/// `Session::compile_shared_at`: a one-row executable at block r of a
+/// state set reads and writes row r of the wider executable's state, and
+/// nothing else; a block past the shared buffer, or a block without a
+/// state set, is an error.
+#[test]
+fn state_blocks_address_rows_of_a_wider_state() {
+    let mut devices = vec![Device::Cpu];
+    match Session::new(Device::Cuda(0)) {
+        Ok(_) => devices.push(Device::Cuda(0)),
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => eprintln!("SKIPPED the CUDA half: no CUDA device ({e})"),
+    }
+    for device in devices {
+        let s = Session::new(device).unwrap();
+        let set = rlx::StateSet::new();
+        let mut wide = s.compile_shared(&writer(3), &set).unwrap();
+        let x = Tensor::from_f32([3, 1, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        wide.run(&[("x", &x), ("pos", &Tensor::from_i32([3], &[0, 0, 0]).unwrap())]).unwrap();
+        let mut narrow = [1u64, 2].map(|b| s.compile_shared_at(&writer(1), &set, b).unwrap());
+        for (k, exe) in narrow.iter_mut().enumerate() {
+            let x = Tensor::from_f32([1, 1, 2], &[10.0 + k as f32, 20.0 + k as f32]).unwrap();
+            exe.run(&[("x", &x), ("pos", &Tensor::from_i32([1], &[5 + k as i32]).unwrap())]).unwrap();
+        }
+        let c = wide.read_state("c").unwrap().to_f32();
+        let mut want = vec![0f32; 3 * MAX * 2];
+        for (r, v) in [(0, [1.0, 2.0]), (1, [3.0, 4.0]), (2, [5.0, 6.0])] {
+            want[r * MAX * 2..r * MAX * 2 + 2].copy_from_slice(&v);
+        }
+        want[MAX * 2 + 5 * 2..MAX * 2 + 5 * 2 + 2].copy_from_slice(&[10.0, 20.0]);
+        want[2 * MAX * 2 + 6 * 2..2 * MAX * 2 + 6 * 2 + 2].copy_from_slice(&[11.0, 21.0]);
+        assert_eq!(c, want, "{device}: the wide state after the one-row writes");
+        // Each one-row executable sees its own row.
+        let own = narrow[1].read_state("c").unwrap().to_f32();
+        assert_eq!(own, want[2 * MAX * 2..3 * MAX * 2].to_vec(), "{device}: block 2's view");
+        narrow[0].reset_state().unwrap();
+        let c = wide.read_state("c").unwrap().to_f32();
+        assert!(c[MAX * 2..2 * MAX * 2].iter().all(|&v| v == 0.0) && c[..2] == [1.0, 2.0] && c[2 * MAX * 2..2 * MAX * 2 + 2] == [5.0, 6.0]);
+        let err = s.compile_shared_at(&writer(1), &set, 3).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("shared state 'c'") && err.contains("at most the buffer's size"), "{device}: block 3: {err}");
+        let mut s2 = Session::new(device).unwrap();
+        s2.set_prepare_options(rlx::PrepareOptions { state_block: 1, ..s2.prepare_options().clone() });
+        let err = s2.compile(&writer(1)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("state block 1 needs states shared through a StateSet"), "{device}: {err}");
+    }
+}
