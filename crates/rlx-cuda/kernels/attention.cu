@@ -9,16 +9,9 @@
 // loop unrolls; the padding is zero in shared memory and adds exact zeros.
 // RPW trades K/V reuse (4 rows per warp) against blocks (1 row per warp):
 // the host picks 1 when the grid would not fill the GPU.
-#include "common.cuh"
+#include "attention.cuh"
 
 #define TILE 32
-
-struct AttnP {
-    const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
-    i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
-    i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale; int* err;
-    i64 valid_pb;  // valid holds one length per batch row
-};
 
 // T: q's and out's type; TK: k's and v's (an f16 cache under f32 queries).
 template <typename T, typename TK, int HDP, int RPW>

@@ -3,15 +3,7 @@
 // (attention_app). W warps a block: 16 when the grid is small (one
 // sequence: few blocks, each with many warps over the keys), 4 when there
 // are more blocks than fit the GPU at once with 16 (batched decode).
-#include "common.cuh"
-
-struct AttnP {
-    const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
-    i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
-    i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale; int* err;
-    i64 valid_pb;  // valid holds one length per batch row
-};
-
+#include "attention.cuh"
 
 // One query row (decode: q_len 1) per (batch, head): the W warps of
 // a block split the visible keys in steps of KEYS (8, or 4 for head dims

@@ -22,16 +22,9 @@
 //   A (16x16): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16x8):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8.., n g)
 //   C (16x8):  c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
-#include "common.cuh"
+#include "attention.cuh"
 
 #define TK 64
-
-struct AttnP {
-    const void* q; const void* k; const void* v; const void* mask; const int* valid; void* out;
-    i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 q_len; i64 kv_len; i64 causal; i64 mask_dt;
-    i64 qbs; i64 qrs; i64 kbs; i64 krs; i64 vbs; i64 vrs; double scale; int* err;
-    i64 valid_pb;  // valid holds one length per batch row
-};
 
 // O += P·V for one warp's 16 rows over NK keys: the probabilities s are
 // already the A fragments of P (rounded to T); V's B fragments (k = keys

@@ -14,8 +14,11 @@ use crate::kernel_cache;
 use crate::options::CudaOptions;
 
 /// Our headers, given to NVRTC in memory: (file name, text).
-pub(crate) const HEADERS: &[(&str, &str)] =
-    &[("common.cuh", include_str!("../kernels/common.cuh")), ("quant.cuh", include_str!("../kernels/quant.cuh"))];
+pub(crate) const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("quant.cuh", include_str!("../kernels/quant.cuh")),
+    ("attention.cuh", include_str!("../kernels/attention.cuh")),
+];
 
 /// The text of `source` with the text of every header of ours it includes
 /// (where parameter structs may be defined).
