@@ -312,7 +312,11 @@ fn host_experiment(g: &CudaBackend, runs: usize) {
         for (model, small) in [(&bert, false), (&bert, true), (&tiny, true)] {
             let (s, w) = build(model, batch, seq, small);
             let mut e = g
-                .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false, state_block: 0 })
+                .prepare_cuda(
+                    s.clone(),
+                    w.clone(),
+                    &PrepareOptions { slots: 2, replay: true, allow_tf32: false, ..PrepareOptions::default() },
+                )
                 .unwrap_or_else(|e| fail(&e.to_string()));
             for _ in 0..10 {
                 e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
@@ -394,7 +398,11 @@ fn scale_experiment(g: &CudaBackend, runs: usize) {
             let inputs = [("ids", &ids), ("mask", &mask)];
             let (s, w) = build(model, batch, seq, true);
             let mut e = g
-                .prepare_cuda(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false, state_block: 0 })
+                .prepare_cuda(
+                    s.clone(),
+                    w.clone(),
+                    &PrepareOptions { slots: 2, replay: true, allow_tf32: false, ..PrepareOptions::default() },
+                )
                 .unwrap_or_else(|e| fail(&e.to_string()));
             for _ in 0..10 {
                 e.run(&inputs).unwrap_or_else(|err| fail(&err.to_string()));
@@ -441,10 +449,10 @@ fn main() {
             let (ids, mask) = inputs_for(batch, seq);
             let inputs = [("ids", &ids), ("mask", &mask)];
             let mut rep = g
-                .prepare(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false, state_block: 0 })
+                .prepare(s.clone(), w.clone(), &PrepareOptions { slots: 2, replay: true, allow_tf32: false, ..PrepareOptions::default() })
                 .unwrap_or_else(|e| fail(&e.to_string()));
             let mut eag = g
-                .prepare(s, w, &PrepareOptions { slots: 2, replay: false, allow_tf32: false, state_block: 0 })
+                .prepare(s, w, &PrepareOptions { slots: 2, replay: false, allow_tf32: false, ..PrepareOptions::default() })
                 .unwrap_or_else(|e| fail(&e.to_string()));
             let r = measure(&mut rep, &inputs, runs);
             let e = measure(&mut eag, &inputs, runs);

@@ -759,7 +759,7 @@ fn shared_state_between_executables() {
     for b in backends {
         for replay in [true, false] {
             let set = StateSet::new();
-            let opts = PrepareOptions { slots: 2, replay, allow_tf32: false };
+            let opts = PrepareOptions { slots: 2, replay, allow_tf32: false, ..PrepareOptions::default() };
             let mut w = b.prepare_shared(writer.0.clone(), writer.1.clone(), &set, &opts).unwrap_or_else(|e| panic!("{}: {e}", b.name()));
             let mut rd = b.prepare_shared(reader.0.clone(), reader.1.clone(), &set, &opts).unwrap_or_else(|e| panic!("{}: {e}", b.name()));
             let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (*n, t)).collect();

@@ -280,7 +280,9 @@ fn pipelining_stress_10000_calls() {
         }
         o
     };
-    let mut e = g.prepare(s, w, &PrepareOptions { slots: 3, replay: true, allow_tf32: false }).unwrap_or_else(|e| panic!("{e}"));
+    let mut e = g
+        .prepare(s, w, &PrepareOptions { slots: 3, replay: true, allow_tf32: false, ..PrepareOptions::default() })
+        .unwrap_or_else(|e| panic!("{e}"));
     // Warm up, then measure device memory around the stress run.
     let x0 = rand_tensor(&mut r, &[m, k], dt);
     e.run(&[("x", &x0)]).unwrap_or_else(|e| panic!("{e}"));
@@ -330,7 +332,9 @@ fn busy_bad_ticket_and_dropped_ticket() {
     let out = sb.output("y", &[64], dt);
     sb.thunk(Thunk::Activation { act: Activation::Tanh, dtype: dt, n: 64, x, out });
     let (s, w) = sb.finish();
-    let mut e = g.prepare(s, w, &PrepareOptions { slots: 2, replay: true, allow_tf32: false }).unwrap_or_else(|e| panic!("{e}"));
+    let mut e = g
+        .prepare(s, w, &PrepareOptions { slots: 2, replay: true, allow_tf32: false, ..PrepareOptions::default() })
+        .unwrap_or_else(|e| panic!("{e}"));
     let t = Tensor::from_f32(vec![64], &vec![0.5; 64]).unwrap_or_else(|e| panic!("{e}"));
     let a = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("{e}"));
     let b = e.submit(&[("x", &t)]).unwrap_or_else(|e| panic!("{e}"));

@@ -80,7 +80,7 @@ fn every_cublaslt_candidate_matches_cpu() {
         let mut labels = Vec::new();
         loop {
             let gi = choosing(g, MatmulChoice::Candidate(i), None);
-            let opts = PrepareOptions { slots: 2, replay: true, allow_tf32: false };
+            let opts = PrepareOptions { slots: 2, replay: true, allow_tf32: false, ..PrepareOptions::default() };
             let mut e = gi.prepare_cuda(s.clone(), w.clone(), &opts).unwrap_or_else(|e| panic!("{e}"));
             let (label, count) = e.matmul_choices()[0].clone();
             assert!(count >= 1, "{dt} {c:?}: no cuBLASLt candidate");

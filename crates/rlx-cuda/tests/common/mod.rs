@@ -177,7 +177,7 @@ pub fn run(
     inputs: &[(String, Tensor)],
     replay: bool,
 ) -> Result<Vec<Tensor>, rlx_runtime::RuntimeError> {
-    let opts = PrepareOptions { slots: 2, replay, allow_tf32: false };
+    let opts = PrepareOptions { slots: 2, replay, allow_tf32: false, ..PrepareOptions::default() };
     let mut e = b.prepare(s.clone(), w.clone(), &opts)?;
     let refs: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
     e.run(&refs)
