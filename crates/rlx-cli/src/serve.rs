@@ -53,8 +53,7 @@ pub struct ServeArgs {
     /// Sequences decoded side by side (continuous batching).
     #[arg(long, default_value_t = D.max_sequences)]
     pub max_sequences: usize,
-    /// Cache rows per sequence (prompt and reply); a request may use this
-    /// less 257 rows, which batched prefill needs.
+    /// Cache rows per sequence (prompt and reply together).
     #[arg(long, default_value_t = D.ctx_size)]
     pub ctx_size: usize,
     /// KV cache dtype: auto (f16 on a GPU, f32 on the CPU), f32, f16 or bf16.

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::{ApiError, ServeError};
 use crate::metrics::{Metrics, Queue};
-use crate::options::{PREFILL_BUCKETS, PREFILL_HEADROOM};
+use crate::options::PREFILL_BUCKETS;
 
 /// What to continue.
 #[derive(Debug)]
@@ -225,13 +225,10 @@ impl Loop {
 
     /// The request's token budget; `None` fills the room the context leaves.
     fn budget(&self, prompt_len: usize, asked: Option<usize>) -> Result<usize, ApiError> {
-        let usable = self.gen.ctx_size().saturating_sub(PREFILL_HEADROOM);
+        let usable = self.gen.ctx_size();
         let room = usable.saturating_sub(prompt_len);
         if room == 0 {
-            return Err(ApiError::invalid(format!(
-                "the prompt has {prompt_len} tokens; a request may use {usable} (--ctx-size {} less {PREFILL_HEADROOM} for batched prefill)",
-                self.gen.ctx_size()
-            )));
+            return Err(ApiError::invalid(format!("the prompt has {prompt_len} tokens; a request may use {usable} (--ctx-size)")));
         }
         match asked {
             None => Ok(room),
@@ -240,8 +237,7 @@ impl Loop {
                 "max_tokens",
                 format!(
                     "the prompt's {prompt_len} tokens and max_tokens {n} exceed the {usable} tokens a request may use \
-                     (--ctx-size {} less {PREFILL_HEADROOM} for batched prefill); ask for at most {room}",
-                    self.gen.ctx_size()
+                     (--ctx-size); ask for at most {room}"
                 ),
             )),
         }

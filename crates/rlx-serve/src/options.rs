@@ -108,10 +108,5 @@ pub const MAX_SEQUENCES: usize = 4096;
 /// Prompt-length buckets the generator compiles for prefill.
 pub(crate) const PREFILL_BUCKETS: [usize; 3] = [16, 64, 256];
 
-/// Cache rows a request may not use: while one sequence is prefilled, the
-/// batch's other rows write just below the end of the cache (one prefill
-/// chunk and one row), so a running sequence must stay below that.
-pub(crate) const PREFILL_HEADROOM: usize = PREFILL_BUCKETS[PREFILL_BUCKETS.len() - 1] + 1;
-
-/// Smallest `ctx_size`: the headroom plus room for a useful request.
-pub const MIN_CTX_SIZE: usize = 2 * PREFILL_HEADROOM;
+/// Smallest `ctx_size`: two chunks of the largest prefill bucket.
+pub const MIN_CTX_SIZE: usize = 2 * PREFILL_BUCKETS[PREFILL_BUCKETS.len() - 1];

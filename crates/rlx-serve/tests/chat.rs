@@ -107,6 +107,13 @@ fn greedy_chat_and_completions_equal_the_generator_also_when_batched() {
         assert_eq!(v["usage"]["prompt_tokens"], want[0].2, "{v}");
         let finish = if want[0].1 == max_tokens { "length" } else { "stop" };
         assert_eq!(v["choices"][0]["finish_reason"], finish, "{v}");
+        // A request may use the whole context, and no more.
+        let prompt_tokens = want[0].2;
+        let over = json!({"model": MODEL, "messages": as_json(&chats[0]), "max_tokens": CTX - prompt_tokens + 1});
+        let r = post(addr, "/v1/chat/completions", &over).await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        let at_most = format!("ask for at most {}", CTX - prompt_tokens);
+        assert!(r.text().contains(&at_most) && r.text().contains("--ctx-size"), "{}", r.text());
 
         // All at once: three streamed chats and a raw completion share the
         // batched decode (three slots: one request waits for a free one).
