@@ -36,8 +36,9 @@ pub struct GeneratorOptions {
     /// Cache rows (tokens of prompt and reply together); at most the model's
     /// context length.
     pub ctx_size: usize,
-    /// Prompt-length buckets compiled for prefill; a longer prompt is fed in
-    /// chunks of the largest.
+    /// Prompt-length buckets compiled for prefill (on first use). A prompt
+    /// is fed in chunks of these sizes, chosen to pad it the least
+    /// (`plan_chunk`); past the largest, in chunks of the largest.
     pub prefill_buckets: Vec<usize>,
     /// Decode steps in flight at once (pipeline depth, at least 1).
     pub pipeline: usize,
@@ -63,7 +64,7 @@ impl Default for GeneratorOptions {
     fn default() -> Self {
         GeneratorOptions {
             ctx_size: 4096,
-            prefill_buckets: vec![16, 64, 256],
+            prefill_buckets: vec![16, 32, 64, 128, 256],
             pipeline: 2,
             logits: false,
             dequantize: false,
@@ -159,6 +160,34 @@ impl SamplingParams {
     fn i_row(&self) -> [i32; 4] {
         [self.top_k, self.repeat_last_n, self.seed as u32 as i32, (self.seed >> 32) as u32 as i32]
     }
+}
+
+/// Step overhead of a prefill chunk in prompt-token equivalents (the
+/// weights are read once per step), for `plan_chunk`.
+const CHUNK_OVERHEAD: usize = 4;
+
+/// The bucket of the next prefill chunk for `remaining` prompt tokens with
+/// `room` cache rows left: of the plans that cover the tokens with buckets
+/// (each fitting the room), the one that processes the fewest padded
+/// tokens, counting `CHUNK_OVERHEAD` per step; past the largest bucket, the
+/// largest. Without a bucket that fits, one token at a time.
+fn plan_chunk(buckets: &[usize], remaining: usize, room: usize) -> usize {
+    let fits: Vec<usize> = buckets.iter().copied().filter(|&b| b <= room).collect();
+    let Some(&largest) = fits.last() else { return 1 };
+    if remaining >= largest {
+        return largest;
+    }
+    // cost[r]: the cheapest plan for r tokens (r < largest), and its first bucket.
+    let mut cost = vec![(0usize, 0usize); remaining + 1];
+    for r in 1..=remaining {
+        // Ties go to the larger bucket first.
+        cost[r] = fits
+            .iter()
+            .map(|&b| (b + CHUNK_OVERHEAD + if b >= r { 0 } else { cost[r - b].0 }, b))
+            .min_by_key(|&(c, b)| (c, std::cmp::Reverse(b)))
+            .unwrap_or((usize::MAX, largest));
+    }
+    cost[remaining].1
 }
 
 /// The `[B, 4]` sampling inputs, one row per slot (`None`: a free slot).
@@ -533,18 +562,13 @@ impl Generator {
     /// shared states, so prefilling one sequence costs the same whatever
     /// the other slots hold.
     fn prefill_from(&mut self, slot: usize, ids: &[u32], from: usize, params: &SamplingParams) -> Result<(u32, Option<Vec<f32>>)> {
-        let largest = *self.opts.prefill_buckets.last().unwrap_or(&16);
         let (f, i) = sampling_tensors(&[Some(params)])?;
         let (f, i) = (&f, &i);
         let mut at = from;
         let mut last = None;
         while at < ids.len() {
             let remaining = ids.len() - at;
-            let room = self.opts.ctx_size - at;
-            let bucket = self.opts.prefill_buckets.iter().copied().find(|&x| x >= remaining).unwrap_or(largest);
-            // A bucket must fit the cache rows left; fall back to smaller ones.
-            let bucket =
-                if bucket <= room { bucket } else { self.opts.prefill_buckets.iter().copied().rev().find(|&x| x <= room).unwrap_or(1) };
+            let bucket = plan_chunk(&self.opts.prefill_buckets, remaining, self.opts.ctx_size - at);
             let n = remaining.min(bucket);
             let mut chunk: Vec<i32> = ids[at..at + n].iter().map(|&t| t as i32).collect();
             chunk.resize(bucket, chunk.last().copied().unwrap_or(0));
@@ -994,6 +1018,44 @@ impl Drop for Generation<'_> {
     fn drop(&mut self) {
         if self.done.is_none() {
             self.finish(StopReason::MaxTokens);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Follows `plan_chunk` to the end: (tokens processed with padding, steps).
+    fn follow(buckets: &[usize], mut remaining: usize, room: usize) -> (usize, usize) {
+        let (mut done, mut steps) = (0, 0);
+        while remaining > 0 {
+            let b = plan_chunk(buckets, remaining, room);
+            done += b;
+            steps += 1;
+            remaining = remaining.saturating_sub(b);
+        }
+        (done, steps)
+    }
+
+    #[test]
+    fn prefill_chunks_pad_the_least() {
+        let b = [16, 32, 64, 128, 256];
+        assert_eq!(plan_chunk(&b, 45, 4096), 32, "45 = 32 + 16 pads 3, not 19");
+        assert_eq!(plan_chunk(&b, 20, 4096), 32, "one 32 beats two 16s with the step overhead");
+        assert_eq!(plan_chunk(&b, 1000, 4096), 256);
+        assert_eq!(plan_chunk(&b, 300, 100), 64, "only buckets that fit the room");
+        assert_eq!(plan_chunk(&b, 5, 10), 1, "no bucket fits");
+        // Against every plan (brute force over first choices), for every
+        // prompt length up to the largest bucket.
+        fn best(b: &[usize], r: usize) -> usize {
+            b.iter().map(|&x| x + CHUNK_OVERHEAD + if x >= r { 0 } else { best(b, r - x) }).min().unwrap_or(0)
+        }
+        let small = [16, 32, 64];
+        for r in 1..=64 {
+            let (done, steps) = follow(&small, r, 4096);
+            assert!(done >= r);
+            assert_eq!(done + CHUNK_OVERHEAD * steps, best(&small, r), "{r} tokens");
         }
     }
 }

@@ -106,7 +106,7 @@ impl Default for ServeOptions {
 pub const MAX_SEQUENCES: usize = 4096;
 
 /// Prompt-length buckets the generator compiles for prefill.
-pub(crate) const PREFILL_BUCKETS: [usize; 3] = [16, 64, 256];
+pub(crate) const PREFILL_BUCKETS: [usize; 5] = [16, 32, 64, 128, 256];
 
 /// Smallest `ctx_size`: two chunks of the largest prefill bucket.
 pub const MIN_CTX_SIZE: usize = 2 * PREFILL_BUCKETS[PREFILL_BUCKETS.len() - 1];
