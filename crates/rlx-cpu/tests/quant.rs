@@ -435,6 +435,32 @@ fn every_kernel_against_oracle_and_scalar() {
     }
 }
 
+/// Several activation rows share each unpacked weight block (four at a
+/// time), but every row's result has the bits of that row run alone, on
+/// every kernel: batched decode equals single runs.
+#[test]
+fn rows_of_a_batch_equal_single_rows_bit_for_bit() {
+    let mut r = StdRng::seed_from_u64(9);
+    for f in QFormat::ALL {
+        let k = if f.block_elems() == 256 { 512 } else { 576 };
+        for m in [4, 8, 9, 13] {
+            let p = problem(&mut r, f, m, 37, k, false);
+            for path in QPath::available() {
+                let all = p.run(Some(path));
+                for i in 0..m {
+                    let mut one = vec![f32::NAN; p.n];
+                    matmul_with(path, f, 1, p.n, k, &p.a[i * p.lda..i * p.lda + k], k, &p.w, &mut one, p.n).unwrap();
+                    let row = &all[i * p.ldo..i * p.ldo + p.n];
+                    assert!(
+                        row.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{path:?} {f} m={m}: row {i} differs from the row alone"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_of_encoded_weights_tracks_f32_matmul() {
     // The use the encoder exists for: weights from quantize_row, then the
