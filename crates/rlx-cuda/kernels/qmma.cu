@@ -73,6 +73,8 @@ __device__ void qmma_body(const QMatMulP& p) {
     __shared__ float parts[QMMA_WARPS - 1][2][NF][4][32];
     __shared__ float sumsq[QMMA_WARPS][8 * NF];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    // No columns: nothing to read (the clamp below needs a column 0).
+    if (p.n <= 0) return;
     const bool norm = p.gamma != nullptr, glu = p.glu != 0;
     const i64 col0 = (i64)blockIdx.x * 16;
     const i64 c_lo = col0 + g, c_hi = col0 + g + 8;
