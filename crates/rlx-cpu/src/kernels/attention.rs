@@ -334,10 +334,30 @@ crate::simd::multiversion! {
     /// ([rows][hd]) and the n tile rows (`stride` apart).
     #[allow(clippy::too_many_arguments)]
     fn tile_scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
-        for (i, qr) in q.chunks_exact(hd).enumerate() {
-            for jj in 0..n {
-                s[i * vp + j0 + jj] = lanes::dot(qr, &tile[jj * stride..jj * stride + hd]);
+        match hd {
+            64 => scores_of::<64>(tile, stride, n, q, s, vp, j0),
+            128 => scores_of::<128>(tile, stride, n, q, s, vp, j0),
+            _ => {
+                for (i, qr) in q.chunks_exact(hd).enumerate() {
+                    for jj in 0..n {
+                        s[i * vp + j0 + jj] = lanes::dot(qr, &tile[jj * stride..jj * stride + hd]);
+                    }
+                }
             }
+        }
+    }
+}
+
+/// `tile_scores` for a head dim known at compile time: the loops unroll and
+/// the query row stays in registers (the same arithmetic, so the same bits).
+#[inline(always)]
+fn scores_of<const HD: usize>(tile: &[f32], stride: usize, n: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
+    for (i, qr) in q.chunks_exact(HD).enumerate() {
+        let qr: &[f32; HD] = qr.try_into().expect("chunks_exact gives HD elements");
+        let out = &mut s[i * vp + j0..i * vp + j0 + n];
+        for (jj, o) in out.iter_mut().enumerate() {
+            let kr: &[f32; HD] = tile[jj * stride..jj * stride + HD].try_into().expect("a slice of HD elements");
+            *o = lanes::dot(qr, kr);
         }
     }
 }
@@ -347,17 +367,42 @@ crate::simd::multiversion! {
     /// for every query row.
     #[allow(clippy::too_many_arguments)]
     fn tile_pv(tile: &[f32], stride: usize, n: usize, hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
-        for (i, ar) in acc.chunks_exact_mut(hd).enumerate() {
-            for jj in 0..n {
-                let vr = &tile[jj * stride..jj * stride + hd];
-                let w = p[i * vp + j0 + jj];
-                if w != 0.0 {
-                    for (a, &x) in ar.iter_mut().zip(vr) {
-                        *a = w.mul_add(x, *a);
+        match hd {
+            64 => pv_of::<64>(tile, stride, n, p, vp, j0, acc),
+            128 => pv_of::<128>(tile, stride, n, p, vp, j0, acc),
+            _ => {
+                for (i, ar) in acc.chunks_exact_mut(hd).enumerate() {
+                    for jj in 0..n {
+                        let vr = &tile[jj * stride..jj * stride + hd];
+                        let w = p[i * vp + j0 + jj];
+                        if w != 0.0 {
+                            for (a, &x) in ar.iter_mut().zip(vr) {
+                                *a = w.mul_add(x, *a);
+                            }
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+/// `tile_pv` for a head dim known at compile time: each accumulator row
+/// stays in registers across the tile (the same arithmetic, so the same
+/// bits).
+#[inline(always)]
+fn pv_of<const HD: usize>(tile: &[f32], stride: usize, n: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
+    for (i, ar) in acc.chunks_exact_mut(HD).enumerate() {
+        let mut a: [f32; HD] = (&*ar).try_into().expect("chunks_exact gives HD elements");
+        for (jj, &w) in p[i * vp + j0..i * vp + j0 + n].iter().enumerate() {
+            if w != 0.0 {
+                let vr: &[f32; HD] = tile[jj * stride..jj * stride + HD].try_into().expect("a slice of HD elements");
+                for d in 0..HD {
+                    a[d] = w.mul_add(vr[d], a[d]);
+                }
+            }
+        }
+        ar.copy_from_slice(&a);
     }
 }
 
