@@ -154,16 +154,23 @@ fn prefill_then_decode() {
     assert_close("second window", &b, &w(start, prefill), 1e-5);
 }
 
-/// A valid_len outside 0..=kv_len is an error on every backend, and the
-/// executable stays usable; on CUDA (when present) the same as on the CPU.
-#[test]
-fn valid_len_out_of_range_is_an_error_on_every_backend() {
+/// The CPU, and CUDA device 0 when it is usable (required under
+/// RLX_REQUIRE_GPU=1).
+fn devices() -> Vec<Device> {
     let mut devices = vec![Device::Cpu];
     match Session::new(Device::Cuda(0)) {
         Ok(_) => devices.push(Device::Cuda(0)),
         Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
         Err(e) => eprintln!("SKIPPED the CUDA half: no CUDA device ({e})"),
     }
+    devices
+}
+
+/// A valid_len outside 0..=kv_len is an error on every backend, and the
+/// executable stays usable; on CUDA (when present) the same as on the CPU.
+#[test]
+fn valid_len_out_of_range_is_an_error_on_every_backend() {
+    let devices = devices();
     let mut r = rng(23);
     let q = randn(&mut r, H * D);
     let k = randn(&mut r, KVH * D);
@@ -215,12 +222,7 @@ fn writer(b: usize) -> Graph {
 /// state set, is an error.
 #[test]
 fn state_blocks_address_rows_of_a_wider_state() {
-    let mut devices = vec![Device::Cpu];
-    match Session::new(Device::Cuda(0)) {
-        Ok(_) => devices.push(Device::Cuda(0)),
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => eprintln!("SKIPPED the CUDA half: no CUDA device ({e})"),
-    }
+    let devices = devices();
     for device in devices {
         let s = Session::new(device).unwrap();
         let set = rlx::StateSet::new();
