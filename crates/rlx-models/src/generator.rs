@@ -279,9 +279,11 @@ pub struct Generator {
     /// smallest width that holds them, on the first rows of the shared
     /// states (batch is their outermost dimension).
     decode: BTreeMap<usize, CompiledGraph>,
-    /// Slot 0's tokens whose keys and values are in the cache, by position
-    /// (the single-sequence API reuses them as a prompt prefix).
-    cached: Vec<u32>,
+    /// Per slot: the tokens whose keys and values are in its cache rows, by
+    /// position from 0. A new prompt in the slot (either API; the
+    /// single-sequence one runs in slot 0) prefills only what follows the
+    /// prefix it shares with them.
+    kv: Vec<Vec<u32>>,
     /// Per slot: tokens in the cache (the position of its next token).
     slot_pos: Vec<usize>,
     /// Per slot: the batch API's sequence there, if any.
@@ -302,6 +304,10 @@ pub struct BatchEvent {
     pub piece: Piece,
     /// Set when the sequence ended with this token; its slot is free again.
     pub finished: Option<StopReason>,
+    /// On a sequence's first event: its prompt tokens whose keys and values
+    /// were already in the slot's cache (a prefix shared with what the slot
+    /// held before), so were not prefilled again. 0 on later events.
+    pub cached_tokens: usize,
 }
 
 /// One prompt's result from [`Generator::generate_many`].
@@ -463,7 +469,7 @@ impl Generator {
             opts,
             prefill: BTreeMap::new(),
             decode: BTreeMap::new(),
-            cached: vec![],
+            kv: vec![vec![]; opts_batch],
             slot_pos: vec![0; opts_batch],
             slots: (0..opts_batch).map(|_| None).collect(),
         };
@@ -606,6 +612,20 @@ impl Generator {
         Ok((token as u32, logits))
     }
 
+    /// Prefills `prompt` into `slot` after the prefix it shares with the
+    /// slot's cached tokens (at least its last token is fed again: its
+    /// logits give the first new token); records the prompt as the slot's
+    /// cached tokens, or forgets them on an error. Returns the tokens reused.
+    #[allow(clippy::type_complexity)]
+    fn prefill_reusing(&mut self, slot: usize, prompt: &[u32], params: &SamplingParams) -> (usize, Result<(u32, Option<Vec<f32>>)>) {
+        let kv = &mut self.kv[slot];
+        let common = kv.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+        kv.truncate(common);
+        let first = self.prefill_from(slot, prompt, common, params);
+        self.kv[slot] = if first.is_ok() { prompt.to_vec() } else { vec![] };
+        (common, first)
+    }
+
     fn check_prompt(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
         params.check()?;
         if prompt.is_empty() {
@@ -640,15 +660,12 @@ impl Generator {
         let slot = self.slots.iter().position(Option::is_none).ok_or_else(|| {
             ModelError::Input(format!("all {} slots hold a sequence; remove one or wait for one to finish", self.opts.batch))
         })?;
-        // The cache's slot 0 prefix no longer describes a kept conversation.
-        if slot == 0 {
-            self.cached.clear();
-        }
-        let (token, logits) = self.prefill_from(slot, prompt, 0, params)?;
+        let (cached_tokens, first) = self.prefill_reusing(slot, prompt, params);
+        let (token, logits) = first?;
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
-        Ok(BatchEvent { slot, piece: Piece { text, token, logits }, finished })
+        Ok(BatchEvent { slot, piece: Piece { text, token, logits }, finished, cached_tokens })
     }
 
     /// Records a slot's new token; ends the sequence when it should stop.
@@ -698,7 +715,22 @@ impl Generator {
         let mask: Vec<i32> = self.slots[..w].iter().map(|s| s.is_some() as i32).collect();
         let step = Tensor::from_i32([w], &mask)?;
         let v = self.config.vocab;
-        let out = self.decode_exe(w)?.run(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
+        // The token each sequence feeds this step: its last one.
+        let fed: Vec<Option<u32>> = active.iter().map(|&r| self.slots[r].as_ref().and_then(|x| x.ids.last().copied())).collect();
+        let out = match self.decode_exe(w)?.run(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)]) {
+            Ok(out) => out,
+            Err(e) => {
+                // What the running slots' caches hold is unknown now.
+                active.iter().for_each(|&r| self.kv[r].clear());
+                return Err(e.into());
+            }
+        };
+        for (&r, t) in active.iter().zip(fed) {
+            match t {
+                Some(t) => self.kv[r].push(t),
+                None => self.kv[r].clear(),
+            }
+        }
         let tokens = out.first().map(|t| t.to_i32()).ok_or_else(|| ModelError::Input("decode returned no token".into()))?;
         let logits = out.get(1).map(|l| l.to_f32());
         let mut events = Vec::with_capacity(active.len());
@@ -708,7 +740,7 @@ impl Generator {
                 *tokens.get(slot).ok_or_else(|| ModelError::Input(format!("the decode step returned no token for slot {slot}")))? as u32;
             let (text, finished) = self.accept(slot, token)?;
             let logits = logits.as_ref().map(|l| l[slot * v..(slot + 1) * v].to_vec());
-            events.push(BatchEvent { slot, piece: Piece { text, token, logits }, finished });
+            events.push(BatchEvent { slot, piece: Piece { text, token, logits }, finished, cached_tokens: 0 });
         }
         Ok(events)
     }
@@ -808,18 +840,9 @@ impl Generator {
         let (f, i) = sampling_tensors(&[Some(params)])?;
         // Reuse the cached prefix; at least the last prompt token is fed
         // again, since its logits give the first new token.
-        let common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         let t0 = Instant::now();
-        self.cached.truncate(common);
-        let first = self.prefill_from(0, prompt, common, params);
-        let (first, logits) = match first {
-            Ok(x) => x,
-            Err(e) => {
-                self.cached.clear();
-                return Err(e);
-            }
-        };
-        self.cached = prompt.to_vec();
+        let (common, first) = self.prefill_reusing(0, prompt, params);
+        let (first, logits) = first?;
         let prefill_time = t0.elapsed();
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         // Slot 0 alone: the width-1 steps.
@@ -934,7 +957,7 @@ impl Generation<'_> {
         // Keys and values of the prompt and of every token fed to a kept
         // step stay valid for the next call.
         let fed = self.ids.len().saturating_sub(1);
-        self.gen.cached.extend_from_slice(&self.ids[..fed]);
+        self.gen.kv[0].extend_from_slice(&self.ids[..fed]);
         self.done = Some(reason);
     }
 
@@ -1006,7 +1029,7 @@ impl Iterator for Generation<'_> {
             Ok(None) => None,
             Err(e) => {
                 self.drain();
-                self.gen.cached.clear();
+                self.gen.kv[0].clear();
                 self.done = Some(StopReason::MaxTokens);
                 Some(Err(e))
             }

@@ -272,3 +272,51 @@ fn batch_widths_follow_the_highest_slot_in_use() {
     let again: Vec<u32> = g.generate_ids(&prompts[0], &params[0]).expect("gen").map(|x| x.expect("piece").token).collect();
     assert_eq!(again, want[0]);
 }
+
+/// The batch API reuses a slot's cache: a prompt that starts with what the
+/// slot held before (its previous prompt and the tokens it fed back)
+/// prefills only the rest, says how many tokens it reused, and gives the
+/// greedy tokens of a cold run; a prompt that shares nothing reuses nothing.
+#[test]
+fn batch_slots_reuse_a_shared_prefix() {
+    let Some(path) = model("batch_slots_reuse_a_shared_prefix") else { return };
+    let r = reference();
+    let items = r["items"].as_array().expect("items");
+    let params = SamplingParams { max_tokens: 8, ignore_eos: true, ..SamplingParams::greedy() };
+    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
+    let cold = |prompt: &[u32]| -> Vec<u32> {
+        let mut g = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
+        g.generate_ids(prompt, &params).expect("gen").map(|x| x.expect("piece").token).collect()
+    };
+    let mut g = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let a = prompt_ids(&g, &items[0]);
+    let run = |g: &mut Generator, prompt: &[u32]| -> (usize, usize, Vec<u32>) {
+        let ev = g.add_sequence(prompt, &params).expect("add");
+        let (slot, cached) = (ev.slot, ev.cached_tokens);
+        let mut toks = vec![ev.piece.token];
+        while g.active_sequences() > 0 {
+            toks.extend(g.step_batch().expect("step").into_iter().map(|e| e.piece.token));
+        }
+        (slot, cached, toks)
+    };
+    let (slot, cached, gen_a) = run(&mut g, &a);
+    assert_eq!((slot, cached), (0, 0));
+    assert_eq!(gen_a, cold(&a), "first prompt");
+    // The prompt, seven of its eight new tokens (the last was never fed),
+    // then a token of another prompt.
+    let other = prompt_ids(&g, &items[1]);
+    let mut b = a.clone();
+    b.extend_from_slice(&gen_a[..7]);
+    b.push(*other.last().expect("a token"));
+    let (slot, cached, gen_b) = run(&mut g, &b);
+    assert_eq!((slot, cached), (0, a.len() + 7), "reused: the first prompt and the fed tokens");
+    assert_eq!(gen_b, cold(&b), "a prompt after a reused prefix");
+    // A shorter prompt that is a prefix of the cache: its last token is fed again.
+    let c = a[..a.len() - 3].to_vec();
+    let (_, cached, gen_c) = run(&mut g, &c);
+    assert_eq!(cached, c.len() - 1);
+    assert_eq!(gen_c, cold(&c), "a prompt inside the cached tokens");
+    let (_, cached, gen_o) = run(&mut g, &other);
+    assert_eq!(cached, other.iter().zip(&c).take_while(|(x, y)| x == y).count().min(other.len() - 1));
+    assert_eq!(gen_o, cold(&other), "an unrelated prompt");
+}

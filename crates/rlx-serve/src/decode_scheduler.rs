@@ -61,6 +61,9 @@ impl Finish {
 pub enum GenEvent {
     Started {
         prompt_tokens: usize,
+        /// Prompt tokens whose keys and values were already in the slot's
+        /// cache (a prefix shared with the slot's previous sequence).
+        cached_tokens: usize,
     },
     /// The text that became final with this token (may be empty).
     Token(String),
@@ -269,12 +272,12 @@ impl Loop {
                 return;
             }
         };
-        self.metrics.prompt(ids.len());
+        self.metrics.prompt(ids.len() - first.cached_tokens.min(ids.len()));
         self.metrics.generated(1, None);
         if self.active.len() <= first.slot {
             self.active.resize_with(first.slot + 1, || None);
         }
-        let _ = events.send(GenEvent::Started { prompt_tokens: ids.len() });
+        let _ = events.send(GenEvent::Started { prompt_tokens: ids.len(), cached_tokens: first.cached_tokens });
         let _ = events.send(GenEvent::Token(first.piece.text));
         match first.finished {
             Some(r) => {

@@ -114,6 +114,14 @@ fn greedy_chat_and_completions_equal_the_generator_also_when_batched() {
         assert_eq!(r.status, 400, "{}", r.text());
         let at_most = format!("ask for at most {}", CTX - prompt_tokens);
         assert!(r.text().contains(&at_most) && r.text().contains("--ctx-size"), "{}", r.text());
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{v}");
+        // The same chat again: its slot still holds the prompt, so all of it
+        // but the last token is reused, and the reply is the same.
+        let r = post(addr, "/v1/chat/completions", &json!({"model": MODEL, "messages": as_json(&chats[0]), "max_tokens": max_tokens, "temperature": 0})).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let again = r.json();
+        assert_eq!(again["choices"][0]["message"]["content"], want[0].0, "{again}");
+        assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], want[0].2 - 1, "{again}");
 
         // All at once: three streamed chats and a raw completion share the
         // batched decode (three slots: one request waits for a free one).

@@ -221,11 +221,14 @@ impl Shape {
         }
     }
 
-    fn usage(prompt: usize, completion: usize) -> Value {
-        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+    /// OpenAI's usage object; `prompt` is (prompt tokens, of them reused
+    /// from the slot's cache).
+    fn usage(prompt: (usize, usize), completion: usize) -> Value {
+        json!({"prompt_tokens": prompt.0, "completion_tokens": completion, "total_tokens": prompt.0 + completion,
+               "prompt_tokens_details": {"cached_tokens": prompt.1}})
     }
 
-    fn whole(&self, text: String, finish: Finish, prompt: usize, completion: usize) -> Value {
+    fn whole(&self, text: String, finish: Finish, prompt: (usize, usize), completion: usize) -> Value {
         let choice = match self.api {
             Api::Chat => {
                 json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish.as_str()})
@@ -257,7 +260,7 @@ impl Shape {
         json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": [choice]})
     }
 
-    fn usage_chunk(&self, prompt: usize, completion: usize) -> Value {
+    fn usage_chunk(&self, prompt: (usize, usize), completion: usize) -> Value {
         json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
                "choices": [], "usage": Self::usage(prompt, completion)})
     }
@@ -274,7 +277,8 @@ struct ChunkStream {
     shape: Shape,
     deadline: Pin<Box<Sleep>>,
     limit: Duration,
-    prompt_tokens: usize,
+    /// Prompt tokens, and of them those reused from the cache.
+    prompt_tokens: (usize, usize),
     include_usage: bool,
     out: VecDeque<Event>,
     done: bool,
@@ -343,7 +347,7 @@ async fn respond(s: &AppState, req: GenerationRequest, model_id: String) -> Resu
     let sched = &s.generation_model(None)?.scheduler;
     let mut events = sched.submit(GenRequest { prompt, params, max_tokens })?;
     let prompt_tokens = match next(&mut events, deadline, limit).await? {
-        Some(GenEvent::Started { prompt_tokens }) => prompt_tokens,
+        Some(GenEvent::Started { prompt_tokens, cached_tokens }) => (prompt_tokens, cached_tokens),
         Some(GenEvent::Failed(e)) => return Err(e),
         _ => return Err(ApiError::internal("the generation worker answered out of order")),
     };
