@@ -140,11 +140,9 @@ impl Worker {
                 let at = state_block.checked_mul(s.buf.bytes).filter(|&a| a.checked_add(s.buf.bytes).is_some());
                 let at = at.ok_or_else(|| exec_err(format!("state '{}': block {state_block} overflows", s.name)))?;
                 state_offsets.push(at as usize);
-                let make = || alloc(s.buf.bytes, &format!("state '{}'", s.name));
+                let make = || alloc(at + s.buf.bytes, &format!("state '{}'", s.name));
                 match shared_states {
-                    Some(set) => {
-                        set.get_or_create("cpu", &s.name, at + s.buf.bytes, || alloc(at + s.buf.bytes, &format!("state '{}'", s.name)))
-                    }
+                    Some(set) => set.get_or_create("cpu", &s.name, at + s.buf.bytes, make),
                     None => make().map(Arc::new),
                 }
             })

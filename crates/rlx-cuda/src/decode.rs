@@ -1,10 +1,10 @@
 //! Launches of the generation step's kernels: matmuls and embedding
 //! gathers over block-quantized weights read as stored (kernels/decode.cu,
 //! kernels/qmma.cu), next-token sampling (kernels/sample.cu), and integer
-//! binary ops (positions). The module is compiled and loaded the first time
-//! a schedule needs it (`Kernels::decode`). Every launch reads its changing values (ids,
-//! positions, sampling settings) from device memory, so a recorded decode
-//! step serves every position.
+//! binary ops (positions). The files are compiled and loaded the first time
+//! a schedule needs them (`Kernels::decode`). Every launch reads its
+//! changing values (ids, positions, sampling settings) from device memory,
+//! so a recorded decode step serves every position.
 
 use rlx_ir::{BinaryOp, DType, QFormat};
 use rlx_runtime::Result;

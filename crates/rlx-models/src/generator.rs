@@ -614,16 +614,15 @@ impl Generator {
 
     /// Prefills `prompt` into `slot` after the prefix it shares with the
     /// slot's cached tokens (at least its last token is fed again: its
-    /// logits give the first new token); records the prompt as the slot's
-    /// cached tokens, or forgets them on an error. Returns the tokens reused.
-    #[allow(clippy::type_complexity)]
-    fn prefill_reusing(&mut self, slot: usize, prompt: &[u32], params: &SamplingParams) -> (usize, Result<(u32, Option<Vec<f32>>)>) {
-        let kv = &mut self.kv[slot];
-        let common = kv.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
-        kv.truncate(common);
+    /// logits give the first new token) and records the prompt as the
+    /// slot's cached tokens, or forgets them on an error. Returns the tokens
+    /// reused, the first new token and its logits.
+    fn prefill_reusing(&mut self, slot: usize, prompt: &[u32], params: &SamplingParams) -> Result<(usize, u32, Option<Vec<f32>>)> {
+        let common = self.kv[slot].iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
         let first = self.prefill_from(slot, prompt, common, params);
         self.kv[slot] = if first.is_ok() { prompt.to_vec() } else { vec![] };
-        (common, first)
+        let (token, logits) = first?;
+        Ok((common, token, logits))
     }
 
     fn check_prompt(&self, prompt: &[u32], params: &SamplingParams) -> Result<()> {
@@ -660,8 +659,7 @@ impl Generator {
         let slot = self.slots.iter().position(Option::is_none).ok_or_else(|| {
             ModelError::Input(format!("all {} slots hold a sequence; remove one or wait for one to finish", self.opts.batch))
         })?;
-        let (cached_tokens, first) = self.prefill_reusing(slot, prompt, params);
-        let (token, logits) = first?;
+        let (cached_tokens, token, logits) = self.prefill_reusing(slot, prompt, params)?;
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
@@ -838,11 +836,8 @@ impl Generator {
             return Err(ModelError::Input(format!("{} batch sequences are running; finish or remove them first", self.active_sequences())));
         }
         let (f, i) = sampling_tensors(&[Some(params)])?;
-        // Reuse the cached prefix; at least the last prompt token is fed
-        // again, since its logits give the first new token.
         let t0 = Instant::now();
-        let (common, first) = self.prefill_reusing(0, prompt, params);
-        let (first, logits) = first?;
+        let (common, first, logits) = self.prefill_reusing(0, prompt, params)?;
         let prefill_time = t0.elapsed();
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         // Slot 0 alone: the width-1 steps.
@@ -928,9 +923,8 @@ impl Generation<'_> {
             if k + 1 >= self.params.max_tokens || self.step_position(k) + 1 >= self.gen.opts.ctx_size {
                 break;
             }
-            let (f, i, step) = (self.f.clone(), self.i.clone(), self.step.clone());
             let exe = self.gen.decode_exe(1)?;
-            let t = exe.submit(&[(io::FPARAMS, &f), (io::IPARAMS, &i), (io::STEP, &step)])?;
+            let t = exe.submit(&[(io::FPARAMS, &self.f), (io::IPARAMS, &self.i), (io::STEP, &self.step)])?;
             self.pending.push_back(t);
             self.submitted += 1;
         }

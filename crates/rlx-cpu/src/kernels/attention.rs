@@ -352,11 +352,10 @@ crate::simd::multiversion! {
 /// the query row stays in registers (the same arithmetic, so the same bits).
 #[inline(always)]
 fn scores_of<const HD: usize>(tile: &[f32], stride: usize, n: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
-    for (i, qr) in q.chunks_exact(HD).enumerate() {
-        let qr: &[f32; HD] = qr.try_into().expect("chunks_exact gives HD elements");
+    for (i, qr) in q.as_chunks::<HD>().0.iter().enumerate() {
         let out = &mut s[i * vp + j0..i * vp + j0 + n];
         for (jj, o) in out.iter_mut().enumerate() {
-            let kr: &[f32; HD] = tile[jj * stride..jj * stride + HD].try_into().expect("a slice of HD elements");
+            let kr: &[f32; HD] = &tile[jj * stride..].as_chunks::<HD>().0[0];
             *o = lanes::dot(qr, kr);
         }
     }
@@ -392,17 +391,17 @@ crate::simd::multiversion! {
 /// bits).
 #[inline(always)]
 fn pv_of<const HD: usize>(tile: &[f32], stride: usize, n: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
-    for (i, ar) in acc.chunks_exact_mut(HD).enumerate() {
-        let mut a: [f32; HD] = (&*ar).try_into().expect("chunks_exact gives HD elements");
+    for (i, ar) in acc.as_chunks_mut::<HD>().0.iter_mut().enumerate() {
+        let mut a = *ar;
         for (jj, &w) in p[i * vp + j0..i * vp + j0 + n].iter().enumerate() {
             if w != 0.0 {
-                let vr: &[f32; HD] = tile[jj * stride..jj * stride + HD].try_into().expect("a slice of HD elements");
+                let vr: &[f32; HD] = &tile[jj * stride..].as_chunks::<HD>().0[0];
                 for d in 0..HD {
                     a[d] = w.mul_add(vr[d], a[d]);
                 }
             }
         }
-        ar.copy_from_slice(&a);
+        *ar = a;
     }
 }
 
