@@ -11,14 +11,18 @@
 //!   text before it is returned with [`StreamStep::Stopped`]; the stop string
 //!   and anything after it are dropped.
 //!
-//! Only a small window of ids is decoded per step: the open ids plus the group
-//! settled just before them (kept as context for decoders whose output depends
-//! on the preceding token), so the cost per token does not grow with the
-//! length of the generation.
+//! With a byte-level decoder alone (GPT-2's, which SmolLM2, LLaMA 3 and Qwen
+//! use) every id stands for fixed bytes, so a step appends its id's bytes and
+//! passes on the complete characters: the text of the whole stream is exactly
+//! what decoding all its ids at once gives. Other decoders decode a small
+//! window of ids per step: the open ids plus the group settled just before
+//! them (kept as context for decoders whose output depends on the preceding
+//! token), so the cost per token does not grow with the length of the
+//! generation.
 
 use std::sync::Arc;
 
-use tokenizers::Tokenizer;
+use tokenizers::{DecoderWrapper, Tokenizer};
 
 /// After this many open ids without a character boundary the output is not
 /// valid UTF-8 (no character spans more than four bytes); the undecodable
@@ -76,14 +80,43 @@ pub struct TextStream {
     /// Decoded text held back because it may begin a stop string.
     held: String,
     ended: bool,
+    /// The tokenizer's decoder is byte-level alone: ids go to `bytes`.
+    byte_level: bool,
+    /// Bytes of the ids pushed so far that are not passed on yet: the start
+    /// of an unfinished character.
+    bytes: Vec<u8>,
 }
+
+/// GPT-2's byte alphabet in reverse: the byte each character of a
+/// byte-level token stands for, indexed by the character (printable
+/// Latin-1 bytes stand for themselves; the others were shifted to U+0100
+/// and up, in byte order). 0xFFFF: not a byte character.
+fn byte_of_char() -> [u16; 324] {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut t = [0xFFFF_u16; 324];
+    let mut shifted = 256;
+    for b in 0..=255u8 {
+        if printable(b) {
+            t[b as usize] = b as u16;
+        } else {
+            t[shifted] = b as u16;
+            shifted += 1;
+        }
+    }
+    t
+}
+
+static BYTE_OF_CHAR: std::sync::LazyLock<[u16; 324]> = std::sync::LazyLock::new(byte_of_char);
 
 impl TextStream {
     /// `skip_special_tokens` drops special added tokens (`<|im_end|>`, ...)
     /// from the text.
     pub fn new(tokenizer: Arc<Tokenizer>, skip_special_tokens: bool) -> Self {
         let vocab_size = tokenizer.get_vocab_size(true);
+        let byte_level = matches!(tokenizer.get_decoder(), Some(DecoderWrapper::ByteLevel(_)));
         Self {
+            byte_level,
+            bytes: Vec::new(),
             tokenizer,
             skip_special_tokens,
             vocab_size,
@@ -95,6 +128,12 @@ impl TextStream {
             held: String::new(),
             ended: false,
         }
+    }
+
+    /// Whether ids become text by their fixed bytes (a byte-level decoder)
+    /// rather than by decoding a window of ids.
+    pub fn is_byte_level(&self) -> bool {
+        self.byte_level
     }
 
     /// Stop strings are matched in the decoded text (so with
@@ -114,11 +153,16 @@ impl TextStream {
         if self.ended {
             return Err(TextStreamError::Ended);
         }
-        if self.tokenizer.id_to_token(id).is_none() {
+        let Some(token) = self.tokenizer.id_to_token(id) else {
             return Err(TextStreamError::UnknownId { id, vocab_size: self.vocab_size });
-        }
-        self.ids.push(id);
-        let fresh = self.advance(false)?;
+        };
+        let fresh = if self.byte_level {
+            self.push_bytes(&token);
+            self.complete_chars(false)
+        } else {
+            self.ids.push(id);
+            self.advance(false)?
+        };
         Ok(self.release(fresh, false))
     }
 
@@ -129,9 +173,70 @@ impl TextStream {
         if self.ended {
             return Ok(StreamStep::Text(String::new()));
         }
-        let fresh = self.advance(true)?;
+        let fresh = if self.byte_level { self.complete_chars(true) } else { self.advance(true)? };
         self.ended = true;
         Ok(self.release(fresh, true))
+    }
+
+    /// Appends a token's bytes as the byte-level decoder reads them: each
+    /// character of the token is a byte of GPT-2's alphabet, and a token
+    /// with a character outside it (an added token's own text) stands for
+    /// its UTF-8. A special token adds nothing when they are skipped.
+    fn push_bytes(&mut self, token: &str) {
+        if self.skip_special_tokens && self.tokenizer.get_added_vocabulary().is_special_token(token) {
+            return;
+        }
+        let start = self.bytes.len();
+        for c in token.chars() {
+            match BYTE_OF_CHAR.get(c as usize) {
+                Some(&b) if b <= 0xFF => self.bytes.push(b as u8),
+                _ => {
+                    self.bytes.truncate(start);
+                    self.bytes.extend_from_slice(token.as_bytes());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Takes the pending bytes up to the last complete character, as
+    /// lossy UTF-8 (a byte sequence that no continuation can make valid is
+    /// U+FFFD now); `all`: the unfinished end too.
+    fn complete_chars(&mut self, all: bool) -> String {
+        let mut out = String::new();
+        let mut rest = &self.bytes[..];
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(t) => {
+                    out.push_str(t);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (good, bad) = rest.split_at(e.valid_up_to());
+                    // `good` is UTF-8 (valid_up_to says so).
+                    out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push(REPLACEMENT);
+                            rest = &bad[n..];
+                        }
+                        None if all => {
+                            out.push(REPLACEMENT);
+                            rest = &[];
+                            break;
+                        }
+                        None => {
+                            rest = bad;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let keep = rest.len();
+        self.bytes.drain(..self.bytes.len() - keep);
+        out
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String, TextStreamError> {

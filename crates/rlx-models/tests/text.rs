@@ -612,6 +612,38 @@ fn stream_reassembles_any_text() {
     }
 }
 
+#[test]
+fn byte_level_stream_equals_decoding_all_ids_at_once() {
+    // Random ids of the tiny vocabulary (lone bytes that are no character,
+    // characters split across ids, merged tokens, control and user-defined
+    // tokens): the pieces join to what the tokenizer's decode of all ids
+    // gives, lossy bytes and skipped special tokens alike, and a piece never
+    // ends inside a character that a later id completes.
+    let tok = Arc::new(tiny("gpt2"));
+    assert!(TextStream::new(tok.clone(), false).is_byte_level());
+    let n = tok.get_vocab_size(true) as u64;
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    for round in 0..300 {
+        let len = 1 + round % 37;
+        let ids: Vec<u32> = (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 33) % n) as u32
+            })
+            .collect();
+        for skip in [false, true] {
+            let (pieces, _) = stream_all(&mut TextStream::new(tok.clone(), skip), &ids);
+            assert_eq!(pieces.concat(), tok.decode(&ids, skip).unwrap(), "round {round}, skip {skip}: {ids:?}");
+        }
+    }
+    // A character in two ids is passed on whole, after the second.
+    let lead = bl("é").chars().next().unwrap().to_string();
+    let tail = bl("é").chars().nth(1).unwrap().to_string();
+    let mut s = TextStream::new(tok.clone(), false);
+    assert_eq!(s.push(id_of(&tok, &lead)).unwrap(), StreamStep::Text(String::new()));
+    assert_eq!(s.push(id_of(&tok, &tail)).unwrap(), StreamStep::Text("é".into()));
+}
+
 // ---------------------------------------------------------------------------
 // The real model file
 // ---------------------------------------------------------------------------
