@@ -10,13 +10,18 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rlx::{DType, Device};
-use rlx_models::{cosine, EmbedderOptions, EmbeddingWriter, ModelError, OutputFormat, SentenceEmbedder, TextLines};
+use rlx_models::{cosine, EmbedderOptions, EmbeddingWriter, ModelError, OutputFormat, SentenceEmbedder, TextLines, TextTokenizer};
 
 use crate::model_dir::{default_model_dir, fetch_hint, Env};
 
 /// Texts read from a file or stdin per round: bounded memory, and enough
 /// texts that sorting by length keeps batches tightly padded.
-const TEXTS_PER_ROUND: usize = 1024;
+const TEXTS_PER_ROUND: usize = 8192;
+
+/// Tokenised rounds that may wait for the device: reading and tokenising
+/// run ahead while the device opens and the weights load, and then keep
+/// the device fed.
+const ROUNDS_AHEAD: usize = 16;
 
 /// The first round is this small and each next one twice as large up to
 /// [`TEXTS_PER_ROUND`], so output starts soon (`| head -1` gets its line, and
@@ -24,8 +29,9 @@ const TEXTS_PER_ROUND: usize = 1024;
 const FIRST_ROUND: usize = 32;
 
 /// A round also ends once its texts hold this many bytes, so a file of long
-/// lines does not hold 1024 of them at once.
-const BYTES_PER_ROUND: usize = 64 << 20;
+/// lines does not hold [`TEXTS_PER_ROUND`] of them (times the rounds ahead)
+/// at once.
+const BYTES_PER_ROUND: usize = 16 << 20;
 
 /// Work that has run this long gets a progress bar (on a terminal only).
 const PROGRESS_AFTER: Duration = Duration::from_secs(2);
@@ -89,12 +95,16 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     if !args.texts.is_empty() && args.input.is_some() {
         return Err("give texts as arguments or --input FILE, not both".into());
     }
-    let embedder = load(&args.model)?;
+    let (dir, device, options) = resolve(&args.model)?;
+    // The tokenizer first: texts are read and tokenised while the pipeline's
+    // device thread opens the device and loads the weights.
+    let (tokenizer, dim) = SentenceEmbedder::load_tokenizer(&dir).map_err(|e| e.to_string())?;
+    let load = || SentenceEmbedder::load_with(&dir, device, options).map_err(|e| e.to_string());
     // A signal must not leave the temporary output (or npy spool) behind.
     EmbeddingWriter::remove_temp_files_on_signals();
     let mut writer = match &args.output {
-        Some(p) => EmbeddingWriter::to_file(p, format, embedder.dim()),
-        None => EmbeddingWriter::to_stdout(format, embedder.dim()),
+        Some(p) => EmbeddingWriter::to_file(p, format, dim),
+        None => EmbeddingWriter::to_stdout(format, dim),
     }
     .map_err(|e| e.to_string())?;
 
@@ -108,7 +118,7 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
             rest = tail;
             Ok(round.to_vec())
         };
-        pipeline(&embedder, next, &mut writer, Progress::new(Some(args.texts.len() as u64)), &mut count)?
+        pipeline(&tokenizer, load, next, &mut writer, Progress::new(Some(args.texts.len() as u64)), &mut count)?
     } else if let Some(path) = &args.input {
         let file = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
         // Only a regular file can be read twice (counted, then embedded):
@@ -116,21 +126,26 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
         let is_file = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
         let total = if is_file { Some(count_lines(path)?) } else { None };
         let lines = TextLines::new(BufReader::new(file), path.display().to_string());
-        stream(&embedder, lines, &mut writer, Progress::new(total), &mut count)?
+        stream(&tokenizer, load, lines, &mut writer, Progress::new(total), &mut count)?
     } else {
         let stdin = std::io::stdin();
         let typed = stdin.is_terminal();
-        if typed {
-            eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
-        }
         from_stdin = true;
-        // No bar over the lines someone is typing.
-        let bar = if typed { Progress::hidden() } else { Progress::new(None) };
-        stream(&embedder, TextLines::new(stdin.lock(), "stdin"), &mut writer, bar, &mut count)?
+        let lines = TextLines::new(stdin.lock(), "stdin");
+        if typed {
+            // Someone typing learns of a model that does not load before
+            // the first line, and gets no bar over the lines.
+            let embedder = load()?;
+            eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
+            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::hidden(), &mut count)?
+        } else {
+            stream(&tokenizer, load, lines, &mut writer, Progress::new(None), &mut count)?
+        }
     };
-    if flow == Flow::ReaderGone {
-        return Ok(stopped_early(count.texts));
-    }
+    let embedder = match flow {
+        (Flow::Go, Some(e)) => e,
+        _ => return Ok(stopped_early(count.texts)),
+    };
     match writer.finish() {
         Ok(written) => debug_assert_eq!(written, count.texts),
         Err(e) if count.watch_stdout && is_broken_pipe(&e) => return Ok(stopped_early(count.texts)),
@@ -224,13 +239,14 @@ fn is_broken_pipe(e: &ModelError) -> bool {
 }
 
 fn stream<R: BufRead>(
-    embedder: &SentenceEmbedder,
+    tokenizer: &TextTokenizer,
+    load: impl FnOnce() -> Result<SentenceEmbedder, String> + Send,
     mut lines: TextLines<R>,
     writer: &mut EmbeddingWriter,
     bar: Progress,
     count: &mut Counts,
-) -> Result<Flow, String> {
-    pipeline(embedder, |n| lines.next_batch_within(n, BYTES_PER_ROUND).map_err(|e| e.to_string()), writer, bar, count)
+) -> Result<(Flow, Option<SentenceEmbedder>), String> {
+    pipeline(tokenizer, load, |n| lines.next_batch_within(n, BYTES_PER_ROUND).map_err(|e| e.to_string()), writer, bar, count)
 }
 
 /// One round's texts, tokenised, on its way to the device.
@@ -241,27 +257,32 @@ struct Round {
 }
 
 /// Embeds rounds of texts in three stages that overlap: this thread reads
-/// and tokenises round k + 1 (`next(n)` gives up to n texts, none at the
-/// end; rounds grow from [`FIRST_ROUND`] to [`TEXTS_PER_ROUND`]) while a
-/// second thread drives the device through round k and a third writes round
-/// k - 1. Output order is input order. The stages stop together when the
-/// input ends, on the first error, or when stdout's reader goes away.
+/// and tokenises rounds ahead (`next(n)` gives up to n texts, none at the
+/// end; rounds grow from [`FIRST_ROUND`] to [`TEXTS_PER_ROUND`]; at most
+/// [`ROUNDS_AHEAD`] wait) while a second thread loads the embedder
+/// (`load`) and then drives the device through round k, and a third writes
+/// round k - 1. Output order is input order. The stages stop together when
+/// the input ends, on the first error, or when stdout's reader goes away.
+/// Returns how it ended and the embedder (None when the output's reader
+/// went away first).
 fn pipeline(
-    embedder: &SentenceEmbedder,
+    tokenizer: &TextTokenizer,
+    load: impl FnOnce() -> Result<SentenceEmbedder, String> + Send,
     mut next: impl FnMut(usize) -> Result<Vec<String>, String>,
     writer: &mut EmbeddingWriter,
     mut bar: Progress,
     count: &mut Counts,
-) -> Result<Flow, String> {
+) -> Result<(Flow, Option<SentenceEmbedder>), String> {
     let watch = count.watch_stdout;
     let stop = &AtomicBool::new(false);
     let stopped = move || stop.load(Ordering::Relaxed) || (watch && crate::stdout::reader_gone());
     let place = |first: u64, n: usize, e: &dyn std::fmt::Display| format!("texts {first} to {}: {e}", first + n as u64 - 1);
     let (read, embedded, written) = std::thread::scope(|s| {
-        let (tok_tx, tok_rx) = sync_channel::<Round>(1);
+        let (tok_tx, tok_rx) = sync_channel::<Round>(ROUNDS_AHEAD);
         let (vec_tx, vec_rx) = sync_channel::<Vec<Vec<f32>>>(1);
         let bar = &mut bar;
-        let device = s.spawn(move || -> Result<Flow, String> {
+        let device = s.spawn(move || -> Result<(Flow, SentenceEmbedder), String> {
+            let embedder = load().inspect_err(|_| stop.store(true, Ordering::Relaxed))?;
             for r in tok_rx {
                 // Between batches: is anyone still reading stdout?
                 let vectors = embedder
@@ -272,7 +293,7 @@ fn pipeline(
                     .map_err(|e| place(r.first, r.ids.len(), &e));
                 let vectors = match vectors {
                     Ok(Some(v)) => v,
-                    Ok(None) => return Ok(if stop.load(Ordering::Relaxed) { Flow::Go } else { Flow::ReaderGone }),
+                    Ok(None) => return Ok((if stop.load(Ordering::Relaxed) { Flow::Go } else { Flow::ReaderGone }, embedder)),
                     Err(e) => {
                         stop.store(true, Ordering::Relaxed);
                         return Err(e);
@@ -282,7 +303,7 @@ fn pipeline(
                     break;
                 }
             }
-            Ok(Flow::Go)
+            Ok((Flow::Go, embedder))
         });
         let output = s.spawn(move || -> (u64, Result<Flow, String>) {
             let mut n = 0u64;
@@ -319,7 +340,7 @@ fn pipeline(
                 }
             };
             let refs: Vec<&str> = texts.iter().map(|t| t.as_str()).collect();
-            let ids = match embedder.tokenize_counting(&refs) {
+            let ids = match tokenizer.encode_batch_counting(&refs) {
                 Ok((ids, t)) => {
                     truncated += t as u64;
                     ids
@@ -347,14 +368,25 @@ fn pipeline(
     // The first failure in input order: output (the earliest texts), then
     // the device, then reading (the latest); a reader that went away ends
     // the run quietly whatever came after.
-    if written.1? == Flow::ReaderGone || embedded? == Flow::ReaderGone {
-        return Ok(Flow::ReaderGone);
+    if written.1? == Flow::ReaderGone {
+        return Ok((Flow::ReaderGone, None));
+    }
+    let (flow, embedder) = embedded?;
+    if flow == Flow::ReaderGone {
+        return Ok((Flow::ReaderGone, Some(embedder)));
     }
     read?;
-    Ok(Flow::Go)
+    Ok((Flow::Go, Some(embedder)))
 }
 
 pub fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
+    let (dir, device, options) = resolve(m)?;
+    SentenceEmbedder::load_with(&dir, device, options).map_err(|e| e.to_string())
+}
+
+/// The model directory, device and options that `--model`, `--device`,
+/// `--dtype`, `--batch-size` and `--approximate-gelu` name.
+fn resolve(m: &ModelArgs) -> Result<(PathBuf, Device, EmbedderOptions), String> {
     let device: Device = m.device.parse().map_err(|e: rlx::Error| e.to_string())?;
     let dtype = match DType::parse(&m.dtype) {
         Some(d) if d.is_float() => d,
@@ -371,8 +403,7 @@ pub fn load(m: &ModelArgs) -> Result<SentenceEmbedder, String> {
         }
         None => default_model_dir(&env)?,
     };
-    SentenceEmbedder::load_with(&dir, device, EmbedderOptions { dtype, batch_size: m.batch_size, approximate_gelu: m.approximate_gelu })
-        .map_err(|e| e.to_string())
+    Ok((dir, device, EmbedderOptions { dtype, batch_size: m.batch_size, approximate_gelu: m.approximate_gelu }))
 }
 
 /// `--model DIR` must be a directory; a file, a dangling link or a link loop

@@ -62,24 +62,19 @@ impl SentenceEmbedder {
 
     pub fn load_with(dir: impl AsRef<Path>, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
         let dir = dir.as_ref();
-        match std::fs::metadata(dir) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(ModelError::format(dir, "is a file, not a model directory (config.json, model.safetensors, tokenizer.json)"))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")))
-            }
-            Err(e) => return Err(ModelError::io(dir, e)),
-        }
         check_options(&options)?;
-        check_file_formats(dir)?;
-        let config = BertConfig::from_file(&dir.join("config.json"))?;
-        let sentence = SentenceConfig::from_dir(dir, &config)?;
-        let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"), sentence.max_seq_length)?;
+        let (config, sentence, tokenizer) = read_host_parts(dir)?;
         let store = Arc::new(WeightStore::new());
         load_bert_weights(&dir.join("model.safetensors"), &config, options.dtype, &store)?;
         Self::from_weights(config, sentence, Some(tokenizer), store, device, options)
+    }
+
+    /// The tokenizer `load` gives a model directory's embedder, and the
+    /// vectors' width, read without the weights or a device: a caller can
+    /// tokenise while another thread loads the embedder.
+    pub fn load_tokenizer(dir: impl AsRef<Path>) -> Result<(TextTokenizer, usize)> {
+        let (config, _, tokenizer) = read_host_parts(dir.as_ref())?;
+        Ok((tokenizer, config.hidden_size))
     }
 
     /// An embedder over weights already in a store (e.g. [`random_weights`]);
@@ -423,6 +418,24 @@ fn unpack(outputs: Vec<Tensor>, batch: usize, rows: usize) -> Vec<Vec<Vec<f32>>>
 
 /// A model directory in a format RLX does not read gets "not supported" and
 /// the conversion, rather than "no such file" for the file it lacks.
+/// A model directory's configurations and tokenizer, after checking that it
+/// is a directory of supported files.
+fn read_host_parts(dir: &Path) -> Result<(BertConfig, SentenceConfig, TextTokenizer)> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(ModelError::format(dir, "is a file, not a model directory (config.json, model.safetensors, tokenizer.json)")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ModelError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "model directory does not exist")))
+        }
+        Err(e) => return Err(ModelError::io(dir, e)),
+    }
+    check_file_formats(dir)?;
+    let config = BertConfig::from_file(&dir.join("config.json"))?;
+    let sentence = SentenceConfig::from_dir(dir, &config)?;
+    let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"), sentence.max_seq_length)?;
+    Ok((config, sentence, tokenizer))
+}
+
 fn check_file_formats(dir: &Path) -> Result<()> {
     let has = |name: &str| dir.join(name).is_file();
     let shown = dir.display();
