@@ -125,8 +125,10 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && fixed && format.block_elems() == 32);
             let (name, grid, threads) = if *rows >= 2 {
                 // Two and more rows on tensor cores (kernels/qmma.cu): 16
-                // columns a block, 8 rows a tile up to 8 rows, else 32.
-                let tile = if *rows <= 8 { 8 } else { 32 };
+                // columns a block, 8 rows a tile up to 32 rows (a decode
+                // batch: more blocks beat decoding each weight once per 32
+                // rows), else 32.
+                let tile = if *rows <= 32 { 8 } else { 32 };
                 let grid = [n.div_ceil(16).max(1) as u32, rows.div_ceil(tile).clamp(1, 65535) as u32, 1];
                 (format!("qmma_{}_r{tile}_{}", format.name(), suffix(*dtype)), grid, QMMA_THREADS)
             } else {
