@@ -4,13 +4,15 @@
 //! Queries and corpus rows are L2-normalised on the host; the score matrix
 //! `queries [Q, D] × corpusᵀ` is one compiled RLX graph run on the device,
 //! with the corpus as weights, in chunks of rows (one matmul and one output
-//! per chunk). Top-k selection runs on the host: scores descending, equal
-//! scores by lower corpus row first.
+//! per chunk). Top-k selection runs on the host, queries spread over the
+//! cores, while the device scores the next batch of queries: scores
+//! descending, equal scores by lower corpus row first.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
-use rlx::{CompiledGraph, DType, Device, Graph, Session, Tensor};
+use rayon::prelude::*;
+use rlx::{CompiledGraph, DType, Device, Graph, Session, Tensor, Ticket};
 
 use crate::embedder::l2_normalize;
 use crate::{ModelError, Result};
@@ -75,7 +77,9 @@ impl CorpusIndex {
         let chunks = rows.div_ceil(chunk_rows);
         let chunk_rows = rows.div_ceil(chunks);
         let mut session = Session::new(device)?;
-        session.set_prepare_options(rlx::PrepareOptions { slots: 1, ..session.prepare_options().clone() });
+        // Two calls in flight: one batch's scores come back while the next
+        // batch's run.
+        session.set_prepare_options(rlx::PrepareOptions { slots: 2, ..session.prepare_options().clone() });
         for c in 0..chunks {
             let mut block = vec![0f32; chunk_rows * dim];
             let first = c * chunk_rows;
@@ -117,18 +121,58 @@ impl CorpusIndex {
             return Err(ModelError::Input(format!("search: {} query values are not whole rows of dimension {dim}", queries.len())));
         }
         let mut out = Vec::with_capacity(queries.len() / dim);
+        // Batch k + 1 is submitted before batch k's top-k runs; a batch
+        // still in flight when something fails is waited out, so its slot
+        // is free for the next search.
+        let mut pending: Option<(usize, Ticket, usize)> = None;
         for batch in queries.chunks(MAX_QUERY_BATCH * dim) {
-            let scores = self.scores(batch)?;
-            for q in 0..batch.len() / dim {
-                out.push(self.top_k(&scores, q, top_k));
+            let submitted = match self.submit_scores(batch) {
+                Ok(s) => s,
+                Err(e) => {
+                    if let Some((bucket, t, _)) = pending.take() {
+                        let _ = self.compiled.get_mut(&bucket).map(|exe| exe.wait(t));
+                    }
+                    return Err(e);
+                }
+            };
+            if let Some(p) = pending.replace((submitted.0, submitted.1, batch.len() / dim)) {
+                if let Err(e) = self.collect(p, top_k, &mut out) {
+                    if let Some((bucket, t, _)) = pending.take() {
+                        let _ = self.compiled.get_mut(&bucket).map(|exe| exe.wait(t));
+                    }
+                    return Err(e);
+                }
             }
+        }
+        if let Some(p) = pending {
+            self.collect(p, top_k, &mut out)?;
         }
         Ok(out)
     }
 
-    /// Per chunk, the `[bucket, chunk_rows]` scores of the batch's queries
-    /// (rows past the batch are padding).
-    fn scores(&mut self, batch: &[f32]) -> Result<Vec<Vec<f32>>> {
+    /// Waits for a batch of `n` queries scored by the `bucket` executable
+    /// and appends each query's top `k`, selected on every core.
+    fn collect(&mut self, (bucket, ticket, n): (usize, Ticket, usize), k: usize, out: &mut Vec<Vec<Hit>>) -> Result<()> {
+        let exe = self.compiled.get_mut(&bucket).ok_or_else(|| ModelError::Input(format!("search: bucket {bucket} vanished")))?;
+        let outputs = exe.wait(ticket)?;
+        if outputs.len() != self.chunks || outputs.iter().any(|t| t.numel() != bucket * self.chunk_rows) {
+            return Err(ModelError::Input(format!(
+                "search: the score graph returned {} outputs for {} chunks of [{bucket}, {}]",
+                outputs.len(),
+                self.chunks,
+                self.chunk_rows
+            )));
+        }
+        let scores: Vec<Vec<f32>> = outputs.iter().map(|t| t.to_f32()).collect();
+        let sel = Selection { rows: self.rows, chunk_rows: self.chunk_rows, excluded: &self.excluded };
+        out.par_extend((0..n).into_par_iter().map(|q| sel.top_k(&scores, q, k)));
+        Ok(())
+    }
+
+    /// Starts scoring a batch of queries: per chunk, the `[bucket,
+    /// chunk_rows]` scores of its queries (rows past the batch are
+    /// padding). Returns the bucket and the call's ticket.
+    fn submit_scores(&mut self, batch: &[f32]) -> Result<(usize, Ticket)> {
         let dim = self.dim;
         let n = batch.len() / dim;
         let bucket = n.next_power_of_two().min(MAX_QUERY_BATCH);
@@ -147,18 +191,19 @@ impl CorpusIndex {
                 v.insert(self.session.compile(&graph)?)
             }
         };
-        let outputs = exe.run(&[(QUERIES, &input)])?;
-        if outputs.len() != self.chunks || outputs.iter().any(|t| t.numel() != bucket * self.chunk_rows) {
-            return Err(ModelError::Input(format!(
-                "search: the score graph returned {} outputs for {} chunks of [{bucket}, {}]",
-                outputs.len(),
-                self.chunks,
-                self.chunk_rows
-            )));
-        }
-        Ok(outputs.iter().map(|t| t.to_f32()).collect())
+        Ok((bucket, exe.submit(&[(QUERIES, &input)])?))
     }
 
+}
+
+/// What top-k selection needs of an index.
+struct Selection<'a> {
+    rows: usize,
+    chunk_rows: usize,
+    excluded: &'a [bool],
+}
+
+impl Selection<'_> {
     /// Query `q`'s best `k` rows from the per-chunk scores.
     fn top_k(&self, scores: &[Vec<f32>], q: usize, k: usize) -> Vec<Hit> {
         // A bounded heap whose top is the worst hit kept so far.
