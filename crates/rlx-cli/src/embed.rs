@@ -4,6 +4,7 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::sync::mpsc::sync_channel;
 use std::time::{Duration, Instant};
 
@@ -18,10 +19,11 @@ use crate::model_dir::{default_model_dir, fetch_hint, Env};
 /// texts that sorting by length keeps batches tightly padded.
 const TEXTS_PER_ROUND: usize = 8192;
 
-/// Tokenised rounds that may wait for the device: reading and tokenising
-/// run ahead while the device opens and the weights load, and then keep
-/// the device fed.
-const ROUNDS_AHEAD: usize = 16;
+/// Token ids that tokenised rounds waiting for the device may hold (4 bytes
+/// each): reading and tokenising run ahead while the device opens and the
+/// weights load, and then keep the device fed, within this bound (a round
+/// larger than it still goes, alone).
+const IDS_AHEAD: usize = 4 << 20;
 
 /// The first round is this small and each next one twice as large up to
 /// [`TEXTS_PER_ROUND`], so output starts soon (`| head -1` gets its line, and
@@ -29,8 +31,7 @@ const ROUNDS_AHEAD: usize = 16;
 const FIRST_ROUND: usize = 32;
 
 /// A round also ends once its texts hold this many bytes, so a file of long
-/// lines does not hold [`TEXTS_PER_ROUND`] of them (times the rounds ahead)
-/// at once.
+/// lines does not hold [`TEXTS_PER_ROUND`] of them at once.
 const BYTES_PER_ROUND: usize = 16 << 20;
 
 /// Work that has run this long gets a progress bar (on a terminal only).
@@ -126,11 +127,19 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
         let is_file = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
         let total = if is_file { Some(count_lines(path)?) } else { None };
         let lines = TextLines::new(BufReader::new(file), path.display().to_string());
-        stream(&tokenizer, load, lines, &mut writer, Progress::new(total), &mut count)?
+        if is_file {
+            stream(&tokenizer, load, lines, &mut writer, Progress::new(total), &mut count)?
+        } else {
+            // A pipe may be slow to give its first lines: the model's
+            // errors come first.
+            let embedder = load()?;
+            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::new(total), &mut count)?
+        }
     } else {
         let stdin = std::io::stdin();
         let typed = stdin.is_terminal();
         from_stdin = true;
+        let regular = stdin_is_regular_file(&stdin);
         let lines = TextLines::new(stdin.lock(), "stdin");
         if typed {
             // Someone typing learns of a model that does not load before
@@ -138,8 +147,13 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
             let embedder = load()?;
             eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
             stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::hidden(), &mut count)?
-        } else {
+        } else if regular {
             stream(&tokenizer, load, lines, &mut writer, Progress::new(None), &mut count)?
+        } else {
+            // A pipe may be slow to give its first lines: the model's
+            // errors come first.
+            let embedder = load()?;
+            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::new(None), &mut count)?
         }
     };
     let embedder = match flow {
@@ -230,6 +244,13 @@ enum Flow {
 
 /// The end of a run whose output nobody reads any more: not an error (the
 /// reader took what it wanted), so exit 0 with a word on stderr.
+/// Whether stdin reads a regular file (`< FILE`), which gives its lines at
+/// once, rather than a pipe or a terminal.
+fn stdin_is_regular_file(stdin: &std::io::Stdin) -> bool {
+    use std::os::fd::AsFd;
+    stdin.as_fd().try_clone_to_owned().map(File::from).and_then(|f| f.metadata()).is_ok_and(|m| m.is_file())
+}
+
 fn stopped_early(texts: u64) {
     eprintln!("stopped after {texts} texts: stdout was closed");
 }
@@ -258,8 +279,8 @@ struct Round {
 
 /// Embeds rounds of texts in three stages that overlap: this thread reads
 /// and tokenises rounds ahead (`next(n)` gives up to n texts, none at the
-/// end; rounds grow from [`FIRST_ROUND`] to [`TEXTS_PER_ROUND`]; at most
-/// [`ROUNDS_AHEAD`] wait) while a second thread loads the embedder
+/// end; rounds grow from [`FIRST_ROUND`] to [`TEXTS_PER_ROUND`]; those
+/// waiting hold at most [`IDS_AHEAD`] ids) while a second thread loads the embedder
 /// (`load`) and then drives the device through round k, and a third writes
 /// round k - 1. Output order is input order. The stages stop together when
 /// the input ends, on the first error, or when stdout's reader goes away.
@@ -277,13 +298,20 @@ fn pipeline(
     let stop = &AtomicBool::new(false);
     let stopped = move || stop.load(Ordering::Relaxed) || (watch && crate::stdout::reader_gone());
     let place = |first: u64, n: usize, e: &dyn std::fmt::Display| format!("texts {first} to {}: {e}", first + n as u64 - 1);
+    // Ids in rounds sent and not yet taken by the device thread.
+    let ahead = &(Mutex::new(0usize), Condvar::new());
     let (read, embedded, written) = std::thread::scope(|s| {
-        let (tok_tx, tok_rx) = sync_channel::<Round>(ROUNDS_AHEAD);
+        let (tok_tx, tok_rx) = sync_channel::<Round>(TEXTS_PER_ROUND);
         let (vec_tx, vec_rx) = sync_channel::<Vec<Vec<f32>>>(1);
         let bar = &mut bar;
         let device = s.spawn(move || -> Result<(Flow, SentenceEmbedder), String> {
             let embedder = load().inspect_err(|_| stop.store(true, Ordering::Relaxed))?;
             for r in tok_rx {
+                {
+                    let mut queued = ahead.0.lock().unwrap_or_else(|e| e.into_inner());
+                    *queued = queued.saturating_sub(r.ids.iter().map(Vec::len).sum());
+                    ahead.1.notify_one();
+                }
                 // Between batches: is anyone still reading stdout?
                 let vectors = embedder
                     .embed_ids_cancellable(&r.ids, &mut |n| {
@@ -351,6 +379,16 @@ fn pipeline(
                 }
             };
             let n = ids.len();
+            // Wait while the rounds ahead hold too many ids (a device thread
+            // that has stopped takes none: the send below then fails).
+            let size: usize = ids.iter().map(Vec::len).sum();
+            {
+                let mut queued = ahead.0.lock().unwrap_or_else(|e| e.into_inner());
+                while *queued > 0 && *queued + size > IDS_AHEAD && !stopped() && !device.is_finished() {
+                    queued = ahead.1.wait_timeout(queued, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                *queued += size;
+            }
             if tok_tx.send(Round { first, ids }).is_err() {
                 break;
             }

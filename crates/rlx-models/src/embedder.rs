@@ -416,8 +416,6 @@ fn unpack(outputs: Vec<Tensor>, batch: usize, rows: usize) -> Vec<Vec<Vec<f32>>>
         .collect()
 }
 
-/// A model directory in a format RLX does not read gets "not supported" and
-/// the conversion, rather than "no such file" for the file it lacks.
 /// A model directory's configurations and tokenizer, after checking that it
 /// is a directory of supported files.
 fn read_host_parts(dir: &Path) -> Result<(BertConfig, SentenceConfig, TextTokenizer)> {
@@ -436,6 +434,8 @@ fn read_host_parts(dir: &Path) -> Result<(BertConfig, SentenceConfig, TextTokeni
     Ok((config, sentence, tokenizer))
 }
 
+/// A model directory in a format RLX does not read gets "not supported" and
+/// the conversion, rather than "no such file" for the file it lacks.
 fn check_file_formats(dir: &Path) -> Result<()> {
     let has = |name: &str| dir.join(name).is_file();
     let shown = dir.display();

@@ -24,6 +24,11 @@ pub const MAX_QUERY_BATCH: usize = 64;
 /// Corpus rows per chunk (one matmul each), bounding any one output.
 pub const DEFAULT_CHUNK_ROWS: usize = 32768;
 
+/// The most bytes one batch's scores may take for a search to keep two
+/// batches in flight (each call in flight holds its own scores): 128 MiB,
+/// a corpus of up to 524,288 rows.
+const PIPELINED_SCORE_BYTES: usize = 128 << 20;
+
 const QUERIES: &str = "queries";
 
 /// One result: a corpus row and its cosine similarity to the query.
@@ -40,6 +45,8 @@ pub struct CorpusIndex {
     dim: usize,
     chunk_rows: usize,
     chunks: usize,
+    /// Calls in flight at once: 2 pipelines the batches.
+    slots: usize,
     /// Rows never returned (e.g. blank lines of a text corpus).
     excluded: Vec<bool>,
     /// One executable per query bucket.
@@ -59,6 +66,12 @@ impl CorpusIndex {
     /// [`new`](Self::new) with at most `chunk_rows` corpus rows per matmul
     /// (the last chunk is padded with zero rows, which are never returned).
     pub fn with_chunk_rows(vectors: &[f32], dim: usize, device: Device, chunk_rows: usize) -> Result<CorpusIndex> {
+        Self::build(vectors, dim, device, chunk_rows, PIPELINED_SCORE_BYTES)
+    }
+
+    /// `with_chunk_rows`, pipelining batches when one batch's scores take
+    /// at most `pipelined_bytes`.
+    fn build(vectors: &[f32], dim: usize, device: Device, chunk_rows: usize, pipelined_bytes: usize) -> Result<CorpusIndex> {
         if dim == 0 || chunk_rows == 0 {
             return Err(ModelError::Input(format!("search: dimension ({dim}) and chunk rows ({chunk_rows}) must be at least 1")));
         }
@@ -77,9 +90,10 @@ impl CorpusIndex {
         let chunks = rows.div_ceil(chunk_rows);
         let chunk_rows = rows.div_ceil(chunks);
         let mut session = Session::new(device)?;
-        // Two calls in flight: one batch's scores come back while the next
-        // batch's run.
-        session.set_prepare_options(rlx::PrepareOptions { slots: 2, ..session.prepare_options().clone() });
+        // Two calls in flight (one batch's scores come back while the next
+        // batch's run) where a second set of scores costs little.
+        let slots = if MAX_QUERY_BATCH * chunks * chunk_rows * 4 <= pipelined_bytes { 2 } else { 1 };
+        session.set_prepare_options(rlx::PrepareOptions { slots, ..session.prepare_options().clone() });
         for c in 0..chunks {
             let mut block = vec![0f32; chunk_rows * dim];
             let first = c * chunk_rows;
@@ -90,7 +104,7 @@ impl CorpusIndex {
             }
             session.set_weight(&chunk_name(c), Tensor::from_f32([chunk_rows, dim], &block)?)?;
         }
-        Ok(CorpusIndex { session, rows, dim, chunk_rows, chunks, excluded: vec![false; rows], compiled: HashMap::new() })
+        Ok(CorpusIndex { session, rows, dim, chunk_rows, chunks, slots, excluded: vec![false; rows], compiled: HashMap::new() })
     }
 
     pub fn rows(&self) -> usize {
@@ -121,11 +135,17 @@ impl CorpusIndex {
             return Err(ModelError::Input(format!("search: {} query values are not whole rows of dimension {dim}", queries.len())));
         }
         let mut out = Vec::with_capacity(queries.len() / dim);
-        // Batch k + 1 is submitted before batch k's top-k runs; a batch
-        // still in flight when something fails is waited out, so its slot
-        // is free for the next search.
+        // With two slots batch k + 1 is submitted before batch k's top-k
+        // runs; a batch still in flight when something fails is waited
+        // out, so its slot is free for the next search.
         let mut pending: Option<(usize, Ticket, usize)> = None;
         for batch in queries.chunks(MAX_QUERY_BATCH * dim) {
+            // One slot: the batch before is collected first.
+            if self.slots < 2 {
+                if let Some(p) = pending.take() {
+                    self.collect(p, top_k, &mut out)?;
+                }
+            }
             let submitted = match self.submit_scores(batch) {
                 Ok(s) => s,
                 Err(e) => {
@@ -296,5 +316,32 @@ mod tests {
         assert_eq!(hits[0][3].score, -1.0);
         assert!(idx.search(&[1.0, 0.0], 0).is_err());
         assert!(idx.search(&[1.0, 0.0, 1.0], 1).is_err());
+    }
+
+    #[test]
+    fn one_slot_and_two_give_the_same_hits_and_survive_a_bad_batch() {
+        // 150 random rows of 8, 150 queries: three batches (64, 64, 22).
+        let mut state = 0x2545_f491_u64;
+        let mut next = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let (rows, dim, nq) = (150, 8, 150);
+        let corpus: Vec<f32> = (0..rows * dim).map(|_| next()).collect();
+        let mut queries: Vec<f32> = (0..nq * dim).map(|_| next()).collect();
+        let mut one = CorpusIndex::build(&corpus, dim, Device::Cpu, 64, 0).unwrap_or_else(|e| panic!("{e}"));
+        let mut two = CorpusIndex::build(&corpus, dim, Device::Cpu, 64, usize::MAX).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((one.slots, two.slots), (1, 2));
+        let a = one.search(&queries, 7).unwrap_or_else(|e| panic!("{e}"));
+        let b = two.search(&queries, 7).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(a.len(), nq);
+        assert_eq!(a, b);
+        // A query that is not finite in the second batch: an error, and the
+        // index still answers afterwards.
+        queries[70 * dim] = f32::NAN;
+        for idx in [&mut one, &mut two] {
+            assert!(idx.search(&queries, 7).is_err());
+            assert_eq!(idx.search(&queries[..64 * dim], 7).unwrap_or_else(|e| panic!("{e}")), a[..64].to_vec());
+        }
     }
 }

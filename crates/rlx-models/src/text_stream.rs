@@ -2,10 +2,9 @@
 //! final comes out.
 //!
 //! Two things make a token's text not final yet:
-//! - Byte-level BPE tokens are byte strings, so a token can end in the middle
-//!   of a UTF-8 character. The ids that are still open are decoded together
-//!   and a trailing U+FFFD (what the lossy decoder makes of an unfinished
-//!   character) is held back until the character completes.
+//! - A token can end in the middle of a UTF-8 character (byte-level BPE
+//!   tokens are byte strings; byte-fallback tokens are single bytes). The
+//!   unfinished character is held back until it completes.
 //! - With stop strings, text that could be the start of a stop string is held
 //!   back until the following text decides. When a stop string completes, the
 //!   text before it is returned with [`StreamStep::Stopped`]; the stop string
@@ -15,18 +14,20 @@
 //! use) every id stands for fixed bytes, so a step appends its id's bytes and
 //! passes on the complete characters: the text of the whole stream is exactly
 //! what decoding all its ids at once gives. Other decoders decode a small
-//! window of ids per step: the open ids plus the group settled just before
-//! them (kept as context for decoders whose output depends on the preceding
-//! token), so the cost per token does not grow with the length of the
-//! generation.
+//! window of ids per step: the open ids (decoded together; a trailing U+FFFD,
+//! what the lossy decoder makes of an unfinished character, is held back)
+//! plus the group settled just before them (kept as context for decoders
+//! whose output depends on the preceding token), so the cost per token does
+//! not grow with the length of the generation.
 
 use std::sync::Arc;
 
 use tokenizers::{DecoderWrapper, Tokenizer};
 
-/// After this many open ids without a character boundary the output is not
-/// valid UTF-8 (no character spans more than four bytes); the undecodable
-/// bytes are then passed on as U+FFFD instead of being held forever.
+/// Window decoding (decoders other than byte-level): after this many open
+/// ids without a character boundary the output is not valid UTF-8 (no
+/// character spans more than four bytes); the undecodable bytes are then
+/// passed on as U+FFFD instead of being held forever.
 const MAX_OPEN_IDS: usize = 32;
 
 const REPLACEMENT: char = '\u{FFFD}';
@@ -215,7 +216,9 @@ impl TextStream {
                 Err(e) => {
                     let (good, bad) = rest.split_at(e.valid_up_to());
                     // `good` is UTF-8 (valid_up_to says so).
-                    out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                    let text = std::str::from_utf8(good);
+                    debug_assert!(text.is_ok(), "bytes before valid_up_to are UTF-8");
+                    out.push_str(text.unwrap_or_default());
                     match e.error_len() {
                         Some(n) => {
                             out.push(REPLACEMENT);

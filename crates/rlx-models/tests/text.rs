@@ -619,7 +619,12 @@ fn byte_level_stream_equals_decoding_all_ids_at_once() {
     // tokens): the pieces join to what the tokenizer's decode of all ids
     // gives, lossy bytes and skipped special tokens alike, and a piece never
     // ends inside a character that a later id completes.
-    let tok = Arc::new(tiny("gpt2"));
+    // Added tokens whose text is not all byte characters (a space, a CJK
+    // character) stand for their own UTF-8, special or not.
+    let mut t = tiny("gpt2");
+    t.add_tokens([tokenizers::AddedToken::from("<end of turn>", false), tokenizers::AddedToken::from("Ā日", false)]).unwrap();
+    t.add_special_tokens([tokenizers::AddedToken::from("<sp ecial>", true)]).unwrap();
+    let tok = Arc::new(t);
     assert!(TextStream::new(tok.clone(), false).is_byte_level());
     let n = tok.get_vocab_size(true) as u64;
     let mut state = 0x9e37_79b9_7f4a_7c15_u64;
