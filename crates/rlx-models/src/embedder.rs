@@ -233,7 +233,15 @@ impl SentenceEmbedder {
         let mut pending: Option<(&[usize], BucketKey, Ticket)> = None;
         // A call still in flight when the work stops (an error, or the
         // caller's stop) is waited out, so its slot is free for the next.
-        for group in order.chunks(self.options.batch_size) {
+        // On the CPU a padding row costs as much as a text, so a batch that
+        // is not full is cut into power-of-two batch buckets instead; a GPU
+        // runs a small batch in about the time of a smaller one, so there
+        // it is padded.
+        let exact = self.device() == Device::Cpu;
+        let mut start = 0;
+        for len in group_sizes(order.len(), self.options.batch_size, exact) {
+            let group = &order[start..start + len];
+            start += len;
             let rows: Vec<&[u32]> = group.iter().map(|&i| ids[i].as_slice()).collect();
             let submitted = self.padded(&rows, false).and_then(|(key, i, m)| Ok((key, Self::submit(self.exe(&mut cache, key)?, &i, &m)?)));
             let (key, ticket) = match submitted {
@@ -416,6 +424,21 @@ fn unpack(outputs: Vec<Tensor>, batch: usize, rows: usize) -> Vec<Vec<Vec<f32>>>
         .collect()
 }
 
+/// The sizes of the consecutive batches `n` rows run in: full batches of
+/// `batch`, then the rest as one batch (padded up to its bucket), or with
+/// `exact`, as the powers of two it is the sum of (no padding rows).
+fn group_sizes(n: usize, batch: usize, exact: bool) -> Vec<usize> {
+    let batch = batch.max(1);
+    let mut sizes = vec![batch; n / batch];
+    let rest = n % batch;
+    if rest > 0 && exact {
+        sizes.extend((0..usize::BITS).rev().map(|b| 1usize << b).filter(|&p| rest & p != 0));
+    } else if rest > 0 {
+        sizes.push(rest);
+    }
+    sizes
+}
+
 /// A model directory's configurations and tokenizer, after checking that it
 /// is a directory of supported files.
 fn read_host_parts(dir: &Path) -> Result<(BertConfig, SentenceConfig, TextTokenizer)> {
@@ -492,4 +515,30 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
         return 0.0;
     }
     (ab / (aa.sqrt() * bb.sqrt())) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::group_sizes;
+
+    #[test]
+    fn batches_cover_every_row_and_exact_ones_need_no_padding() {
+        assert_eq!(group_sizes(60, 32, false), vec![32, 28]);
+        assert_eq!(group_sizes(60, 32, true), vec![32, 16, 8, 4]);
+        assert_eq!(group_sizes(64, 32, true), vec![32, 32]);
+        assert_eq!(group_sizes(0, 32, true), Vec::<usize>::new());
+        for batch in [1, 3, 8, 24, 32] {
+            for n in 0..200 {
+                for exact in [false, true] {
+                    let g = group_sizes(n, batch, exact);
+                    assert_eq!(g.iter().sum::<usize>(), n, "{n} rows, batch {batch}");
+                    assert!(g.iter().all(|&s| s >= 1 && s <= batch));
+                    if exact {
+                        // Each batch is its own bucket: full, or a power of two.
+                        assert!(g.iter().all(|&s| s == batch || s.is_power_of_two()), "{g:?}");
+                    }
+                }
+            }
+        }
+    }
 }
