@@ -234,9 +234,9 @@ impl SentenceEmbedder {
         // A call still in flight when the work stops (an error, or the
         // caller's stop) is waited out, so its slot is free for the next.
         // On the CPU a padding row costs as much as a text, so a batch that
-        // is not full is cut into power-of-two batch buckets instead; a GPU
-        // runs a small batch in about the time of a smaller one, so there
-        // it is padded.
+        // is not full is mostly cut into power-of-two batch buckets instead;
+        // a GPU runs a small batch in about the time of a smaller one, so
+        // there it is padded.
         let exact = self.device() == Device::Cpu;
         let mut start = 0;
         for len in group_sizes(order.len(), self.options.batch_size, exact) {
@@ -426,18 +426,27 @@ fn unpack(outputs: Vec<Tensor>, batch: usize, rows: usize) -> Vec<Vec<Vec<f32>>>
 
 /// The sizes of the consecutive batches `n` rows run in: full batches of
 /// `batch`, then the rest as one batch (padded up to its bucket), or with
-/// `exact`, as the powers of two it is the sum of (no padding rows).
+/// `exact`, the rest cut into its largest powers of two while at least
+/// [`EXACT_MIN`] rows remain, the last few rows one padded batch (more,
+/// smaller calls cost more than they save there).
 fn group_sizes(n: usize, batch: usize, exact: bool) -> Vec<usize> {
     let batch = batch.max(1);
     let mut sizes = vec![batch; n / batch];
-    let rest = n % batch;
-    if rest > 0 && exact {
-        sizes.extend((0..usize::BITS).rev().map(|b| 1usize << b).filter(|&p| rest & p != 0));
-    } else if rest > 0 {
-        sizes.push(rest);
+    let mut rest = n % batch;
+    while rest > 0 {
+        let p = 1usize << (usize::BITS - 1 - rest.leading_zeros());
+        if !exact || p == rest || rest < EXACT_MIN {
+            sizes.push(rest);
+            break;
+        }
+        sizes.push(p);
+        rest -= p;
     }
     sizes
 }
+
+/// The fewest rows `group_sizes` cuts into exact batches.
+const EXACT_MIN: usize = 8;
 
 /// A model directory's configurations and tokenizer, after checking that it
 /// is a directory of supported files.
@@ -525,6 +534,8 @@ mod tests {
     fn batches_cover_every_row_and_exact_ones_need_no_padding() {
         assert_eq!(group_sizes(60, 32, false), vec![32, 28]);
         assert_eq!(group_sizes(60, 32, true), vec![32, 16, 8, 4]);
+        assert_eq!(group_sizes(11, 32, true), vec![8, 3], "fewer than 8 rows left: one padded batch");
+        assert_eq!(group_sizes(5, 32, true), vec![5]);
         assert_eq!(group_sizes(64, 32, true), vec![32, 32]);
         assert_eq!(group_sizes(0, 32, true), Vec::<usize>::new());
         for batch in [1, 3, 8, 24, 32] {
@@ -534,8 +545,11 @@ mod tests {
                     assert_eq!(g.iter().sum::<usize>(), n, "{n} rows, batch {batch}");
                     assert!(g.iter().all(|&s| s >= 1 && s <= batch));
                     if exact {
-                        // Each batch is its own bucket: full, or a power of two.
-                        assert!(g.iter().all(|&s| s == batch || s.is_power_of_two()), "{g:?}");
+                        // Every batch but a last one of under 8 rows is its
+                        // own bucket: full, or a power of two.
+                        let (last, rest) = g.split_last().map_or((0, &[][..]), |(l, r)| (*l, r));
+                        assert!(rest.iter().all(|&s| s == batch || s.is_power_of_two()), "{g:?}");
+                        assert!(last == batch || last.is_power_of_two() || last < 8, "{g:?}");
                     }
                 }
             }
