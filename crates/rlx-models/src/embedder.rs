@@ -528,7 +528,7 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::group_sizes;
+    use super::{group_sizes, EXACT_MIN};
 
     #[test]
     fn batches_cover_every_row_and_exact_ones_need_no_padding() {
@@ -545,11 +545,11 @@ mod tests {
                     assert_eq!(g.iter().sum::<usize>(), n, "{n} rows, batch {batch}");
                     assert!(g.iter().all(|&s| s >= 1 && s <= batch));
                     if exact {
-                        // Every batch but a last one of under 8 rows is its
-                        // own bucket: full, or a power of two.
+                        // Every batch but a last one of under EXACT_MIN rows
+                        // is its own bucket: full, or a power of two.
                         let (last, rest) = g.split_last().map_or((0, &[][..]), |(l, r)| (*l, r));
                         assert!(rest.iter().all(|&s| s == batch || s.is_power_of_two()), "{g:?}");
-                        assert!(last == batch || last.is_power_of_two() || last < 8, "{g:?}");
+                        assert!(last == batch || last.is_power_of_two() || last < EXACT_MIN, "{g:?}");
                     }
                 }
             }
