@@ -158,11 +158,17 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     };
     let embedder = match flow {
         (Flow::Go, Some(e)) => e,
-        _ => return Ok(stopped_early(count.texts)),
+        _ => {
+            stopped_early(count.texts);
+            return Ok(());
+        }
     };
     match writer.finish() {
         Ok(written) => debug_assert_eq!(written, count.texts),
-        Err(e) if count.watch_stdout && is_broken_pipe(&e) => return Ok(stopped_early(count.texts)),
+        Err(e) if count.watch_stdout && is_broken_pipe(&e) => {
+            stopped_early(count.texts);
+            return Ok(());
+        }
         Err(e) => return Err(e.to_string()),
     }
     if from_stdin && count.texts == 0 {
