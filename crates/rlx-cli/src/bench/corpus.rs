@@ -71,7 +71,7 @@ pub fn run(b: &CorpusBench) -> Result<(), String> {
         return Err(format!("rlx embed failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
     }
     let e2e = texts.len() as f64 / e2e_s;
-    let summary = String::from_utf8_lossy(&o.stderr).lines().filter(|l| l.starts_with("embedded")).next_back().unwrap_or("").to_string();
+    let summary = String::from_utf8_lossy(&o.stderr).lines().rfind(|l| l.starts_with("embedded")).unwrap_or("").to_string();
     let md = format!(
         "| measurement | texts/s | seconds |\n|---|---:|---:|\n\
          | forward only (pre-tokenised, `embed_ids`) | {fwd:.0} | {fwd_s:.2} |\n\
