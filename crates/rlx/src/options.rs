@@ -15,7 +15,7 @@ use crate::{CompileOptions, PrepareOptions, Result};
 
 /// A session's settings: `Options::default()` is what an empty environment
 /// gives; `from_env` reads the environment; fields can be set in code.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Options {
     /// What the compiler may do (passes, storage precision).
     pub compile: CompileOptions,
@@ -26,18 +26,6 @@ pub struct Options {
     /// The CUDA backend's settings (`RLX_REPLAY`, `RLX_TRACE`, `RLX_GEMM`, …).
     #[cfg(feature = "cuda")]
     pub cuda: CudaOptions,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            compile: CompileOptions::default(),
-            prepare: PrepareOptions::default(),
-            cpu: CpuOptions::default(),
-            #[cfg(feature = "cuda")]
-            cuda: CudaOptions::default(),
-        }
-    }
 }
 
 impl Options {

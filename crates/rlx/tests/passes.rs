@@ -441,8 +441,8 @@ fn merge_quantized_matmuls_agrees() {
 }
 
 /// A LLaMA block over quantized weights (RmsNorm → Q/K/V, output projection
-/// + residual, RmsNorm → gate/up → SwiGLU → down + residual): merging and
-/// the quantized fusions leave four fused matmuls and no separate norm,
+/// with the residual, RmsNorm → gate/up → SwiGLU → down with the residual):
+/// merging and the quantized fusions leave four fused matmuls and no separate norm,
 /// SwiGLU or add, with the unfused schedule's bits on the CPU (the fused
 /// kernel runs the separate kernels' arithmetic). Random row counts and
 /// every block format.

@@ -32,6 +32,10 @@ impl Inputs {
             Inputs::Ids(i) => i.len(),
         }
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// `input`: a string, a list of strings, a list of token ids or a list of
