@@ -4,8 +4,8 @@ use std::fs::File;
 use std::io::{BufRead, BufReader, IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
 use std::sync::mpsc::sync_channel;
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;

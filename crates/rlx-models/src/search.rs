@@ -213,7 +213,6 @@ impl CorpusIndex {
         };
         Ok((bucket, exe.submit(&[(QUERIES, &input)])?))
     }
-
 }
 
 /// What top-k selection needs of an index.
