@@ -135,39 +135,42 @@ impl CorpusIndex {
             return Err(ModelError::Input(format!("search: {} query values are not whole rows of dimension {dim}", queries.len())));
         }
         let mut out = Vec::with_capacity(queries.len() / dim);
-        // With two slots batch k + 1 is submitted before batch k's top-k
-        // runs; a batch still in flight when something fails is waited
-        // out, so its slot is free for the next search.
-        let mut pending: Option<(usize, Ticket, usize)> = None;
-        for batch in queries.chunks(MAX_QUERY_BATCH * dim) {
+        // A batch still in flight when something fails is waited out, so
+        // its slot is free for the next search.
+        let mut pending = None;
+        let done = self.run_batches(queries, top_k, &mut pending, &mut out);
+        if let (Err(_), Some((bucket, t, _))) = (&done, pending) {
+            let _ = self.compiled.get_mut(&bucket).map(|exe| exe.wait(t));
+        }
+        done.map(|()| out)
+    }
+
+    /// Scores `queries` batch by batch and appends their top `k` to `out`;
+    /// with two slots batch k + 1 is submitted before batch k's top-k runs.
+    /// `pending`: the batch in flight (bucket, ticket, queries).
+    fn run_batches(
+        &mut self,
+        queries: &[f32],
+        k: usize,
+        pending: &mut Option<(usize, Ticket, usize)>,
+        out: &mut Vec<Vec<Hit>>,
+    ) -> Result<()> {
+        for batch in queries.chunks(MAX_QUERY_BATCH * self.dim) {
             // One slot: the batch before is collected first.
             if self.slots < 2 {
                 if let Some(p) = pending.take() {
-                    self.collect(p, top_k, &mut out)?;
+                    self.collect(p, k, out)?;
                 }
             }
-            let submitted = match self.submit_scores(batch) {
-                Ok(s) => s,
-                Err(e) => {
-                    if let Some((bucket, t, _)) = pending.take() {
-                        let _ = self.compiled.get_mut(&bucket).map(|exe| exe.wait(t));
-                    }
-                    return Err(e);
-                }
-            };
-            if let Some(p) = pending.replace((submitted.0, submitted.1, batch.len() / dim)) {
-                if let Err(e) = self.collect(p, top_k, &mut out) {
-                    if let Some((bucket, t, _)) = pending.take() {
-                        let _ = self.compiled.get_mut(&bucket).map(|exe| exe.wait(t));
-                    }
-                    return Err(e);
-                }
+            let (bucket, ticket) = self.submit_scores(batch)?;
+            if let Some(p) = pending.replace((bucket, ticket, batch.len() / self.dim)) {
+                self.collect(p, k, out)?;
             }
         }
-        if let Some(p) = pending {
-            self.collect(p, top_k, &mut out)?;
+        match pending.take() {
+            Some(p) => self.collect(p, k, out),
+            None => Ok(()),
         }
-        Ok(out)
     }
 
     /// Waits for a batch of `n` queries scored by the `bucket` executable
