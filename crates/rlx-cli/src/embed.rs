@@ -127,34 +127,22 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
         let is_file = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
         let total = if is_file { Some(count_lines(path)?) } else { None };
         let lines = TextLines::new(BufReader::new(file), path.display().to_string());
-        if is_file {
-            stream(&tokenizer, load, lines, &mut writer, Progress::new(total), &mut count)?
-        } else {
-            // A pipe may be slow to give its first lines: the model's
-            // errors come first.
-            let embedder = load()?;
-            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::new(total), &mut count)?
-        }
+        stream(&tokenizer, load_first_if(!is_file, load)?, lines, &mut writer, Progress::new(total), &mut count)?
     } else {
         let stdin = std::io::stdin();
         let typed = stdin.is_terminal();
         from_stdin = true;
         let regular = stdin_is_regular_file(&stdin);
         let lines = TextLines::new(stdin.lock(), "stdin");
-        if typed {
-            // Someone typing learns of a model that does not load before
-            // the first line, and gets no bar over the lines.
-            let embedder = load()?;
+        let load = load_first_if(typed || !regular, load)?;
+        // No bar over the lines someone is typing.
+        let bar = if typed {
             eprintln!("reading texts from stdin, one per line (Ctrl-D to end)");
-            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::hidden(), &mut count)?
-        } else if regular {
-            stream(&tokenizer, load, lines, &mut writer, Progress::new(None), &mut count)?
+            Progress::hidden()
         } else {
-            // A pipe may be slow to give its first lines: the model's
-            // errors come first.
-            let embedder = load()?;
-            stream(&tokenizer, move || Ok(embedder), lines, &mut writer, Progress::new(None), &mut count)?
-        }
+            Progress::new(None)
+        };
+        stream(&tokenizer, load, lines, &mut writer, bar, &mut count)?
     };
     let embedder = match flow {
         (Flow::Go, Some(e)) => e,
@@ -250,6 +238,21 @@ enum Flow {
 
 /// The end of a run whose output nobody reads any more: not an error (the
 /// reader took what it wanted), so exit 0 with a word on stderr.
+/// The embedder's loader for the pipeline. Input that may be slow to give
+/// its first lines (a pipe, a FIFO, someone typing) has the model loaded
+/// here first, so a model that does not load is reported before those
+/// lines; otherwise the pipeline loads it while it reads.
+type Loader<'a> = Box<dyn FnOnce() -> Result<SentenceEmbedder, String> + Send + 'a>;
+
+fn load_first_if<'a>(slow: bool, load: impl FnOnce() -> Result<SentenceEmbedder, String> + Send + 'a) -> Result<Loader<'a>, String> {
+    if slow {
+        let embedder = load()?;
+        Ok(Box::new(move || Ok(embedder)))
+    } else {
+        Ok(Box::new(load))
+    }
+}
+
 /// Whether stdin reads a regular file (`< FILE`), which gives its lines at
 /// once, rather than a pipe or a terminal.
 fn stdin_is_regular_file(stdin: &std::io::Stdin) -> bool {
