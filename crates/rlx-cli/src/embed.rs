@@ -99,8 +99,9 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
     let (dir, device, options) = resolve(&args.model)?;
     // The tokenizer first: texts are read and tokenised while the pipeline's
     // device thread opens the device and loads the weights.
-    let (tokenizer, dim) = SentenceEmbedder::load_tokenizer(&dir).map_err(|e| e.to_string())?;
-    let load = || SentenceEmbedder::load_with(&dir, device, options).map_err(|e| e.to_string());
+    let parts = SentenceEmbedder::read_parts(&dir).map_err(|e| e.to_string())?;
+    let (tokenizer, dim) = (parts.tokenizer().clone(), parts.dim());
+    let load = move || SentenceEmbedder::load_parts(parts, device, options).map_err(|e| e.to_string());
     // A signal must not leave the temporary output (or npy spool) behind.
     EmbeddingWriter::remove_temp_files_on_signals();
     let mut writer = match &args.output {

@@ -5,7 +5,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use rlx::{CompileOptions, CompiledGraph, DType, Device, PrepareOptions, Session, Tensor, Ticket, WeightStore};
@@ -39,6 +39,26 @@ impl Default for EmbedderOptions {
     }
 }
 
+/// What [`SentenceEmbedder::read_parts`] reads from a model directory:
+/// everything but the weights.
+pub struct EmbedderParts {
+    dir: PathBuf,
+    config: BertConfig,
+    sentence: SentenceConfig,
+    tokenizer: TextTokenizer,
+}
+
+impl EmbedderParts {
+    /// The tokenizer the embedder will use (clone it to tokenise on another thread).
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+    /// The width of the model's vectors.
+    pub fn dim(&self) -> usize {
+        self.config.hidden_size
+    }
+}
+
 /// Cache key: (batch, seq, with hidden states).
 type BucketKey = (usize, usize, bool);
 
@@ -61,20 +81,27 @@ impl SentenceEmbedder {
     }
 
     pub fn load_with(dir: impl AsRef<Path>, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
+        Self::load_parts(Self::read_parts(dir)?, device, options)
+    }
+
+    /// A model directory's configuration and tokenizer, read without the
+    /// weights or a device: a caller can tokenise with
+    /// [`EmbedderParts::tokenizer`] while another thread loads the embedder
+    /// from the same parts ([`load_parts`](Self::load_parts)).
+    pub fn read_parts(dir: impl AsRef<Path>) -> Result<EmbedderParts> {
         let dir = dir.as_ref();
-        check_options(&options)?;
         let (config, sentence, tokenizer) = read_host_parts(dir)?;
+        Ok(EmbedderParts { dir: dir.to_path_buf(), config, sentence, tokenizer })
+    }
+
+    /// [`load_with`](Self::load_with) from parts already read: only the
+    /// weights are read here.
+    pub fn load_parts(parts: EmbedderParts, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
+        check_options(&options)?;
+        let EmbedderParts { dir, config, sentence, tokenizer } = parts;
         let store = Arc::new(WeightStore::new());
         load_bert_weights(&dir.join("model.safetensors"), &config, options.dtype, &store)?;
         Self::from_weights(config, sentence, Some(tokenizer), store, device, options)
-    }
-
-    /// The tokenizer `load` gives a model directory's embedder, and the
-    /// vectors' width, read without the weights or a device: a caller can
-    /// tokenise while another thread loads the embedder.
-    pub fn load_tokenizer(dir: impl AsRef<Path>) -> Result<(TextTokenizer, usize)> {
-        let (config, _, tokenizer) = read_host_parts(dir.as_ref())?;
-        Ok((tokenizer, config.hidden_size))
     }
 
     /// An embedder over weights already in a store (e.g. [`random_weights`]);

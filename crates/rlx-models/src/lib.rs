@@ -32,7 +32,7 @@ mod weights;
 pub use bert::{build_bert_graph, BertGraphOptions, ATTENTION_MASK, INPUT_IDS, TOKEN_TYPE_IDS};
 pub use chat_template::Message;
 pub use config::{BertConfig, Pooling, SentenceConfig};
-pub use embedder::{cosine, l2_normalize, EmbedderOptions, SentenceEmbedder, SEQ_BUCKETS};
+pub use embedder::{cosine, l2_normalize, EmbedderOptions, EmbedderParts, SentenceEmbedder, SEQ_BUCKETS};
 pub use embedding_writer::{EmbeddingWriter, OutputFormat};
 pub use error::{ModelError, Result};
 pub use generator::{
