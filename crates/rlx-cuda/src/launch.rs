@@ -183,13 +183,16 @@ pub(crate) struct Kernels {
     /// The fused feed-forward kernels by widths (H, I), each compiled and
     /// loaded on first use (`ffn`); a failure is kept as its message and
     /// repeated to every caller.
-    ffn: std::sync::Mutex<HashMap<(usize, usize), std::result::Result<&'static LazyModule, String>>>,
+    ffn: std::sync::Mutex<HashMap<(usize, usize), Loaded>>,
     /// The generation step's kernels (kernels/decode.cu, qmma.cu, sample.cu), loaded on first
     /// use (`decode`) in the same way.
     decode: OnceLock<std::result::Result<LazyModule, String>>,
     /// The fault-injection hook's trapping kernel (kernels/fault.cu).
     fault: OnceLock<std::result::Result<LazyModule, String>>,
 }
+
+/// A module compiled and loaded on first use, or why it could not be.
+type Loaded = std::result::Result<&'static LazyModule, String>;
 
 /// Kernels compiled and loaded on first use: the fused feed-forward
 /// block's (kernels/ffn.cu) and the generation step's (kernels/decode.cu and its siblings),
