@@ -2,7 +2,7 @@
 //! backend-neutral [`Schedule`].
 //!
 //! `compile` = verify → passes (dce → merge_matmul → fuse → fuse_quant →
-//! fuse_attention → precision → dce, each result verified) → plan
+//! fuse_attention → fuse_ffn → precision → dce, each result verified) → plan
 //! (`plan.rs`: where every value lives) → lower (`lower.rs`: thunks) → [`Schedule`] (printable, serialisable).
 
 pub mod layout;
@@ -40,7 +40,10 @@ pub struct CompileOptions {
     pub merge_matmuls: bool,
     /// Fusion patterns (matmul epilogues, residual norms, SwiGLU; around
     /// quantized matmuls: RmsNorm prologues, SwiGLU and residual epilogues;
-    /// a decode step's RoPE and KV-cache writes into its attention).
+    /// a decode step's RoPE and KV-cache writes into its attention; a
+    /// feed-forward block and its norm, with the attention output
+    /// projection and norm before it, as one op that a backend without a
+    /// kernel for it runs as its parts).
     pub fuse: bool,
     /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
     /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
@@ -74,8 +77,8 @@ pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, Compile
 }
 
 /// The passes `opts` selects, in order: dce → merge → fuse → fuse_quant →
-/// fuse_attention → precision →
-/// dce, each result verified (an error names the pass).
+/// fuse_attention → fuse_ffn → precision → dce, each result verified (an
+/// error names the pass).
 pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileError> {
     fn step(g: Graph, pass: &'static str, f: impl FnOnce(&Graph) -> Result<Graph, IrError>) -> Result<Graph, CompileError> {
         let out = f(&g).map_err(|source| CompileError::Pass { pass, source })?;
@@ -93,6 +96,7 @@ pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileEr
         g = step(g, "fuse", passes::fuse::run)?;
         g = step(g, "fuse_quant", passes::fuse_quant::run)?;
         g = step(g, "fuse_attention", passes::fuse_attention::run)?;
+        g = step(g, "fuse_ffn", passes::fuse_ffn::run)?;
     }
     if let Some(dtype) = opts.precision {
         g = step(g, "precision", |g| passes::precision::run(g, dtype))?;

@@ -1,13 +1,13 @@
 //! Lowering: one or more thunks per compute node, over the places the
 //! planner chose. Views, weights, states and constants cost nothing here.
 
-use rlx_ir::{DType, Graph, Node, Op};
+use rlx_ir::{DType, FeedForwardSpec, FfnResidual, Graph, Node, Op};
 
 use crate::layout::{dense_strides, rows_view, seq_view, span_bytes, Loc, Root};
 use crate::plan::{lower_err, reduce_needs_copy, ArenaPlan, BufferKind};
 use crate::{
-    AppendRope, AttentionAppendThunk, AttentionThunk, BufRef, CompileError, MatMulThunk, QNorm, RowsView, Schedule, SeqView, Space,
-    TensorSlot, Thunk,
+    AppendRope, AttentionAppendThunk, AttentionThunk, BufRef, CompileError, FeedForwardThunk, MatMulThunk, QNorm, RowsView, Schedule,
+    SeqView, Space, TensorSlot, Thunk,
 };
 
 type Result<T> = std::result::Result<T, CompileError>;
@@ -278,6 +278,7 @@ impl Lowerer<'_> {
                 })
             }
             Op::AttentionAppend { spec, rope } => self.attention_append(i, spec, rope.as_ref())?,
+            Op::FeedForward(f) => self.feed_forward(i, f)?,
             Op::Rope { theta, mode, head_dim } => {
                 let (x, pos) = (in0(self)?, self.input(i, 1)?);
                 Thunk::Rope {
@@ -469,6 +470,83 @@ impl Lowerer<'_> {
             position_per_batch: per_batch(pos),
             rope,
         })))
+    }
+
+    /// The parts of a fused feed-forward block over its scratch
+    /// (`plan::ffn_scratch`), as the separate ops would lower: each matmul
+    /// one GEMM of all rows by its 2-D weight.
+    fn feed_forward(&self, i: usize, f: &FeedForwardSpec) -> Result<Thunk> {
+        let g = self.g;
+        let node = &g.nodes[i];
+        let (dtype, h) = (node.dtype, node.shape.last());
+        let s = f.slots();
+        let input = |k: usize| self.input(i, k);
+        let dense = |k: Option<usize>| k.map(|k| self.dense(i, self.input(i, k)?)).transpose();
+        let n_i = g.nodes[input(s.w1)?].shape.dims()[0];
+        let b = self.plan.scratch[i].ok_or_else(|| lower_err(g, i, "feed_forward has no scratch buffer"))?;
+        let scratch = self.buffer(b);
+        let mut at = scratch.offset;
+        let mut part = |bytes: u64| {
+            at += bytes;
+            BufRef { space: Space::Arena, offset: at - bytes, bytes }
+        };
+        let sizes = crate::plan::ffn_scratch(g, i, f);
+        let (rows, x_in) = self.rows(i, input(s.attn_out.map_or(s.x.unwrap_or(0), |o| o.a))?)?;
+        let mm = |a: RowsView, k: usize, n: usize, w: usize, bias: Option<BufRef>, act, residual, out| -> Result<MatMulThunk> {
+            Ok(MatMulThunk {
+                dtype,
+                batch: 1,
+                m: rows,
+                n,
+                k,
+                a: a.buf,
+                lda: a.row_stride,
+                a_batch_stride: rows as u64 * a.row_stride,
+                b: self.dense(i, input(w)?)?,
+                b_trans: true,
+                ldb: k as u64,
+                b_batch_stride: 0,
+                bias,
+                act,
+                residual,
+                out,
+            })
+        };
+        let norm = |rms: bool,
+                    eps: f32,
+                    x: BufRef,
+                    residual: Option<BufRef>,
+                    gamma: usize,
+                    beta: Option<usize>,
+                    out: BufRef|
+         -> Result<Thunk> {
+            Ok(Thunk::Norm { rms, dtype, rows, cols: h, eps, x, residual, gamma: self.dense(i, input(gamma)?)?, beta: dense(beta)?, out })
+        };
+        let h_buf = part(sizes[0]);
+        let y_buf = part(sizes[1]);
+        let mut parts = Vec::new();
+        let x = match (f.attn_out, s.attn_out) {
+            (Some(o), Some(os)) => {
+                let (proj, x1) = (part(sizes[2]), part(sizes[3]));
+                parts.push(Thunk::MatMul(mm(x_in, h, h, os.wo, dense(os.bo)?, None, dense(os.residual)?, proj)?));
+                parts.push(norm(o.rms, o.eps, proj, dense(os.norm_residual)?, os.gamma, os.beta, x1)?);
+                RowsView { buf: x1, row_stride: h as u64 }
+            }
+            _ => x_in,
+        };
+        let residual = |r: FfnResidual, at: Option<usize>| -> Result<Option<BufRef>> {
+            match r {
+                FfnResidual::None => Ok(None),
+                FfnResidual::Block if x.row_stride == h as u64 => Ok(Some(x.buf)),
+                FfnResidual::Block => Err(lower_err(g, i, "the block's input is a strided view but a residual reads it densely")),
+                FfnResidual::Input => dense(at),
+            }
+        };
+        parts.push(Thunk::MatMul(mm(x, h, n_i, s.w1, dense(s.b1)?, Some(f.act), None, h_buf)?));
+        let h_rows = RowsView { buf: h_buf, row_stride: n_i as u64 };
+        parts.push(Thunk::MatMul(mm(h_rows, n_i, h, s.w2, dense(s.b2)?, None, residual(f.residual2, s.residual2)?, y_buf)?));
+        parts.push(norm(f.rms, f.eps, y_buf, residual(f.norm_residual, s.norm_residual)?, s.gamma, s.beta, self.buf(i))?);
+        Ok(Thunk::FeedForward(Box::new(FeedForwardThunk { parts })))
     }
 
     fn reduce(&mut self, i: usize, op: rlx_ir::ReduceOp, axes: &[usize]) -> Result<Thunk> {

@@ -8,7 +8,7 @@
 //! a free list; a buffer is free once the last step that reads it (directly
 //! or through an alias) has run.
 
-use rlx_ir::{Graph, Op};
+use rlx_ir::{FfnResidual, Graph, Op};
 
 use crate::layout::{rows_view, seq_view, Loc, Root};
 use crate::passes::users;
@@ -45,7 +45,8 @@ pub struct ArenaPlan {
     /// The node writes over its first input.
     pub in_place: Vec<bool>,
     /// Scratch buffer of a node (reduce over non-adjacent axes; the turned
-    /// q and k of an attention append with RoPE).
+    /// q and k of an attention append with RoPE; the values a fused
+    /// feed-forward block passes between its parts, see [`ffn_scratch`]).
     pub scratch: Vec<Option<usize>>,
     /// Per graph output: the buffer it is copied into, if it needs one.
     pub output_copy: Vec<Option<usize>>,
@@ -72,6 +73,21 @@ pub fn reduce_needs_copy(axes: &[usize]) -> bool {
     axes.windows(2).any(|w| w[1] != w[0] + 1)
 }
 
+/// The scratch parts of fused feed-forward block `i`, in bytes, each
+/// rounded up to the arena's alignment: FFN1's output `[rows, I]`, FFN2's
+/// `[rows, H]`, and with `attn_out` the projection's and norm1's
+/// `[rows, H]`.
+pub fn ffn_scratch(g: &Graph, i: usize, f: &rlx_ir::FeedForwardSpec) -> Vec<u64> {
+    let n = &g.nodes[i];
+    let (numel, h, es) = (n.shape.numel() as u64, n.shape.last().max(1) as u64, n.dtype.size() as u64);
+    let inter = g.nodes[n.inputs[f.slots().w1].0].shape.dims()[0] as u64;
+    let mut parts = vec![align(numel / h * inter * es), align(numel * es)];
+    if f.attn_out.is_some() {
+        parts.extend([align(numel * es); 2]);
+    }
+    parts
+}
+
 /// Whether `user` can read the value at input slot `slot` through these
 /// strides (the consumers that take views, see `Thunk`).
 fn accepts_strides(op: &Op, slot: usize, dims: &[usize], strides: &[u64]) -> bool {
@@ -80,6 +96,11 @@ fn accepts_strides(op: &Op, slot: usize, dims: &[usize], strides: &[u64]) -> boo
         Op::Rope { .. } if slot == 0 => seq_view(dims, strides).is_some(),
         Op::SwiGlu if slot < 2 => rows_view(dims, strides).is_some(),
         Op::MatMul { .. } | Op::MatMulFused { .. } if slot == 0 => rows_view(dims, strides).is_some(),
+        // The block's input as rows, unless a residual reads it densely too.
+        Op::FeedForward(f) if slot == 0 => {
+            let dense = f.attn_out.is_none() && [f.residual2, f.norm_residual].contains(&FfnResidual::Block);
+            !dense && rows_view(dims, strides).is_some()
+        }
         _ => false,
     }
 }
@@ -309,8 +330,11 @@ pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
             Op::AttentionAppend { rope: Some(_), .. } => g.nodes[i].shape.numel() + g.nodes[g.nodes[i].inputs[1].0].shape.numel(),
             _ => 0,
         };
-        if scratch > 0 {
-            let bytes = (scratch * g.nodes[i].dtype.size()) as u64;
+        let bytes = match &g.nodes[i].op {
+            Op::FeedForward(f) => ffn_scratch(g, i, f).iter().sum(),
+            _ => (scratch * g.nodes[i].dtype.size()) as u64,
+        };
+        if bytes > 0 {
             p.plan.scratch[i] = Some(p.new_buffer(i, BufferKind::Scratch, bytes, i, i));
         }
     }

@@ -160,6 +160,14 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => {
             (vec![*logits, *fparams, *iparams, *history, *position], vec![*out])
         }
+        Thunk::FeedForward(f) => {
+            let (mut reads, mut writes) = (vec![], vec![]);
+            for (r, w) in f.parts.iter().map(io) {
+                reads.extend(r);
+                writes.extend(w);
+            }
+            (reads, writes)
+        }
     }
 }
 

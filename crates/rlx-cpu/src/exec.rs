@@ -413,7 +413,11 @@ impl CpuExecutable {
         profile: bool,
     ) -> Result<CpuExecutable> {
         let weight_version = store.version();
-        let worker = Worker::new(schedule.clone(), &store, states, state_block, slots, pool, profile)?;
+        // Fused thunks run as their parts, each a thunk of its own with its
+        // matmul's weight copy: the reference they are checked against.
+        let parts = Arc::new(schedule.expand(|_| false));
+        let kernels_per_call = parts.thunks.len();
+        let worker = Worker::new(parts, &store, states, state_block, slots, pool, profile)?;
         let rebind_failed = worker.rebind_failed.clone();
         let shared = Arc::new(Mutex::new(worker));
         let (job_tx, job_rx) = channel();
@@ -425,7 +429,7 @@ impl CpuExecutable {
             .map_err(|e| exec_err(format!("could not start the executable's worker thread: {e}")))?;
         let stats = ExecStats {
             calls: 0,
-            kernels_per_call: schedule.thunks.len(),
+            kernels_per_call,
             arena_bytes: schedule.arena_bytes,
             slots,
             last_host_time: Duration::ZERO,

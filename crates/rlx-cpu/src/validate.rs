@@ -73,6 +73,10 @@ pub fn check_thunk(t: &Thunk) -> Result<(), String> {
             }
             Ok(())
         }
+        Thunk::FeedForward(f) => {
+            f.roles()?;
+            f.parts.iter().try_for_each(check_thunk)
+        }
         Thunk::Rope { dtype, head_dim, .. } => {
             float(*dtype, "rope dtype")?;
             if head_dim % 2 != 0 {

@@ -392,5 +392,8 @@ __device__ __forceinline__ void ffn_rows_body(const FfnRowsP& p) {
     extern "C" __global__ void __launch_bounds__(256) ffn_rows_tail_##H##_##I##_bf16(const FfnRowsP p) {    \
         ffn_rows_body<__nv_bfloat16, H, I, true>(p);                                                       \
     }
-// MiniLM (H 384, I 1536).
-RLX_FFN_ROWS(384, 1536)
+// The widths (H, I) are defined ahead of this text (src/nvrtc.rs
+// `ffn_source`): one module per width pair a schedule runs. The extra
+// level expands FFN_H and FFN_I before they are pasted into the names.
+#define RLX_FFN_ROWS_AT(H, I) RLX_FFN_ROWS(H, I)
+RLX_FFN_ROWS_AT(FFN_H, FFN_I)

@@ -93,6 +93,8 @@ pub(crate) struct Device {
     /// policy window, in bytes.
     pub l2_persist_max: usize,
     pub l2_window_max: usize,
+    /// Shared memory a block may opt into, in bytes (0 where not reported).
+    pub smem_optin: usize,
 }
 
 // SAFETY: a CUcontext handle may be used from any thread once made current there.
@@ -130,7 +132,9 @@ impl Device {
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE).unwrap_or(0).max(0) as usize;
             let l2_window_max =
                 attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE).unwrap_or(0).max(0) as usize;
-            Ok(Arc::new(Device { ordinal, ctx, name, cc: (major, minor), sm_count, l2_persist_max, l2_window_max }))
+            let smem_optin =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(0).max(0) as usize;
+            Ok(Arc::new(Device { ordinal, ctx, name, cc: (major, minor), sm_count, l2_persist_max, l2_window_max, smem_optin }))
         }
     }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
-use rlx_schedule::{BufRef, Schedule, Space, Thunk};
+use rlx_schedule::{Schedule, Space, Thunk};
 
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
@@ -208,6 +208,43 @@ impl CudaExecutable {
             check_buf(&format!("tensor '{}'", s.name), &s.buf, arena_bytes, &weight_bufs, &state_caps, &consts)?;
         }
 
+        // One activation arena for every slot: all calls run on the
+        // executable's one stream, so a call's kernels start only after the
+        // previous call's last kernel, its copy-out included, has finished;
+        // only the staging buffers and the error flag, which the host reads
+        // and writes, need a copy per slot. An arena per slot took `slots`
+        // times the memory and was no faster, replayed or pipelined.
+        let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
+        // Fused feed-forward blocks the kernel runs (src/ffn.rs: the shape
+        // rule, then the operands' alignment and the clusters that fit); the
+        // others run as their parts.
+        let bases_at = |err: u64| Bases {
+            arena: arena.ptr,
+            weights: weight_bufs.iter().map(|b| b.ptr).collect(),
+            states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
+            consts: consts.iter().map(|b| b.ptr).collect(),
+            err,
+        };
+        let mut fused = Vec::new();
+        for (i, t) in schedule.thunks.iter().enumerate() {
+            let Thunk::FeedForward(f) = t else { continue };
+            let why = if !cuda.ffn_fusion {
+                Some("RLX_FFN=0".to_string())
+            } else if let Err(e) = ffn::eligible(f, dev.cc, dev.smem_optin) {
+                Some(e)
+            } else if ffn::build(kernels, f, &bases_at(0), false)?.is_none() {
+                Some("operands not aligned, kernel unavailable or clusters do not fit".to_string())
+            } else {
+                None
+            };
+            if let (true, Some(why)) = (trace, &why) {
+                eprintln!("rlx-cuda: feed_forward thunk {i} runs as its parts: {why}");
+            }
+            fused.push(why.is_none());
+        }
+        let mut fused = fused.into_iter();
+        let schedule = if fused.len() > 0 { Arc::new(schedule.expand(|_| fused.next().unwrap_or(false))) } else { schedule };
+
         let blas = Arc::new(Blas::new(&dev)?);
         let plans: Vec<Option<Arc<MatMulPlan>>> = schedule
             .thunks
@@ -223,17 +260,7 @@ impl CudaExecutable {
         let stream = Stream::new(&dev)?;
         let mut slots = Vec::with_capacity(nslots);
         let mut matmul_choices = Vec::new();
-        // Feed-forward blocks of at most 128 rows as one fused kernel each (src/ffn.rs).
-        let outputs: Vec<BufRef> = schedule.outputs.iter().map(|s| s.buf).collect();
-        let fusions = if cuda.ffn_fusion { ffn::find(&schedule.thunks, &outputs, dev.cc.0) } else { Vec::new() };
         let mut fused_ffns = 0;
-        // One activation arena for every slot: all calls run on the
-        // executable's one stream, so a call's kernels start only after the
-        // previous call's last kernel, its copy-out included, has finished;
-        // only the staging buffers and the error flag, which the host reads
-        // and writes, need a copy per slot. An arena per slot took `slots`
-        // times the memory and was no faster, replayed or pipelined.
-        let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
         // Opt-in (`CudaOptions::l2_persist`; replay, sm_80+): the arena's
         // accesses persist in L2: the device's largest set-aside and an
         // access policy window over the arena on every recorded kernel, so
@@ -255,13 +282,7 @@ impl CudaExecutable {
             let errbuf = DeviceBuffer::alloc(&dev, 4)?;
             let pin_in = PinnedBuffer::alloc(&dev, in_bytes)?;
             let pin_out = PinnedBuffer::alloc(&dev, out_bytes + 4)?;
-            let bases = Bases {
-                arena: arena.ptr,
-                weights: weight_bufs.iter().map(|b| b.ptr).collect(),
-                states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
-                consts: consts.iter().map(|b| b.ptr).collect(),
-                err: errbuf.ptr,
-            };
+            let bases = bases_at(errbuf.ptr);
             // The error flag is cleared and the staging copies run as kernels
             // (mapped pinned memory): in a recorded graph every memset or
             // memcpy node costs host time at each launch. As kernels, the
@@ -283,20 +304,16 @@ impl CudaExecutable {
                     steps.push(Step::new(Op::HtoD { dst: bases.ptr(&s.buf)?, src, bytes: *bytes }, "io"));
                 }
             }
-            let mut i = 0;
-            while i < schedule.thunks.len() {
-                if let Some(f) = fusions.iter().find(|f| f.start == i) {
-                    if let Some(fused) = ffn::build(kernels, &schedule.thunks, *f, &bases, trace && slots.is_empty())? {
-                        if slots.is_empty() {
-                            fused_ffns += 1;
-                        }
-                        steps.extend(fused);
-                        i += f.thunks();
-                        continue;
+            for (ti, t) in schedule.thunks.iter().enumerate() {
+                if let Thunk::FeedForward(f) = t {
+                    let fused = ffn::build(kernels, f, &bases, trace && slots.is_empty())?
+                        .ok_or_else(|| err(format!("thunk {ti}: the fused feed-forward kernel declined a block it took at prepare")))?;
+                    if slots.is_empty() {
+                        fused_ffns += 1;
                     }
+                    steps.extend(fused);
+                    continue;
                 }
-                let (ti, t) = (i, &schedule.thunks[i]);
-                i += 1;
                 let host = HostTask::for_thunk(&dev, t)?;
                 let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[ti].as_ref(), host)?;
                 if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[ti]) {
@@ -692,6 +709,7 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
             v
         }
         Thunk::QGather { table, ids, out, .. } => vec![table, ids, out],
+        Thunk::FeedForward(f) => f.parts.iter().flat_map(thunk_bufs).collect(),
         Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => vec![logits, fparams, iparams, history, position, out],
     }
 }

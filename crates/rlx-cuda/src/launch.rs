@@ -180,15 +180,19 @@ pub(crate) struct Kernels {
     /// How kernels compile (cache folder, headers): the options the device
     /// was opened with.
     compile: CudaOptions,
-    /// The fused feed-forward kernels, loaded on first use (`ffn`); a
-    /// failure is kept as its message and repeated to every caller.
-    ffn: OnceLock<std::result::Result<LazyModule, String>>,
+    /// The fused feed-forward kernels by widths (H, I), each compiled and
+    /// loaded on first use (`ffn`); a failure is kept as its message and
+    /// repeated to every caller.
+    ffn: std::sync::Mutex<HashMap<(usize, usize), Loaded>>,
     /// The generation step's kernels (kernels/decode.cu, qmma.cu, sample.cu), loaded on first
     /// use (`decode`) in the same way.
     decode: OnceLock<std::result::Result<LazyModule, String>>,
     /// The fault-injection hook's trapping kernel (kernels/fault.cu).
     fault: OnceLock<std::result::Result<LazyModule, String>>,
 }
+
+/// A module compiled and loaded on first use, or why it could not be.
+type Loaded = std::result::Result<&'static LazyModule, String>;
 
 /// Kernels compiled and loaded on first use: the fused feed-forward
 /// block's (kernels/ffn.cu) and the generation step's (kernels/decode.cu and its siblings),
@@ -212,7 +216,7 @@ impl Kernels {
             sm_count: dev.sm_count.max(1) as u32,
             dev,
             compile,
-            ffn: OnceLock::new(),
+            ffn: Default::default(),
             decode: OnceLock::new(),
             fault: OnceLock::new(),
         }
@@ -228,15 +232,20 @@ impl Kernels {
         let lt = crate::blas::cublaslt_version().unwrap_or(0);
         format!("{} cc {}.{} sms {} driver {driver} cublasLt {lt}", d.name, d.cc.0, d.cc.1, d.sm_count)
     }
-    /// The fused feed-forward kernels, compiled (or read from the disk cache)
-    /// and loaded the first time a fusion needs them (src/ffn.rs).
-    pub(crate) fn ffn(&self) -> Result<&LazyModule> {
-        let loaded = self.ffn.get_or_init(|| {
-            let files = crate::nvrtc::ffn_sources_for(self.dev.cc);
-            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs, file: "ffn.cu" })
+    /// The fused feed-forward kernels at widths (H, I), compiled (or read
+    /// from the disk cache) and loaded the first time a block of those
+    /// widths needs them (src/ffn.rs).
+    pub(crate) fn ffn(&self, h: usize, i: usize) -> Result<&'static LazyModule> {
+        let mut loaded = self.ffn.lock().unwrap_or_else(|p| p.into_inner());
+        let module = loaded.entry((h, i)).or_insert_with(|| {
+            let arch = format!("sm_{}{}", self.dev.cc.0, self.dev.cc.1);
+            let cubin =
+                crate::nvrtc::compile_cubin("ffn.cu", &crate::nvrtc::ffn_source(h, i), &arch, &self.compile).map_err(|e| e.to_string())?;
+            let module: &'static Module = Box::leak(Box::new(Module::load(&self.dev, &cubin).map_err(|e| e.to_string())?));
+            let funcs = module.functions().map_err(|e| e.to_string())?.into_iter().collect();
+            Ok(&*Box::leak(Box::new(LazyModule { funcs, file: "ffn.cu" })))
         });
-        loaded.as_ref().map_err(|e| err(format!("loading the fused feed-forward kernels: {e}")))
+        module.clone().map_err(|e| err(format!("loading the fused feed-forward kernels for H {h}, I {i}: {e}")))
     }
     /// The generation step's kernels (src/decode.rs), compiled (or read from
     /// the disk cache) and loaded the first time a schedule needs them.
@@ -401,6 +410,7 @@ pub(crate) fn lower(
     let kind = t.kind();
     let mut steps = Vec::new();
     match t {
+        Thunk::FeedForward(_) => return Err(err("feed_forward runs as the fused kernel (src/ffn.rs) or as its parts (src/exec.rs)")),
         Thunk::MatMul(m) => {
             let plan = plan.ok_or_else(|| err("matmul without a cuBLASLt plan"))?.clone();
             let d = b.ptr(&m.out)?;
@@ -970,6 +980,7 @@ pub(crate) fn unsupported(t: &Thunk) -> Option<String> {
             Some("too many rows".into())
         }
         Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => crate::decode::unsupported(t),
+        Thunk::FeedForward(f) => f.roles().err().or_else(|| f.parts.iter().find_map(unsupported)),
         _ => None,
     }
 }

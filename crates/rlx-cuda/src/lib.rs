@@ -179,8 +179,15 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    /// For a fused thunk: whether the fused kernel runs it (src/ffn.rs
+    /// `eligible`, with `CudaOptions::ffn_fusion`); one it does not runs as
+    /// its parts.
     fn supports(&self, thunk: &Thunk) -> bool {
-        launch::unsupported(thunk).is_none()
+        let fused = match thunk {
+            Thunk::FeedForward(f) => self.opts.ffn_fusion && ffn::eligible(f, self.dev.cc, self.dev.smem_optin).is_ok(),
+            _ => true,
+        };
+        fused && launch::unsupported(thunk).is_none()
     }
 
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {

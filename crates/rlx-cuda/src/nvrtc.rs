@@ -43,9 +43,19 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention_mma.cu", include_str!("../kernels/attention_mma.cu")),
 ];
 
-/// The fused feed-forward blocks (src/ffn.rs): compiled and loaded the first
-/// time a schedule has a block they run.
-pub const FFN_SOURCES: &[(&str, &str)] = &[("ffn.cu", include_str!("../kernels/ffn.cu"))];
+/// The fused feed-forward block (src/ffn.rs), compiled for each width pair
+/// (H, I) a schedule runs, the first time it needs it ([`ffn_source`]).
+pub const FFN_SOURCE: &str = include_str!("../kernels/ffn.cu");
+
+/// Width pairs `compile_all` compiles the fused feed-forward kernel at:
+/// MiniLM's, and one other the tiling takes.
+pub const FFN_CHECK_WIDTHS: [(usize, usize); 2] = [(384, 1536), (256, 1024)];
+
+/// kernels/ffn.cu for widths (H, I): its `FFN_H` and `FFN_I` defined ahead
+/// of the text (so they are part of the kernel cache's key).
+pub fn ffn_source(h: usize, i: usize) -> String {
+    format!("#define FFN_H {h}\n#define FFN_I {i}\n{FFN_SOURCE}")
+}
 
 /// The generation step's kernels (src/decode.rs): compiled and loaded the
 /// first time a schedule has a quantized matmul or gather, a sample, or an
@@ -68,12 +78,6 @@ pub type Source = (&'static str, &'static str, String);
 pub fn sources_for(cc: (i32, i32)) -> Vec<Source> {
     let plain = format!("sm_{}{}", cc.0, cc.1);
     SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
-}
-
-/// The fused feed-forward block's files for a device of compute capability `cc`.
-pub fn ffn_sources_for(cc: (i32, i32)) -> Vec<Source> {
-    let plain = format!("sm_{}{}", cc.0, cc.1);
-    FFN_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
 }
 
 /// The generation step's files for a device of compute capability `cc`.
@@ -279,8 +283,14 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 /// Compiles every kernel file for a device of compute capability `arch`
 /// without a GPU (the CI check); returns (file, architecture, CUBIN bytes).
 pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
-    let files: Vec<Source> =
-        sources_for(arch).into_iter().chain(ffn_sources_for(arch)).chain(decode_sources_for(arch)).chain(fault_sources_for(arch)).collect();
+    let files: Vec<Source> = sources_for(arch).into_iter().chain(decode_sources_for(arch)).chain(fault_sources_for(arch)).collect();
     let bins = compile_many(&files, opts)?;
-    Ok(files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect())
+    let mut out: Vec<(&'static str, String, usize)> =
+        files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect();
+    let sm = format!("sm_{}{}", arch.0, arch.1);
+    for (h, i) in FFN_CHECK_WIDTHS {
+        let bin = compile_cubin("ffn.cu", &ffn_source(h, i), &sm, opts)?;
+        out.push(("ffn.cu", format!("{sm} H {h} I {i}"), bin.len()));
+    }
+    Ok(out)
 }

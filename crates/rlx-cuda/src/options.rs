@@ -10,7 +10,7 @@
 //! | `RLX_TRACE` | flag | off | CUDA (diagnostic): per call, host time of each phase (check, stage, launch, record, wait, copy-out); at prepare, the replay segments and each timed matmul choice |
 //! | `RLX_PROFILE` | flag | off | CUDA (diagnostic): device time per thunk kind (CUDA events between eager launches) |
 //! | `RLX_GRAPH_DUMP` | flag | off | CUDA (diagnostic): print every node of each recorded graph (kind, grid, block, shared memory, parameter bytes, cluster, kernel) |
-//! | `RLX_FFN` | flag | on | CUDA (sm_90+): a feed-forward block of at most 128 rows at a compiled width (H 384, I 1536), with the attention output projection and norm before it where they match, as one fused kernel |
+//! | `RLX_FFN` | flag | on | CUDA (sm_90+): the compiler's fused feed-forward blocks (`Thunk::FeedForward`, with the attention output projection and norm before them where they matched) are supported and run as one kernel where its width rule applies (src/ffn.rs `eligible`); off, they run as their parts |
 //! | `RLX_GEMM` | `timed` or `heuristic` | `timed` | CUDA matmuls (cuBLASLt): `timed` times the algorithm per shape at prepare for GEMMs of at most 1024 rows (cuBLASLt's first answer above); `heuristic` takes cuBLASLt's first answer everywhere, nothing timed |
 //! | `RLX_GEMM_CACHE` | path, or `0` | `gemm-choices.txt` in the kernel cache folder | CUDA: the file that keeps timed matmul choices for later processes; `0` or empty: no file |
 //! | `RLX_L2_PERSIST` | flag | off | CUDA (sm_80+, replay): the activation arena's accesses persist in the device's largest L2 set-aside. Process-wide by nature: the set-aside is a context limit, and while an executable's lines hold it every other kernel of the process has less L2 |
@@ -53,7 +53,8 @@ pub struct CudaOptions {
     pub profile: bool,
     /// Every node of each recorded graph on stderr (`RLX_GRAPH_DUMP`).
     pub graph_dump: bool,
-    /// The fused feed-forward kernel where it applies (`RLX_FFN`).
+    /// Fused feed-forward blocks are supported and run as one kernel where
+    /// it applies (`RLX_FFN`); off, they run as their parts.
     pub ffn_fusion: bool,
     /// How matmul algorithms are chosen (`RLX_GEMM`).
     pub matmul: MatmulChoice,

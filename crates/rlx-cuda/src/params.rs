@@ -254,7 +254,7 @@ mod tests {
         let mut out = Vec::new();
         for (file, text) in crate::nvrtc::SOURCES
             .iter()
-            .chain(crate::nvrtc::FFN_SOURCES)
+            .chain(&[("ffn.cu", crate::nvrtc::FFN_SOURCE)])
             .chain(crate::nvrtc::DECODE_SOURCES)
             .chain(crate::nvrtc::FAULT_SOURCES)
             .chain(crate::nvrtc::HEADERS)

@@ -18,7 +18,10 @@ mod verify;
 pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, NodeId};
-pub use op::{Activation, AttentionSpec, BinaryOp, Op, ReduceOp, RopeMode, RopeSpec};
+pub use op::{
+    Activation, AttentionSpec, AttnOutSlots, AttnOutSpec, BinaryOp, FeedForwardSpec, FfnResidual, FfnSlots, Op, ReduceOp, RopeMode,
+    RopeSpec,
+};
 pub use quant::QFormat;
 pub use shape::{broadcast_shapes, Shape};
 

@@ -69,6 +69,116 @@ pub struct RopeSpec {
     pub factors: bool,
 }
 
+/// Where a residual inside an [`Op::FeedForward`] comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FfnResidual {
+    None,
+    /// The block's input: FFN1's input (norm1's output with `attn_out`).
+    Block,
+    /// A node of its own, the op's next input.
+    Input,
+}
+
+/// The attention output projection and norm an [`Op::FeedForward`] starts
+/// with: x = Norm1(a·woᵀ (+ bo) (+ residual) (+ norm_residual)).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttnOutSpec {
+    pub bias: bool,
+    /// Added after the projection's bias (a matmul residual epilogue).
+    pub residual: bool,
+    /// Added to the norm's input (a residual norm).
+    pub norm_residual: bool,
+    /// RmsNorm (gamma) rather than LayerNorm (gamma, beta).
+    pub rms: bool,
+    pub eps: f32,
+}
+
+/// A transformer feed-forward block and the norm after it, see
+/// [`Op::FeedForward`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FeedForwardSpec {
+    /// FFN1's activation.
+    pub act: Activation,
+    pub bias1: bool,
+    pub bias2: bool,
+    /// Added after FFN2's bias (a matmul residual epilogue).
+    pub residual2: FfnResidual,
+    /// Added to the norm's input (a residual norm).
+    pub norm_residual: FfnResidual,
+    /// RmsNorm (gamma) rather than LayerNorm (gamma, beta).
+    pub rms: bool,
+    pub eps: f32,
+    /// The block starts at the attention's output projection and its norm.
+    pub attn_out: Option<AttnOutSpec>,
+}
+
+/// Input positions of an [`Op::FeedForward`] node's operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FfnSlots {
+    /// With `attn_out`: a, wo, bo, residual, norm residual, gamma, beta.
+    pub attn_out: Option<AttnOutSlots>,
+    /// The block's input (without `attn_out`).
+    pub x: Option<usize>,
+    pub w1: usize,
+    pub b1: Option<usize>,
+    pub w2: usize,
+    pub b2: Option<usize>,
+    pub residual2: Option<usize>,
+    pub norm_residual: Option<usize>,
+    pub gamma: usize,
+    pub beta: Option<usize>,
+    /// How many inputs the node has.
+    pub count: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnOutSlots {
+    pub a: usize,
+    pub wo: usize,
+    pub bo: Option<usize>,
+    pub residual: Option<usize>,
+    pub norm_residual: Option<usize>,
+    pub gamma: usize,
+    pub beta: Option<usize>,
+}
+
+impl FeedForwardSpec {
+    /// Where each operand sits in the node's inputs (the order
+    /// [`Op::FeedForward`] lists).
+    pub fn slots(&self) -> FfnSlots {
+        let mut c = Slots(0);
+        let attn_out = self.attn_out.map(|o| AttnOutSlots {
+            a: c.one(),
+            wo: c.one(),
+            bo: c.opt(o.bias),
+            residual: c.opt(o.residual),
+            norm_residual: c.opt(o.norm_residual),
+            gamma: c.one(),
+            beta: c.opt(!o.rms),
+        });
+        let x = c.opt(self.attn_out.is_none());
+        let (w1, b1) = (c.one(), c.opt(self.bias1));
+        let (w2, b2) = (c.one(), c.opt(self.bias2));
+        let residual2 = c.opt(self.residual2 == FfnResidual::Input);
+        let norm_residual = c.opt(self.norm_residual == FfnResidual::Input);
+        let (gamma, beta) = (c.one(), c.opt(!self.rms));
+        FfnSlots { attn_out, x, w1, b1, w2, b2, residual2, norm_residual, gamma, beta, count: c.0 }
+    }
+}
+
+/// Numbers input slots in order.
+struct Slots(usize);
+
+impl Slots {
+    fn one(&mut self) -> usize {
+        self.0 += 1;
+        self.0 - 1
+    }
+    fn opt(&mut self, present: bool) -> Option<usize> {
+        present.then(|| self.one())
+    }
+}
+
 /// One operation. Inputs are listed per variant; every node has exactly one
 /// output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -177,6 +287,24 @@ pub enum Op {
     ///
     /// The caches are updated in place, as by a `WriteState`.
     AttentionAppend { spec: AttentionSpec, rope: Option<RopeSpec> },
+    /// A transformer feed-forward block and the norm after it (made by the
+    /// `fuse_ffn` pass for backends with a kernel for the whole block):
+    ///
+    /// 1. with `attn_out`, x = Norm1(a·woᵀ (+ bo) (+ residual) (+
+    ///    norm residual)); otherwise x is the first input;
+    /// 2. h = act(x·w1ᵀ (+ b1));
+    /// 3. y = h·w2ᵀ (+ b2) (+ residual2);
+    /// 4. out = Norm(y (+ norm_residual)).
+    ///
+    /// Each step rounds to the storage dtype as the separate ops would (it
+    /// computes exactly what they compute). inputs, in order: with
+    /// `attn_out` a `[.., H]`, wo `[H, H]`, [bo `[H]`], [residual `[.., H]`],
+    /// [norm residual `[.., H]`], gamma1 `[H]`, [beta1 `[H]`, LayerNorm];
+    /// otherwise x `[.., H]`; then w1 `[I, H]`, [b1 `[I]`], w2 `[H, I]`, [b2
+    /// `[H]`], [residual2 `[.., H]` when `Input`], [norm residual `[.., H]`
+    /// when `Input`], gamma `[H]`, [beta `[H]`, LayerNorm] → `[.., H]`.
+    /// See [`FeedForwardSpec::slots`].
+    FeedForward(FeedForwardSpec),
     /// inputs: x, residual, gamma, beta — LayerNorm(x + residual).
     ResidualLayerNorm { eps: f32 },
     /// inputs: x, residual, gamma — RmsNorm(x + residual).
@@ -235,6 +363,7 @@ impl Op {
             Op::MatMulFused { .. } => "matmul_fused",
             Op::QMatMulFused { .. } => "qmatmul_fused",
             Op::AttentionAppend { .. } => "attention_append",
+            Op::FeedForward(_) => "feed_forward",
             Op::ResidualLayerNorm { .. } => "residual_layer_norm",
             Op::ResidualRmsNorm { .. } => "residual_rms_norm",
             Op::SwiGlu => "swiglu",
@@ -271,6 +400,7 @@ impl Op {
             self,
             Op::MatMul { .. }
                 | Op::MatMulFused { .. }
+                | Op::FeedForward(_)
                 | Op::QMatMul { .. }
                 | Op::QMatMulFused { .. }
                 | Op::LayerNorm { .. }

@@ -45,6 +45,32 @@ fn attrs(op: &Op) -> String {
             attention(spec),
             rope.map_or(String::new(), |r| format!(" rope theta={} {:?}{}", r.theta, r.mode, if r.factors { " factors" } else { "" }))
         ),
+        Op::FeedForward(f) => {
+            let res = |r: crate::FfnResidual| match r {
+                crate::FfnResidual::None => "",
+                crate::FfnResidual::Block => " +x",
+                crate::FfnResidual::Input => " +residual",
+            };
+            let norm = |rms: bool, eps: f32| format!("{} eps={eps:e}", if rms { "rms_norm" } else { "layer_norm" });
+            let head = f.attn_out.map_or(String::new(), |o| {
+                format!(
+                    "attn_out{}{} {}{} -> ",
+                    if o.bias { " +bias" } else { "" },
+                    if o.residual { " +residual" } else { "" },
+                    norm(o.rms, o.eps),
+                    if o.norm_residual { " +residual" } else { "" },
+                )
+            });
+            format!(
+                "{head}ffn1{} {} -> ffn2{}{} -> {}{}",
+                if f.bias1 { " +bias" } else { "" },
+                format!("{:?}", f.act).to_lowercase(),
+                if f.bias2 { " +bias" } else { "" },
+                res(f.residual2),
+                norm(f.rms, f.eps),
+                res(f.norm_residual),
+            )
+        }
         Op::Rope { theta, mode, head_dim } => format!("theta={theta} head_dim={head_dim} {mode:?}"),
         Op::QMatMul { format } | Op::QGather { format } => format!("{format}"),
         Op::QMatMulFused { format, norm_eps, glu, residual } => {

@@ -197,6 +197,7 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             norm_checks(name, *eps, ins[0], &ins[1..])?;
             Ok((ins[0].0.clone(), ins[0].1))
         }
+        Op::FeedForward(spec) => feed_forward(name, spec, ins),
         Op::ResidualLayerNorm { eps } | Op::ResidualRmsNorm { eps } => {
             let n = if matches!(op, Op::ResidualLayerNorm { .. }) { 4 } else { 3 };
             arity(name, ins.len(), n..=n)?;
@@ -529,6 +530,54 @@ pub(crate) fn infer(op: &Op, ins: &[(&Shape, DType)], declared: Option<(&Shape, 
             Ok((Shape(vec![b]), DType::I32))
         }
     }
+}
+
+/// Shape and dtype of an [`Op::FeedForward`]: every operand of the block
+/// input's float dtype, widths as its docs list.
+fn feed_forward(name: &str, spec: &crate::FeedForwardSpec, ins: &[(&Shape, DType)]) -> Result<(Shape, DType)> {
+    let s = spec.slots();
+    arity(name, ins.len(), s.count..=s.count)?;
+    let x = s.attn_out.map_or(s.x.unwrap_or(0), |o| o.a);
+    let (xs, dt) = ins[x];
+    float(name, dt)?;
+    for (i, (_, d)) in ins.iter().enumerate() {
+        same_dtype(name, dt, *d, &format!("input {i}"))?;
+    }
+    if xs.rank() < 2 {
+        return Err(IrError::shape(name, format!("the block input must have rank >= 2, found {xs}")));
+    }
+    let h = xs.last();
+    let w1 = ins[s.w1].0;
+    let i = w1.0.first().copied().unwrap_or(0);
+    let want = |what: &str, at: usize, dims: &[usize]| -> Result<()> {
+        if ins[at].0 .0 != dims {
+            return Err(IrError::shape(name, format!("{what} must be {:?}, found {}", dims, ins[at].0)));
+        }
+        Ok(())
+    };
+    want("w1", s.w1, &[i, h])?;
+    want("w2", s.w2, &[h, i])?;
+    if let Some(at) = s.b1 {
+        want("b1", at, &[i])?;
+    }
+    let mut vec_h = vec![("b2", s.b2), ("gamma", Some(s.gamma)), ("beta", s.beta)];
+    let mut rows_h = vec![("residual2", s.residual2), ("norm residual", s.norm_residual)];
+    if let Some(o) = s.attn_out {
+        want("wo", o.wo, &[h, h])?;
+        vec_h.extend([("bo", o.bo), ("gamma1", Some(o.gamma)), ("beta1", o.beta)]);
+        rows_h.extend([("attention output residual", o.residual), ("norm1 residual", o.norm_residual)]);
+    }
+    for (what, at) in vec_h {
+        at.map(|at| want(what, at, &[h])).transpose()?;
+    }
+    for (what, at) in rows_h {
+        at.map(|at| want(what, at, xs.dims())).transpose()?;
+    }
+    let eps = [Some(spec.eps), spec.attn_out.map(|o| o.eps)];
+    if let Some(e) = eps.into_iter().flatten().find(|e| e.is_nan() || *e < 0.0) {
+        return Err(IrError::attr(name, format!("eps must be >= 0, found {e}")));
+    }
+    Ok((xs.clone(), dt))
 }
 
 fn norm_checks(name: &str, eps: f32, x: (&Shape, DType), params: &[(&Shape, DType)]) -> Result<()> {

@@ -268,3 +268,32 @@ fn every_bucket_shares_the_stored_weights() {
     }
     assert!(shared > 10, "only {shared} single-part weights seen");
 }
+
+/// MiniLM's graph (6 layers, H 384, I 1536) at 1×128 in f16: every layer's
+/// output projection, its norm and the feed-forward block become one fused
+/// thunk (`fuse_ffn`), the form the CUDA backend's fused kernel runs.
+#[test]
+fn every_minilm_layer_fuses_its_feed_forward_block() {
+    let cfg = BertConfig {
+        vocab_size: 100,
+        hidden_size: 384,
+        num_hidden_layers: 6,
+        num_attention_heads: 12,
+        intermediate_size: 1536,
+        hidden_act: Activation::Gelu,
+        layer_norm_eps: 1e-12,
+        max_position_embeddings: 512,
+        type_vocab_size: 2,
+    };
+    let g = build_bert_graph(&cfg, 1, 128, &BertGraphOptions::default()).unwrap();
+    let opts = rlx::CompileOptions { precision: Some(DType::F16), ..Default::default() };
+    let s = rlx::compile(&g, &opts).unwrap().schedule;
+    let blocks: Vec<&rlx::Thunk> = s.thunks.iter().filter(|t| t.kind() == "feed_forward").collect();
+    assert_eq!(blocks.len(), 6, "{s}");
+    for b in blocks {
+        let kinds: Vec<&str> = b.parts().unwrap_or_default().iter().map(|p| p.kind()).collect();
+        assert_eq!(kinds, ["matmul", "layer_norm", "matmul", "matmul", "layer_norm"]);
+    }
+    // Nothing else is left of the layers' matmuls but the QKV projections.
+    assert_eq!(s.thunks.iter().filter(|t| t.kind() == "matmul").count(), 6, "{s}");
+}

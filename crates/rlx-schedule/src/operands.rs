@@ -176,6 +176,7 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             }
             v
         }
+        Thunk::FeedForward(ff) => ff.parts.iter().flat_map(operands).collect(),
         Thunk::Rope { dtype, batch, seq: s, heads, head_dim, x, positions, positions_per_batch, out, freq_factors, .. } => {
             let w = prod(&[*heads, *head_dim]);
             let np = if *positions_per_batch { prod(&[*batch, *s]) } else { *s };
@@ -302,6 +303,13 @@ pub fn check_operands(t: &Thunk) -> Result<(), String> {
         }
         if op.write && matches!(op.buf.space, Space::Weight(_) | Space::Const(_)) {
             return Err(format!("operand {} writes to read-only {:?}", op.what, op.buf.space));
+        }
+    }
+    // A fused block: its parts form one, and each passes its own checks.
+    if let Thunk::FeedForward(ff) = t {
+        ff.roles()?;
+        for (k, p) in ff.parts.iter().enumerate() {
+            check_operands(p).map_err(|e| format!("feed_forward part {k} ({}): {e}", p.kind()))?;
         }
     }
     // Attention tasks read every key and value row while others write

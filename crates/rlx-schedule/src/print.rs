@@ -103,6 +103,10 @@ fn describe(t: &Thunk) -> String {
             });
             format!("q={} k_new={} v_new={} at={}{r} then {}", seq(&t.q), seq(&t.k_new), seq(&t.v_new), t.position, attention(&t.attn))
         }
+        Thunk::FeedForward(ff) => {
+            let parts: Vec<String> = ff.parts.iter().map(|p| format!("\n        {:<11} {}", p.kind(), describe(p))).collect();
+            format!("{} parts:{}", ff.parts.len(), parts.concat())
+        }
         Thunk::Rope { dtype, mode, theta, batch, seq: s, heads, head_dim, x, positions, out, freq_factors, .. } => {
             let f = freq_factors.map(|f| format!(" factors={f}")).unwrap_or_default();
             format!("{dtype} {mode:?} theta={theta} [{batch}, {s}, {heads}x{head_dim}] x={} pos={positions}{f} -> {out}", seq(x))

@@ -163,6 +163,59 @@ pub struct AppendRope {
     pub k_out: BufRef,
 }
 
+/// A transformer feed-forward block and the norm after it
+/// (`rlx_ir::Op::FeedForward`) as the plain thunks it stands for, run in
+/// this order: with the attention output projection, that `MatMul` and its
+/// `Norm`; then FFN1 (a `MatMul` with its activation), FFN2 (a `MatMul`) and
+/// the `Norm`. Each part reads the one before it through arena scratch that
+/// nothing outside the block reads, so a backend with a kernel for the whole
+/// block need only write the last norm's output (and may write the
+/// scratch). A backend without one runs the parts ([`Schedule::expand`]):
+/// that is the block's definition, so both agree exactly.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FeedForwardThunk {
+    pub parts: Vec<Thunk>,
+}
+
+/// The parts of a [`FeedForwardThunk`] by role.
+pub struct FeedForwardParts<'a> {
+    /// The attention output projection and its norm, when the block starts there.
+    pub attn_out: Option<(&'a MatMulThunk, &'a Thunk)>,
+    pub ffn1: &'a MatMulThunk,
+    pub ffn2: &'a MatMulThunk,
+    /// A `Thunk::Norm`.
+    pub norm: &'a Thunk,
+}
+
+impl FeedForwardThunk {
+    /// The parts by role, or why they do not form a block: 3 or 5 parts of
+    /// the kinds above, each reading the previous one's output.
+    pub fn roles(&self) -> Result<FeedForwardParts<'_>, String> {
+        let norm_io = |t: &Thunk| match t {
+            Thunk::Norm { x, out, .. } => Some((*x, *out)),
+            _ => None,
+        };
+        let (attn_out, rest) = match self.parts.as_slice() {
+            [Thunk::MatMul(o), n1, rest @ ..] if rest.len() == 3 => (Some((o, n1)), rest),
+            rest => (None, rest),
+        };
+        let [Thunk::MatMul(ffn1), Thunk::MatMul(ffn2), norm] = rest else {
+            return Err(format!("feed_forward: expected [matmul, norm,] matmul, matmul, norm; found {} parts", self.parts.len()));
+        };
+        let Some((y, _)) = norm_io(norm) else { return Err("feed_forward: the last part is not a norm".into()) };
+        if ffn1.act.is_none() || ffn2.a != ffn1.out || y != ffn2.out {
+            return Err("feed_forward: FFN1 needs an activation, FFN2 must read FFN1's output and the norm FFN2's".into());
+        }
+        if let Some((o, n1)) = attn_out {
+            match norm_io(n1) {
+                Some((x, out)) if x == o.out && out == ffn1.a => {}
+                _ => return Err("feed_forward: norm1 must read the projection's output and FFN1 norm1's".into()),
+            }
+        }
+        Ok(FeedForwardParts { attn_out, ffn1, ffn2, norm })
+    }
+}
+
 /// One kernel launch worth of work.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Thunk {
@@ -272,6 +325,7 @@ pub enum Thunk {
     },
     Attention(AttentionThunk),
     AttentionAppend(Box<AttentionAppendThunk>),
+    FeedForward(Box<FeedForwardThunk>),
     /// Rotary embedding of `x` `[batch, seq, heads*head_dim]` (through a
     /// view) into contiguous out. positions: i32 `[seq]` (shared by the batch)
     /// or `[batch, seq]`.
@@ -404,6 +458,15 @@ pub enum Thunk {
 }
 
 impl Thunk {
+    /// The plain thunks a fused thunk stands for (run in order, they compute
+    /// exactly what it does), or None for a plain thunk.
+    pub fn parts(&self) -> Option<&[Thunk]> {
+        match self {
+            Thunk::FeedForward(f) => Some(&f.parts),
+            _ => None,
+        }
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Thunk::MatMul(_) => "matmul",
@@ -420,6 +483,7 @@ impl Thunk {
             Thunk::Cast { .. } => "cast",
             Thunk::Attention(_) => "attention",
             Thunk::AttentionAppend(_) => "attention_append",
+            Thunk::FeedForward(_) => "feed_forward",
             Thunk::Rope { .. } => "rope",
             Thunk::SwiGlu { .. } => "swiglu",
             Thunk::MaskedMean { .. } => "masked_mean",
@@ -501,3 +565,20 @@ pub struct Schedule {
 }
 
 pub const ARENA_ALIGN: u64 = 256;
+
+impl Schedule {
+    /// This schedule with every fused thunk that `supported` refuses
+    /// replaced by its plain parts (`Thunk::parts`), which compute exactly
+    /// what it does: how a backend runs a fusion it has no kernel for.
+    /// `supported` is asked about each fused thunk once, in order.
+    pub fn expand(&self, mut supported: impl FnMut(&Thunk) -> bool) -> Schedule {
+        let mut thunks = Vec::with_capacity(self.thunks.len());
+        for t in &self.thunks {
+            match t.parts() {
+                Some(parts) if !supported(t) => thunks.extend(parts.iter().cloned()),
+                _ => thunks.push(t.clone()),
+            }
+        }
+        Schedule { thunks, ..self.clone() }
+    }
+}

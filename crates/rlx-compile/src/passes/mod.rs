@@ -5,6 +5,7 @@
 pub mod dce;
 pub mod fuse;
 pub mod fuse_attention;
+pub mod fuse_ffn;
 pub mod fuse_quant;
 pub mod gelu_tanh;
 pub mod merge_matmul;

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rlx_compile::{BufRef, Schedule, Space, Thunk};
-use rlx_ir::{Activation, BinaryOp, DType, Graph, Op, ReduceOp};
+use rlx_ir::{Activation, BinaryOp, DType, FfnResidual, Graph, Op, ReduceOp};
 
 #[derive(Debug, Clone)]
 pub struct T {
@@ -176,6 +176,37 @@ pub fn eval(g: &Graph, inputs: &HashMap<String, T>, params: &HashMap<String, T>)
             Op::LayerNorm { eps } => norm(x(0), None, x(1), Some(x(2)), *eps, false),
             Op::RmsNorm { eps } => norm(x(0), None, x(1), None, *eps, true),
             Op::ResidualLayerNorm { eps } => norm(x(0), Some(x(1)), x(2), Some(x(3)), *eps, false),
+            Op::FeedForward(f) => {
+                let s = f.slots();
+                let xo = |k: Option<usize>| k.map(x);
+                let block = match (f.attn_out, s.attn_out) {
+                    (Some(o), Some(os)) => {
+                        let mut y = matmul(x(os.a), x(os.wo), true, out);
+                        for add in [xo(os.bo), xo(os.residual)].into_iter().flatten() {
+                            y = broadcast(BinaryOp::Add, &y, add, out);
+                        }
+                        norm(&y, xo(os.norm_residual), x(os.gamma), xo(os.beta), o.eps, o.rms)
+                    }
+                    _ => x(s.x.unwrap_or(0)).clone(),
+                };
+                let residual = |r: FfnResidual, at: Option<usize>| match r {
+                    FfnResidual::None => None,
+                    FfnResidual::Block => Some(&block),
+                    FfnResidual::Input => xo(at),
+                };
+                let mut hid_dims = out.to_vec();
+                *hid_dims.last_mut().unwrap() = x(s.w1).dims[0];
+                let mut hid = matmul(&block, x(s.w1), true, &hid_dims);
+                if let Some(b) = xo(s.b1) {
+                    hid = broadcast(BinaryOp::Add, &hid, b, &hid_dims);
+                }
+                hid.v.iter_mut().for_each(|v| *v = act(f.act, *v));
+                let mut y = matmul(&hid, x(s.w2), true, out);
+                for add in [xo(s.b2), residual(f.residual2, s.residual2)].into_iter().flatten() {
+                    y = broadcast(BinaryOp::Add, &y, add, out);
+                }
+                norm(&y, residual(f.norm_residual, s.norm_residual), x(s.gamma), xo(s.beta), f.eps, f.rms)
+            }
             Op::ResidualRmsNorm { eps } => norm(x(0), Some(x(1)), x(2), None, *eps, true),
             Op::Reshape | Op::Cast => T { dims: out.to_vec(), v: x(0).v.clone() },
             Op::Transpose { perm } => permute(x(0), perm),
@@ -414,6 +445,7 @@ impl<'a> Interp<'a> {
                     }
                 }
             }
+            Thunk::FeedForward(f) => f.parts.iter().for_each(|p| self.thunk(p)),
             other => panic!("test interpreter does not support {}", other.kind()),
         }
     }

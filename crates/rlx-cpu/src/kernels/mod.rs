@@ -62,6 +62,9 @@ pub fn run(thunk: &Thunk, mem: &Mem, scratch: &mut Scratch, copy: Option<&matmul
         Thunk::Cast { from, to, n, src, dst } => elementwise::cast(*from, *to, *n, src, dst, mem),
         Thunk::Attention(a) => attention::run(a, mem),
         Thunk::AttentionAppend(t) => append(t, mem),
+        // The reference: the parts in order (an executable runs them as
+        // thunks of their own, with their matmuls' weight copies).
+        Thunk::FeedForward(f) => f.parts.iter().try_for_each(|p| run(p, mem, scratch, None, threads)),
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => rope::run(
             &rope::RopeArgs {
                 dtype: *dtype,
