@@ -220,10 +220,45 @@ __device__ void attention_app_body(const AttnAppP& p) {
     dec_core<T, TK, HDP, W>(qv, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, wok ? wpos : -1, s_k, s_v, o);
 }
 
+// Before the wait on the previous kernel: an L2 prefetch of the cache rows
+// each warp reads in its first two steps (keys up to the cache's length;
+// the valid count is not known yet). No kernel before the attention in a
+// step writes them: the row an append adds is read from shared memory.
+template <typename TK, int HDP, int W>
+__device__ __forceinline__ void dec_prefetch(const void* k, const void* v, i64 bs_k, i64 bs_v, i64 krs, i64 vrs, i64 heads, i64 kv_heads,
+                                             i64 hd, i64 kv_len) {
+    constexpr int KEYS = HDP <= 64 ? 8 : 4, STEPS = 2;
+    const i64 b = blockIdx.y, kvh = blockIdx.x / (heads / kv_heads);
+    const TK* kb = (const TK*)k + b * bs_k + kvh * hd;
+    const TK* vb = (const TK*)v + b * bs_v + kvh * hd;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lines = (int)((hd * (i64)sizeof(TK) + 127) / 128);
+    for (int t = lane; t < STEPS * KEYS * 2 * lines; t += 32) {
+        const int j = t % (STEPS * KEYS), kv = (t / (STEPS * KEYS)) & 1, line = t / (STEPS * KEYS * 2);
+        const i64 key = (i64)warp * KEYS + (j / KEYS) * (KEYS * W) + j % KEYS;
+        if (key < kv_len) {
+            const char* row = (const char*)(kv ? vb + key * vrs : kb + key * krs) + line * 128;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
+        }
+    }
+}
+template <typename TK, int HDP, int W>
+__device__ __forceinline__ void dec_prefetch(const AttnP& p) {
+    dec_prefetch<TK, HDP, W>(p.k, p.v, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len);
+}
+template <typename TK, int HDP, int W>
+__device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
+    dec_prefetch<TK, HDP, W>(p.kc, p.vc, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len);
+}
+
 // attention_dec<W>_<HDP>_<dtype> and attention_app<W>_<HDP>_<dtype> (W warps), and
 // _f32_kv<dtype> for f32 queries over f16/bf16 keys and values.
 #define RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, SFX, T, TK) \
-    extern "C" __global__ void __launch_bounds__(W * 32) NAME##W##_##HDP##_##SFX(const P p) { pdl_enter(); BODY<T, TK, HDP, W>(p); }
+    extern "C" __global__ void __launch_bounds__(W * 32) NAME##W##_##HDP##_##SFX(const P p) { \
+        dec_prefetch<TK, HDP, W>(p);                                                                     \
+        pdl_enter();                                                                                     \
+        BODY<T, TK, HDP, W>(p);                                                                          \
+    }
 #define RLX_DEC_TYPES(NAME, BODY, P, W, HDP)                                        \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32, float, float)                        \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f16, __half, __half)                      \

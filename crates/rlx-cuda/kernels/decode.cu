@@ -131,14 +131,34 @@ __device__ void qmatmul_body(const QMatMulP& p) {
     }
 }
 
+// Four consecutive elements as floats, in one load (16 bytes of f32, 8 of
+// f16 / bf16); p is aligned to that size.
+__device__ __forceinline__ void ld4(const float* p, float* o) {
+    const float4 v = *(const float4*)p;
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+}
+__device__ __forceinline__ void ld4(const __half* p, float* o) {
+    const uint2 v = *(const uint2*)p;
+    const float2 a = __half22float2(*(const __half2*)&v.x), b = __half22float2(*(const __half2*)&v.y);
+    o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
+}
+__device__ __forceinline__ void ld4(const __nv_bfloat16* p, float* o) {
+    const uint2 v = *(const uint2*)p;
+    const float2 a = __bfloat1622float2(*(const __nv_bfloat162*)&v.x), b = __bfloat1622float2(*(const __nv_bfloat162*)&v.y);
+    o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
+}
+
 // One activation row (a decode step at batch 1) against a 32-element
 // format, a warp per output column as above, but each lane issues the
 // loads of every weight chunk it will need (at most MC) before it waits on
 // the previous kernel: weights never depend on it, so under programmatic
 // dependent launch they arrive while that kernel finishes. After the wait
-// only the activations (in L2) are read. A warp covers its whole row, so a
-// fused RmsNorm's sum of squares is a warp sum of the values it loaded
-// (no block-wide pass).
+// only the activations (in L2) are read: a chunk's 8 elements are two runs
+// of 4 (qdecode's element order), each one vector load, as are the norm's
+// weights; the residual is loaded with them. The host launches it only
+// where the activation row and the norm's weights are aligned to such a
+// load (16 bytes). A warp covers its whole row, so a fused RmsNorm's sum
+// of squares is a warp sum of the values it loaded (no block-wide pass).
 template <typename T, int F, int MC>
 __device__ void qmatvec_body(const QMatMulP& p) {
     static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
@@ -162,25 +182,36 @@ __device__ void qmatvec_body(const QMatMulP& p) {
     if (!active) return;
     const T* x = (const T*)p.a;
     const T* gamma = (const T*)p.gamma;
+    const float res = p.res && lane == 0 ? ld((const T*)p.res, col) : 0.0f;
     float acc = 0.0f, acc2 = 0.0f, ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < MC; ++m) {
         const int c = lane + 32 * m;
         if (c < chunks) {
+            // The chunk's two runs of 4 elements (qdecode's e[0..3], e[4..7]).
+            const int part = c & 3;
+            const i64 base = (i64)(c >> 2) * 32;
+            const int r0 = F == QF_Q8_0 ? 8 * part : 4 * part, r1 = F == QF_Q8_0 ? r0 + 4 : 16 + r0;
+            float xv[8], g[8];
+            ld4(x + base + r0, xv);
+            ld4(x + base + r1, xv + 4);
+            if (norm) {
+                ld4(gamma + base + r0, g);
+                ld4(gamma + base + r1, g + 4);
+            }
             float w[8], w2[8];
             int e[8];
-            qdecode<F>(rw[m], c & 3, w, e);
-            if (glu) qdecode<F>(ru[m], c & 3, w2, e);
-            const i64 base = (i64)(c >> 2) * 32;
+            qdecode<F>(rw[m], part, w, e);
+            if (glu) qdecode<F>(ru[m], part, w2, e);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                float xv = ld(x, base + e[i]);
+                float v = xv[i];
                 if (norm) {
-                    ss = fmaf(xv, xv, ss);
-                    xv *= ld(gamma, base + e[i]);
+                    ss = fmaf(v, v, ss);
+                    v *= g[i];
                 }
-                acc = fmaf(w[i], xv, acc);
-                if (glu) acc2 = fmaf(w2[i], xv, acc2);
+                acc = fmaf(w[i], v, acc);
+                if (glu) acc2 = fmaf(w2[i], v, acc2);
             }
         }
     }
@@ -193,8 +224,79 @@ __device__ void qmatvec_body(const QMatMulP& p) {
         s = s / (1.0f + expf(-s)) * u;
     }
     if (lane == 0) {
-        if (p.res) s += ld((const T*)p.res, col);
+        if (p.res) s += res;
         st((T*)p.out, col, s);
+    }
+}
+
+// As qmatvec_body for many columns and no gate (the output head): each
+// warp takes CPW neighbouring columns, the weight loads of all of them
+// issued before the wait, and reads each activation chunk once for all of
+// them; so a lane keeps CPW times as many loads in flight. Each column's
+// sums run in qmatvec_body's order, so both give the same bits.
+template <typename T, int F, int MC, int CPW>
+__device__ void qmatvec_wide_body(const QMatMulP& p) {
+    static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
+    constexpr int BB = QFmt<F>::BB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 col0 = ((i64)blockIdx.x * nw + warp) * CPW;
+    const bool norm = p.gamma != nullptr;
+    const int chunks = (int)(p.k / 8);
+    const u8* w0 = (const u8*)p.w + col0 * p.row_bytes;
+    QRaw rw[CPW][MC];
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+        for (int m = 0; m < MC; ++m) {
+            const int c = lane + 32 * m;
+            if (col0 + j < p.n && c < chunks) rw[j][m] = qraw<F>(w0 + j * p.row_bytes + (c >> 2) * BB, c & 3);
+        }
+    }
+    pdl_enter();
+    if (col0 >= p.n) return;
+    const T* x = (const T*)p.a;
+    const T* gamma = (const T*)p.gamma;
+    const int run1 = F == QF_Q8_0 ? 4 : 16;
+    float acc[CPW], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) acc[j] = 0.0f;
+#pragma unroll
+    for (int m = 0; m < MC; ++m) {
+        const int c = lane + 32 * m;
+        if (c < chunks) {
+            const int part = c & 3;
+            const i64 r0 = (i64)(c >> 2) * 32 + (F == QF_Q8_0 ? 8 * part : 4 * part);
+            float xv[8];
+            ld4(x + r0, xv);
+            ld4(x + r0 + run1, xv + 4);
+            if (norm) {
+                float g[8];
+                ld4(gamma + r0, g);
+                ld4(gamma + r0 + run1, g + 4);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    ss = fmaf(xv[i], xv[i], ss);
+                    xv[i] *= g[i];
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < CPW; ++j) {
+                float w[8];
+                int e[8];
+                qdecode<F>(rw[j][m], part, w, e);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j] = fmaf(w[i], xv[i], acc[j]);
+            }
+        }
+    }
+    const float inv = norm ? rsqrtf(warp_sum(ss) / (float)p.k + (float)p.eps) : 1.0f;
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+        const float s = warp_sum(acc[j]) * inv;
+        if (lane == 0 && col0 + j < p.n) {
+            const float r = p.res ? ld((const T*)p.res, col0 + j) : 0.0f;
+            st((T*)p.out, col0 + j, p.res ? s + r : s);
+        }
     }
 }
 
@@ -203,7 +305,12 @@ __device__ void qmatvec_body(const QMatMulP& p) {
     extern "C" __global__ void qmatvec_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_body<float, F, MC>(p); }                  \
     extern "C" __global__ void qmatvec_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_body<__half, F, MC>(p); }                 \
     extern "C" __global__ void qmatvec_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_body<__nv_bfloat16, F, MC>(p); }
-#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8)
+// qmatvec_w4_<format>_c<MC>_<dtype>: the same, four columns a warp (no gate).
+#define RLX_QMVW(FN, F, MC)                                                                                                           \
+    extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_wide_body<float, F, MC, 4>(p); }            \
+    extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_wide_body<__half, F, MC, 4>(p); }           \
+    extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_wide_body<__nv_bfloat16, F, MC, 4>(p); }
+#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8) RLX_QMVW(FN, F, 2) RLX_QMVW(FN, F, 4)
 RLX_QMV_FMT(q4_0, QF_Q4_0)
 RLX_QMV_FMT(q4_1, QF_Q4_1)
 RLX_QMV_FMT(q5_0, QF_Q5_0)

@@ -461,19 +461,42 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
     const RowSrc row{(const float*)p.logits + b * p.vocab, bits, rp, pen, false, V};
 
     // The largest non-NaN logit (lowest index on ties) and the candidates.
+    // A thread visits its elements in index order, so the first of equal
+    // logits it sees is its lowest; the logits come in runs of 4 (one
+    // 16-byte load where the row is aligned), 4 runs in flight a thread.
     float best = -INFINITY;
     int bi = -1;
     long long nvalid = 0;
-    for (int e = threadIdx.x; e < V; e += blockDim.x) {
-        float v;
-        unsigned i, k;
-        if (!row.get(e, v, i, k)) continue;
+    const auto visit = [&](int e, float v) {
+        if (pen && ((bits[e >> 5] >> (e & 31)) & 1u)) v = v > 0.0f ? v / rp : v * rp;
+        if (v != v) return;
         ++nvalid;
         if (bi < 0 || v > best) {
             best = v;
             bi = e;
         }
+    };
+    const int runs = ((unsigned long long)row.l & 15) == 0 ? V / 4 : 0;
+    const float4* l4 = (const float4*)row.l;
+    for (int r0 = threadIdx.x; r0 < runs; r0 += 4 * blockDim.x) {
+        float4 q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int r = r0 + u * (int)blockDim.x;
+            q[u] = r < runs ? l4[r] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int r = r0 + u * (int)blockDim.x;
+            if (r < runs) {
+                visit(4 * r, q[u].x);
+                visit(4 * r + 1, q[u].y);
+                visit(4 * r + 2, q[u].z);
+                visit(4 * r + 3, q[u].w);
+            }
+        }
     }
+    for (int e = 4 * runs + threadIdx.x; e < V; e += blockDim.x) visit(e, row.l[e]);
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
         for (int o = 16; o > 0; o >>= 1) {

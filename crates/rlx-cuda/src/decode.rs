@@ -16,6 +16,9 @@ use crate::params::{self, arr, i};
 
 /// Threads per block of the quantized matvec: one warp per output column.
 const QMM_THREADS: u32 = 256;
+/// Columns from which a one-row matvec without a gate takes four columns
+/// a warp (`qmatvec_w4_*`): the output head's tens of thousands.
+const WIDE_MIN: usize = 8192;
 /// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
 /// kernels/qmma.cu): its warps split k.
 const QMMA_THREADS: u32 = 256;
@@ -118,11 +121,16 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
             // One row of a 32-element format: the kernel that loads its
             // weights before waiting on the previous kernel, sized to hold
             // a whole row per warp (8 elements a chunk, 32 lanes). Only for
-            // weights and constants, which no kernel writes.
+            // weights and constants, which no kernel writes, and for an
+            // activation row and norm weights it can read 4 elements at a
+            // time (aligned to 4 elements).
             let chunks_per_lane = kk.div_ceil(8 * 32);
             let fixed = matches!(w.space, rlx_schedule::Space::Weight(_) | rlx_schedule::Space::Const(_));
-            let matvec =
-                [2, 4, 8].into_iter().find(|&mc| chunks_per_lane <= mc).filter(|_| *rows == 1 && fixed && format.block_elems() == 32);
+            let aligned = [p.a, p.gamma].iter().all(|ptr| ptr.is_multiple_of(4 * dtype.size() as u64));
+            let matvec = [2, 4, 8]
+                .into_iter()
+                .find(|&mc| chunks_per_lane <= mc)
+                .filter(|_| *rows == 1 && fixed && aligned && format.block_elems() == 32);
             let (name, grid, threads) = if *rows >= 2 {
                 // Two and more rows on tensor cores (kernels/qmma.cu): 16
                 // columns a block, 8 rows a tile up to 32 rows (a decode
@@ -132,11 +140,20 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 let grid = [n.div_ceil(16).max(1) as u32, rows.div_ceil(tile).clamp(1, 65535) as u32, 1];
                 (format!("qmma_{}_r{tile}_{}", format.name(), suffix(*dtype)), grid, QMMA_THREADS)
             } else {
+                // Many columns without a gate (the output head): four
+                // columns a warp, so each lane has four times the weight
+                // loads in flight.
+                let cols_per_warp = match matvec {
+                    Some(mc) if mc <= 4 && !*glu && *n >= WIDE_MIN => 4,
+                    _ => 1,
+                };
                 let name = match matvec {
+                    Some(mc) if cols_per_warp == 4 => format!("qmatvec_w4_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                     Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                     None => format!("qmatmul_{}_r1_{}", format.name(), suffix(*dtype)),
                 };
-                (name, [(*n as u64).div_ceil((QMM_THREADS / 32) as u64).max(1) as u32, 1, 1], QMM_THREADS)
+                let cols_per_block = (QMM_THREADS / 32) as u64 * cols_per_warp;
+                (name, [(*n as u64).div_ceil(cols_per_block).max(1) as u32, 1, 1], QMM_THREADS)
             };
             Step::new(Op::kernel(k.decode()?.get(&name)?, grid, threads, 0, [1, 1, 1], &p)?, kind)
         }

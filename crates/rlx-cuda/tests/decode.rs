@@ -119,6 +119,11 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (1, 19, 48, DType::F16),
             (1, 9, 64, DType::F32),
             (1, 7, 65, DType::BF16),
+            // Past 8,192 columns without a gate, four columns a warp (the
+            // output head), with a partial last warp, at up to 2 and 4
+            // chunks a lane.
+            (1, 8195, 9, DType::F16),
+            (1, 8202, 18, DType::F32),
             // Tensor-core tiles: a batch of 8, two tiles of 32 rows with a
             // partial third, columns past a multiple of 16, and (odd rows)
             // a row stride that is not a multiple of 4 elements.
@@ -251,6 +256,10 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // the gate, 1536-element rows with the residual.
             (1, 40, true, true, false, 18),
             (1, 21, false, false, true, 48),
+            // The output head's form: many columns, the final norm, four
+            // columns a warp (with a residual too).
+            (1, 8201, true, false, false, 18),
+            (1, 8195, true, false, true, 2),
             // The same on tensor cores: a batch of 8, and two 32-row tiles
             // with a partial third.
             (8, 40, true, true, false, 18),
