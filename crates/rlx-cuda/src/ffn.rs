@@ -5,8 +5,9 @@
 //! [`eligible`] is the one rule for which blocks the kernel runs, from the
 //! shapes alone: sm_90+ (clusters), f16 or bf16, erf-GELU, weights stored
 //! `[out, in]`, at most 128 rows, widths (H, I) the kernel's tiling divides
-//! (H a multiple of 128 up to 384, I/16 a multiple of 32) and whose shared
-//! memory fits the device. The backend reports the others as unsupported,
+//! with and without the tail (one module holds both; H a multiple of 128
+//! up to 384, I/16 a multiple of 32, and the tail's limits) and whose
+//! shared memory fits the device. The backend reports the others as unsupported,
 //! and they run as their parts. [`build`] lowers one for a slot; it also
 //! declines (the parts run) when an operand is not aligned or the row
 //! groups do not fit at once. The kernel is compiled for the block's (H, I)
@@ -198,7 +199,9 @@ pub(crate) fn eligible(f: &FeedForwardThunk, cc: (i32, i32), smem_optin: usize) 
         }
     }
     let (h, n_i, with_tail) = (a.k, a.n, attn_out.is_some());
-    if !widths_fit(h, n_i, with_tail) {
+    // One module per (H, I) holds the plain and the tail kernels, so it
+    // compiles only for widths that fit both.
+    if !widths_fit(h, n_i, true) {
         return Err(format!("widths H {h}, I {n_i} do not fit the kernel's tiling"));
     }
     let need = smem(h, n_i, with_tail);

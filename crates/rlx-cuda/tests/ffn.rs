@@ -201,13 +201,14 @@ fn the_general_kernel_at_several_widths_matches_cpu() {
     let g = g.map(|g| fusion(&g, true));
     // MiniLM's widths and others the width rule takes (src/ffn.rs
     // `widths_fit`; shared memory per block 102 KB at 256/1024, 198 KB at
-    // 256/2048 with the tail, 46 KB at 128/512), with and without the tail
-    // where the tiling takes it.
+    // 256/2048 with the tail), with and without the tail; and 128/512,
+    // whose plain tiling fits but whose tail kernels do not, so its module
+    // does not compile and the rule refuses it: the parts run.
     let widths = [(384, 1536, true), (256, 1024, true), (256, 2048, true), (128, 512, false)];
-    for (n, (h, i, tail_ok)) in widths.into_iter().enumerate() {
+    for (n, (h, i, fits)) in widths.into_iter().enumerate() {
         for rows in [1, 7, 32, 100] {
             for tail in [false, true] {
-                if tail && !tail_ok {
+                if tail && !fits {
                     continue;
                 }
                 let c = Case { rows, h, i, tail, in_place: tail && rows == 7, residual_in_matmul: rows == 32, ..PLAIN };
@@ -220,9 +221,9 @@ fn the_general_kernel_at_several_widths_matches_cpu() {
                     .unwrap_or_else(|e| panic!("{what}: cpu: {e}"));
                 let want = cpu.run(&refs).unwrap_or_else(|e| panic!("{what}: cpu: {e}"))[0].clone();
                 let Some(g) = &g else { continue };
-                assert!(rlx_runtime::Backend::supports(g, &s.thunks[1]), "{what}: the width rule refuses the block");
+                assert_eq!(rlx_runtime::Backend::supports(g, &s.thunks[1]), fits, "{what}: the width rule");
                 let mut e = g.prepare_cuda(s.clone(), w.clone(), &PrepareOptions::default()).unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert_eq!(e.fused_ffn_count(), 1, "{what}: the fused kernel did not run\n{}", e.segment_map());
+                assert_eq!(e.fused_ffn_count(), fits as usize, "{what}: fused kernels run\n{}", e.segment_map());
                 let got = Executable::run(&mut e, &refs).unwrap_or_else(|e| panic!("{what}: {e}"))[0].clone();
                 assert_close_k(&what, &got, &want, i);
             }
