@@ -81,6 +81,8 @@ impl SentenceEmbedder {
     }
 
     pub fn load_with(dir: impl AsRef<Path>, device: Device, options: EmbedderOptions) -> Result<SentenceEmbedder> {
+        // Bad options are reported before the directory is read.
+        check_options(&options)?;
         Self::load_parts(Self::read_parts(dir)?, device, options)
     }
 
