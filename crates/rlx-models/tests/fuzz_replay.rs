@@ -9,10 +9,13 @@ mod bodies;
 
 use std::path::Path;
 
+/// A fuzz target's name and body.
+type Target = (&'static str, fn(&[u8]));
+
 #[test]
 fn every_seed_and_recorded_crash_input_replays_cleanly() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
-    let targets: [(&str, fn(&[u8])); 10] = [
+    let targets: [Target; 10] = [
         ("safetensors_header", bodies::safetensors_header),
         ("bert_config", bodies::bert_config),
         ("tokenizer_json", bodies::tokenizer_json),

@@ -168,8 +168,8 @@ fn soak_gpu_pipelined_replays_with_weight_updates() {
     let mut refs: Vec<Vec<Vec<Vec<f32>>>> = vec![vec![vec![]; INPUTS_PER_BUCKET]; BUCKETS.len()];
     for v in 0..WEIGHT_VERSIONS {
         set_version(&store, v);
-        for k in 0..BUCKETS.len() {
-            for i in 0..INPUTS_PER_BUCKET {
+        for (k, bucket_refs) in refs.iter_mut().enumerate() {
+            for (i, input_refs) in bucket_refs.iter_mut().enumerate() {
                 let got = exes[k].run(&feed(k, i)).unwrap_or_else(|e| panic!("reference run: {e}"))[0].to_f32();
                 let want = cpu_exes[k].run(&feed(k, i)).unwrap_or_else(|e| panic!("cpu reference: {e}"))[0].to_f32();
                 let h = cfg.hidden_size;
@@ -180,7 +180,7 @@ fn soak_gpu_pipelined_replays_with_weight_updates() {
                     "bucket {:?} input {i} version {v}: {device:?} against the CPU: cosine {cos}, max abs {diff}",
                     BUCKETS[k]
                 );
-                refs[k][i].push(got);
+                input_refs.push(got);
             }
         }
     }
@@ -189,10 +189,10 @@ fn soak_gpu_pipelined_replays_with_weight_updates() {
     // (A call that is not bit-identical to its reference but within this
     // is counted apart, not as wrong: f16 outputs are 1e-3 apart at 1.0.)
     let tolerance = 1e-2f32;
-    for k in 0..BUCKETS.len() {
-        for i in 0..INPUTS_PER_BUCKET {
+    for (k, bucket_refs) in refs.iter().enumerate() {
+        for (i, versions) in bucket_refs.iter().enumerate() {
             for v in 1..WEIGHT_VERSIONS {
-                let d = max_abs(&refs[k][i][v], &refs[k][i][0]);
+                let d = max_abs(&versions[v], &versions[0]);
                 assert!(d > 20.0 * tolerance, "bucket {:?} input {i}: versions 0 and {v} differ by only {d}", BUCKETS[k]);
             }
         }
