@@ -216,3 +216,42 @@ fn attention_append_shapes_and_errors() {
     let e = h.verify().unwrap_err().to_string();
     assert!(e.contains("caches into state tensors"), "{e}");
 }
+
+#[test]
+fn feed_forward_shapes_and_errors() {
+    use rlx_ir::{Activation, FeedForwardSpec, FfnResidual};
+    // x [2, 5, 8] → FFN1 [16, 8] + b1, GELU → FFN2 [8, 16] + b2 → LayerNorm(+ x).
+    let spec = FeedForwardSpec {
+        act: Activation::Gelu,
+        bias1: true,
+        bias2: true,
+        residual2: FfnResidual::None,
+        norm_residual: FfnResidual::Block,
+        rms: false,
+        eps: 1e-12,
+        attn_out: None,
+    };
+    let mut g = Graph::new();
+    let x = g.input("x", [2, 5, 8], DType::F32).unwrap();
+    let x16 = g.input("x16", [2, 5, 8], DType::F16).unwrap();
+    let w1 = g.param("w1", [16, 8], DType::F32).unwrap();
+    let b1 = g.param("b1", [16], DType::F32).unwrap();
+    let w2 = g.param("w2", [8, 16], DType::F32).unwrap();
+    let w2bad = g.param("w2bad", [16, 8], DType::F32).unwrap();
+    let b2 = g.param("b2", [8], DType::F32).unwrap();
+    let gamma = g.param("gamma", [8], DType::F32).unwrap();
+    let beta = g.param("beta", [8], DType::F32).unwrap();
+    let op = Op::FeedForward(spec);
+    let out = g.push(op.clone(), vec![x, w1, b1, w2, b2, gamma, beta], None).unwrap();
+    assert_eq!((g.shape(out).dims(), g.dtype(out)), (&[2, 5, 8][..], DType::F32));
+    let err = |ins: Vec<NodeId>, op: &Op| g.clone().push(op.clone(), ins, None).unwrap_err().to_string();
+    let e = err(vec![x, w1, b1, w2bad, b2, gamma, beta], &op);
+    assert!(e.contains("w2 must be [8, 16]") && e.contains("[16, 8]"), "{e}");
+    let e = err(vec![x, w1, b1, w2, b2, gamma], &op);
+    assert!(e.contains("expected 7..=7 inputs, found 6"), "a missing beta: {e}");
+    let e = err(vec![x16, w1, b1, w2, b2, gamma, beta], &op);
+    assert!(e.contains("f16") && e.contains("f32"), "{e}");
+    let nan_eps = Op::FeedForward(FeedForwardSpec { eps: f32::NAN, ..spec });
+    let e = err(vec![x, w1, b1, w2, b2, gamma, beta], &nan_eps);
+    assert!(e.contains("eps"), "{e}");
+}
