@@ -97,7 +97,13 @@ pub fn run(args: InspectArgs) -> Result<(), String> {
             rlx_models::build_bert_graph(&cfg, args.batch, args.seq, &rlx_models::BertGraphOptions::default()).map_err(|e| e.to_string())?
         }
     };
-    let opts = CompileOptions { precision, fuse: !args.no_fuse, merge_matmuls: !args.no_merge, approximate_gelu: args.approximate_gelu };
+    let opts = CompileOptions {
+        precision,
+        fuse: !args.no_fuse,
+        fuse_feed_forward: !args.no_fuse,
+        merge_matmuls: !args.no_merge,
+        approximate_gelu: args.approximate_gelu,
+    };
     let compiled = rlx::compile(&graph, &opts).map_err(|e| e.to_string())?;
     if args.json {
         let s = serde_json::to_string_pretty(&compiled.schedule).map_err(|e| e.to_string())?;

@@ -45,6 +45,11 @@ pub struct CompileOptions {
     /// projection and norm before it, as one op that a backend without a
     /// kernel for it runs as its parts).
     pub fuse: bool,
+    /// With `fuse`: the feed-forward block as one op (`fuse_ffn`). A
+    /// session turns it off for a graph whose blocks its backend would
+    /// only run as their parts: the separate ops' arena plan needs less
+    /// memory than the fused op's scratch.
+    pub fuse_feed_forward: bool,
     /// Run the exact (erf) GELU as its tanh approximation (PyTorch's
     /// `approximate="tanh"`; at most 4.7e-4 apart). Off by default: results
     /// then follow the model exactly. On CUDA the approximation rides in the
@@ -54,7 +59,7 @@ pub struct CompileOptions {
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { precision: None, merge_matmuls: true, fuse: true, approximate_gelu: false }
+        CompileOptions { precision: None, merge_matmuls: true, fuse: true, fuse_feed_forward: true, approximate_gelu: false }
     }
 }
 
@@ -96,7 +101,9 @@ pub fn optimise(graph: &Graph, opts: &CompileOptions) -> Result<Graph, CompileEr
         g = step(g, "fuse", passes::fuse::run)?;
         g = step(g, "fuse_quant", passes::fuse_quant::run)?;
         g = step(g, "fuse_attention", passes::fuse_attention::run)?;
-        g = step(g, "fuse_ffn", passes::fuse_ffn::run)?;
+        if opts.fuse_feed_forward {
+            g = step(g, "fuse_ffn", passes::fuse_ffn::run)?;
+        }
     }
     if let Some(dtype) = opts.precision {
         g = step(g, "precision", |g| passes::precision::run(g, dtype))?;

@@ -190,6 +190,11 @@ impl Backend for CudaBackend {
         fused && launch::unsupported(thunk).is_none()
     }
 
+    /// The fused thunks `supports` takes run as one kernel.
+    fn runs_fused(&self, thunk: &Thunk) -> bool {
+        thunk.parts().is_some() && self.supports(thunk)
+    }
+
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
         Ok(Box::new(self.prepare_cuda(schedule, weights, opts)?))
     }

@@ -40,6 +40,15 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &str;
     /// Whether this backend can run the thunk (shape limits included).
     fn supports(&self, thunk: &Thunk) -> bool;
+    /// For a fused thunk (one with `Thunk::parts`): whether the backend runs
+    /// it as one kernel rather than as its parts. A session compiles a
+    /// graph again without the fusion when none of its fused thunks would
+    /// run as one kernel, since the separate ops' arena plan needs less
+    /// memory than the fused op's scratch. The default: never.
+    fn runs_fused(&self, thunk: &Thunk) -> bool {
+        let _ = thunk;
+        false
+    }
     /// Checks support, binds the weights and allocates arenas and state.
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>>;
     /// As [`prepare`](Backend::prepare), with the schedule's states taken

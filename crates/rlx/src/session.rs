@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use rlx_compile::{CompileOptions, Compiled, Schedule};
+use rlx_compile::{CompileOptions, Compiled, Schedule, Thunk};
 use rlx_ir::Graph;
 use rlx_runtime::{Backend, ExecStats, Executable, PrepareOptions, StateSet, Tensor, Ticket, WeightStore};
 
@@ -87,9 +87,23 @@ impl Session {
         self.options.prepare = opts;
     }
 
+    /// The graph compiled with this session's options; again without the
+    /// feed-forward fusion when the backend would run none of the fused
+    /// blocks as one kernel (their parts then get the plan of separate ops,
+    /// which needs less arena than the fused op's scratch).
+    fn compile_for_backend(&self, graph: &Graph) -> Result<Compiled> {
+        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
+        let mut fused = compiled.schedule.thunks.iter().filter(|t| matches!(t, Thunk::FeedForward(_))).peekable();
+        if fused.peek().is_some() && !fused.any(|t| self.backend.runs_fused(t)) {
+            let unfused = CompileOptions { fuse_feed_forward: false, ..self.options.compile.clone() };
+            return Ok(rlx_compile::compile(graph, &unfused)?);
+        }
+        Ok(compiled)
+    }
+
     /// Compiles a graph for this session's device and binds the weights.
     pub fn compile(&self, graph: &Graph) -> Result<CompiledGraph> {
-        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
+        let compiled = self.compile_for_backend(graph)?;
         let schedule = Arc::new(compiled.schedule.clone());
         let exec = self.backend.prepare(schedule, self.weights.clone(), &self.options.prepare)?;
         Ok(CompiledGraph { compiled, exec })
@@ -110,7 +124,7 @@ impl Session {
     /// batch-outermost states, at block `r`, works on row `r` of a wider
     /// graph's states.
     pub fn compile_shared_at(&self, graph: &Graph, states: &Arc<StateSet>, block: u64) -> Result<CompiledGraph> {
-        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
+        let compiled = self.compile_for_backend(graph)?;
         let schedule = Arc::new(compiled.schedule.clone());
         let opts = PrepareOptions { state_block: block, ..self.options.prepare.clone() };
         let exec = self.backend.prepare_shared(schedule, self.weights.clone(), states, &opts)?;

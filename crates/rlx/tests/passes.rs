@@ -7,7 +7,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, NodeId, Op, Session, Tensor};
 
-const OFF: CompileOptions = CompileOptions { precision: None, merge_matmuls: false, fuse: false, approximate_gelu: false };
+const OFF: CompileOptions =
+    CompileOptions { precision: None, merge_matmuls: false, fuse: false, fuse_feed_forward: true, approximate_gelu: false };
 
 fn random(rng: &mut StdRng, dims: &[usize]) -> Tensor {
     let n = dims.iter().product();
@@ -190,12 +191,12 @@ fn fuse_on_and_off_agree() {
     let (off, _) = run(&g, OFF, 2);
     let (on, after) = run(&g, CompileOptions { fuse: true, ..OFF }, 2);
     assert!(after.len() < g.len());
-    // The layer after attention (output projection, residual LayerNorm,
-    // FFN1 + GELU, FFN2, residual LayerNorm) is one feed-forward block that
-    // starts at the output projection; its parts are the fused forms
-    // (matmul epilogues, residual norms).
-    let block = |o: &Op| matches!(o, Op::FeedForward(f) if f.attn_out.is_some() && f.act == rlx::Activation::Gelu && !f.rms);
-    assert_eq!(count(&after, block), 1, "{after}");
+    // On the CPU the feed-forward block runs as its parts, so the session
+    // compiles without that op (crates/rlx-compile/tests/fuse_ffn.rs tests
+    // it): the layer keeps its residual norms and GELU epilogue.
+    assert!(!after.nodes.iter().any(|n| matches!(n.op, Op::FeedForward(_))), "{after}");
+    assert_eq!(count(&after, |o| matches!(o, Op::ResidualLayerNorm { .. })), 2, "{after}");
+    assert_eq!(count(&after, |o| matches!(o, Op::MatMulFused { act: Some(rlx::Activation::Gelu), .. })), 1, "{after}");
     let err = max_rel_err(&on, &off);
     assert!(err <= 1e-4, "fuse changed BERT outputs: {err:e}");
 
