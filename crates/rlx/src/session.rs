@@ -92,13 +92,7 @@ impl Session {
     /// blocks as one kernel (their parts then get the plan of separate ops,
     /// which needs less arena than the fused op's scratch).
     fn compile_for_backend(&self, graph: &Graph) -> Result<Compiled> {
-        let compiled = rlx_compile::compile(graph, &self.options.compile)?;
-        let mut fused = compiled.schedule.thunks.iter().filter(|t| matches!(t, Thunk::FeedForward(_))).peekable();
-        if fused.peek().is_some() && !fused.any(|t| self.backend.runs_fused(t)) {
-            let unfused = CompileOptions { fuse_feed_forward: false, ..self.options.compile.clone() };
-            return Ok(rlx_compile::compile(graph, &unfused)?);
-        }
-        Ok(compiled)
+        compile_for(self.backend.as_ref(), graph, &self.options.compile)
     }
 
     /// Compiles a graph for this session's device and binds the weights.
@@ -182,5 +176,78 @@ impl CompiledGraph {
 
     pub fn executable(&mut self) -> &mut dyn Executable {
         self.exec.as_mut()
+    }
+}
+
+/// `graph` compiled with `opts`; again without the feed-forward fusion when
+/// `backend` would run none of the fused blocks as one kernel.
+fn compile_for(backend: &dyn Backend, graph: &Graph, opts: &CompileOptions) -> Result<Compiled> {
+    let compiled = rlx_compile::compile(graph, opts)?;
+    let mut fused = compiled.schedule.thunks.iter().filter(|t| matches!(t, Thunk::FeedForward(_))).peekable();
+    if fused.peek().is_some() && !fused.any(|t| backend.runs_fused(t)) {
+        let unfused = CompileOptions { fuse_feed_forward: false, ..opts.clone() };
+        return Ok(rlx_compile::compile(graph, &unfused)?);
+    }
+    Ok(compiled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::{DType, Op};
+
+    /// The CPU backend, saying it runs fused thunks as one kernel.
+    struct Fusing(rlx_cpu::CpuBackend);
+
+    impl Backend for Fusing {
+        fn name(&self) -> &str {
+            "fusing"
+        }
+        fn supports(&self, thunk: &Thunk) -> bool {
+            self.0.supports(thunk)
+        }
+        fn runs_fused(&self, thunk: &Thunk) -> bool {
+            thunk.parts().is_some()
+        }
+        fn prepare(
+            &self,
+            schedule: Arc<Schedule>,
+            weights: Arc<WeightStore>,
+            opts: &PrepareOptions,
+        ) -> rlx_runtime::Result<Box<dyn Executable>> {
+            self.0.prepare(schedule, weights, opts)
+        }
+    }
+
+    /// x [2, 5, 16] → FFN1 (32, + bias, GELU) → FFN2 (16, + bias) → LayerNorm(· + x).
+    fn feed_forward_graph() -> Graph {
+        let mut g = Graph::new();
+        let x = g.input("x", [2, 5, 16], DType::F32).unwrap();
+        let (w1, b1) = (g.param("w1", [32, 16], DType::F32).unwrap(), g.param("b1", [32], DType::F32).unwrap());
+        let (w2, b2) = (g.param("w2", [16, 32], DType::F32).unwrap(), g.param("b2", [16], DType::F32).unwrap());
+        let (gamma, beta) = (g.param("gamma", [16], DType::F32).unwrap(), g.param("beta", [16], DType::F32).unwrap());
+        let h = g.linear(x, w1, Some(b1), true).unwrap();
+        let h = g.gelu(h).unwrap();
+        let y = g.linear(h, w2, Some(b2), true).unwrap();
+        let r = g.add(y, x).unwrap();
+        let out = g.layer_norm(r, gamma, beta, 1e-12).unwrap();
+        g.output(out).unwrap();
+        g
+    }
+
+    #[test]
+    fn the_feed_forward_op_stays_only_where_the_backend_runs_it_as_one_kernel() {
+        let g = feed_forward_graph();
+        let opts = CompileOptions::default();
+        let ops = |c: &Compiled| c.after.nodes.iter().filter(|n| matches!(n.op, Op::FeedForward(_))).count();
+        let fusing = compile_for(&Fusing(rlx_cpu::CpuBackend::new()), &g, &opts).unwrap();
+        let cpu = compile_for(&rlx_cpu::CpuBackend::new(), &g, &opts).unwrap();
+        assert_eq!(ops(&fusing), 1, "{}", fusing.after);
+        assert_eq!(ops(&cpu), 0, "{}", cpu.after);
+        // The separate ops' plan shares the arena; the fused op's scratch does not.
+        assert!(cpu.schedule.arena_bytes < fusing.schedule.arena_bytes, "{} vs {}", cpu.schedule.arena_bytes, fusing.schedule.arena_bytes);
+        // With the fusion off in the options, nothing to decide.
+        let off = CompileOptions { fuse_feed_forward: false, ..opts };
+        assert_eq!(ops(&compile_for(&Fusing(rlx_cpu::CpuBackend::new()), &g, &off).unwrap()), 0);
     }
 }
