@@ -11,14 +11,12 @@
 
 use rlx_ir::{Graph, IrError, NodeId, Op, RopeSpec};
 
-use super::{emit_plan, users, Plan};
+use super::{emit_plan, Plan, Readers};
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
     g.verify()?;
-    let users = users(g);
-    let uses = g.use_counts();
-    // Node x is read once, by node `by`, and is not a graph output.
-    let sole = |x: usize, by: usize| uses[x] == 1 && users[x] == [by];
+    let readers = Readers::new(g);
+    let sole = |x: usize, by: usize| readers.sole(x, by);
     let mut plan = vec![Plan::Keep; g.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         let Op::Attention(spec) = node.op else { continue };

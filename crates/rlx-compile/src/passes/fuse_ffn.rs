@@ -16,7 +16,7 @@
 
 use rlx_ir::{Activation, AttnOutSpec, FeedForwardSpec, FfnResidual, Graph, IrError, NodeId, Op};
 
-use super::{emit_plan, users, Plan};
+use super::{emit_plan, Plan, Readers};
 
 /// A matmul by a transposed 2-D weight with its epilogue.
 struct Linear {
@@ -75,10 +75,8 @@ fn norm(g: &Graph, i: usize, from: usize) -> Option<Norm> {
 
 pub fn run(g: &Graph) -> Result<Graph, IrError> {
     g.verify()?;
-    let users = users(g);
-    let uses = g.use_counts();
-    // Node x is read once, by node `by`, and is not a graph output.
-    let sole = |x: usize, by: usize| uses[x] == 1 && users[x] == [by];
+    let readers = Readers::new(g);
+    let sole = |x: usize, by: usize| readers.sole(x, by);
     let mut plan = vec![Plan::Keep; g.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         if !matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. } | Op::ResidualLayerNorm { .. } | Op::ResidualRmsNorm { .. }) {
@@ -102,9 +100,8 @@ pub fn run(g: &Graph) -> Result<Graph, IrError> {
         // The attention output projection and its norm before the block:
         // the norm's output read by FFN1 and otherwise only as a residual
         // of FFN2 or of the last norm.
-        let inside = |u: &usize| *u == n1 || *u == n2 || *u == i;
         let tail = node_tail(g, x, h, &sole).filter(|(o, _, _)| {
-            let only_here = uses[x] == users[x].len() && users[x].iter().all(inside);
+            let only_here = readers.only(x, |u| u == n1 || u == n2 || u == i);
             let slots_ok = g.nodes[n1].inputs.iter().skip(1).all(|y| y.0 != x)
                 && g.nodes[n2].inputs.iter().take(2).all(|y| y.0 != x)
                 && l2.bias != Some(x)

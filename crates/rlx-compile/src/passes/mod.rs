@@ -27,6 +27,27 @@ pub(crate) fn users(g: &Graph) -> Vec<Vec<usize>> {
     u
 }
 
+/// Who reads each node: what a fusion pass asks before a value disappears
+/// into a fused op.
+pub(crate) struct Readers {
+    users: Vec<Vec<usize>>,
+    uses: Vec<usize>,
+}
+
+impl Readers {
+    pub fn new(g: &Graph) -> Readers {
+        Readers { users: users(g), uses: g.use_counts() }
+    }
+    /// Node x is read once, by node `by`, and is not a graph output.
+    pub fn sole(&self, x: usize, by: usize) -> bool {
+        self.uses[x] == 1 && self.users[x] == [by]
+    }
+    /// Node x is not a graph output and every node that reads it is `inside`.
+    pub fn only(&self, x: usize, inside: impl Fn(usize) -> bool) -> bool {
+        self.uses[x] == self.users[x].len() && self.users[x].iter().all(|&u| inside(u))
+    }
+}
+
 /// The new ids of `inputs` under `map` (old id → new id); an input that was
 /// dropped is an error rather than a panic, since it means a pass bug.
 pub(crate) fn map_ids(map: &[Option<NodeId>], inputs: &[NodeId], pass: &str, at: usize) -> Result<Vec<NodeId>, IrError> {
