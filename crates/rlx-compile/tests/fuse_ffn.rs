@@ -49,11 +49,6 @@ fn block_graph(c: Block) -> (Graph, [NodeId; 4]) {
     let (b, s, h, i) = (c.batch, c.seq, c.h, c.i);
     let mut g = Graph::new();
     let x = g.input("x", [b, s, h], DType::F32).unwrap();
-    let lin = |g: &mut Graph, x, name: &str, n: usize, k: usize| {
-        let w = g.param(&format!("{name}.w"), [n, k], DType::F32).unwrap();
-        let bias = g.param(&format!("{name}.b"), [n], DType::F32).unwrap();
-        g.linear(x, w, Some(bias), true).unwrap()
-    };
     let norm = |g: &mut Graph, x, name: &str, rms: bool| {
         let gamma = g.param(&format!("{name}.g"), [h], DType::F32).unwrap();
         if rms {

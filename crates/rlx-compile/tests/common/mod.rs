@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rlx_compile::{BufRef, Schedule, Space, Thunk};
-use rlx_ir::{Activation, BinaryOp, DType, FfnResidual, Graph, Op, ReduceOp};
+use rlx_ir::{Activation, BinaryOp, DType, FfnResidual, Graph, NodeId, Op, ReduceOp};
 
 #[derive(Debug, Clone)]
 pub struct T {
@@ -487,6 +487,13 @@ pub fn max_rel_err(a: &[T], b: &[T]) -> f64 {
     worst
 }
 
+/// x · wᵀ + b with f32 parameters `{name}.w` `[n, k]` and `{name}.b` `[n]`.
+pub fn lin(g: &mut Graph, x: NodeId, name: &str, n: usize, k: usize) -> NodeId {
+    let w = g.param(&format!("{name}.w"), [n, k], DType::F32).unwrap();
+    let bias = g.param(&format!("{name}.b"), [n], DType::F32).unwrap();
+    g.linear(x, w, Some(bias), true).unwrap()
+}
+
 /// A BERT-style encoder layer on `[2, 5, 16]`: Q/K/V projections with
 /// biases, attention (or, with `attention = false`, the sum q + k * v so the
 /// f64 reference can evaluate it), output projection, residual LayerNorm,
@@ -495,11 +502,6 @@ pub fn bert_layer(attention: bool) -> Graph {
     let (b, s, h, f) = (2, 5, 16, 32);
     let mut g = Graph::new();
     let x = g.input("x", [b, s, h], DType::F32).unwrap();
-    let lin = |g: &mut Graph, x, name: &str, n: usize, k: usize| {
-        let w = g.param(&format!("{name}.w"), [n, k], DType::F32).unwrap();
-        let bias = g.param(&format!("{name}.b"), [n], DType::F32).unwrap();
-        g.linear(x, w, Some(bias), true).unwrap()
-    };
     let q = lin(&mut g, x, "q", h, h);
     let k = lin(&mut g, x, "k", h, h);
     let v = lin(&mut g, x, "v", h, h);
