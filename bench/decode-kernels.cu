@@ -147,7 +147,7 @@ int main() {
         for (int l = 0; l < 30; l++) { CK(cudaMalloc(&kc, KV * KVH * HD * 2)); CK(cudaMalloc(&vc, KV * KVH * HD * 2)); CK(cudaMemset(kc, 0x11, KV * KVH * HD * 2)); CK(cudaMemset(vc, 0x11, KV * KVH * HD * 2)); kcs.push_back(kc); vcs.push_back(vc); }
         CK(cudaMemcpy(q, hx.data(), H * HD * 4, cudaMemcpyHostToDevice)); CK(cudaMemcpy(kn, hx.data(), KVH * HD * 4, cudaMemcpyHostToDevice)); CK(cudaMemcpy(vn, hx.data(), KVH * HD * 4, cudaMemcpyHostToDevice));
         CK(cudaMalloc(&ints, 16)); int hi[4] = {200, 200, 201, 0}; CK(cudaMemcpy(ints, hi, 16, cudaMemcpyHostToDevice));
-        for (int ctx : {201, 601}) {
+        for (int ctx : {201, 385, 601}) {
             hi[0] = hi[1] = ctx - 1; hi[2] = ctx; CK(cudaMemcpy(ints, hi, 16, cudaMemcpyHostToDevice));
             cudaGraph_t g; cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));

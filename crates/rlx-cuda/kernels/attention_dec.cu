@@ -5,82 +5,147 @@
 // are more blocks than fit the GPU at once with 16 (batched decode).
 #include "attention.cuh"
 
-// One query row (decode: q_len 1) per (batch, head): the W warps of
-// a block split the visible keys in steps of KEYS (8, or 4 for head dims
-// over 64; warp w takes keys w*KEYS.. , then W*KEYS further on),
-// lanes over the head
-// dims. A step issues every load of its keys' K and V rows before the
-// first use (raw values, converted after), scores the keys, then folds
-// them into the warp's online softmax at once; the partial (max, sum,
-// output) triples of the warps are merged through shared memory at the
-// end. A masked key, or one past the valid end, scores -inf (its rows are
-// read but weigh 0). With one query row the causal rule admits exactly the
-// valid keys.
+// One query row (decode: q_len 1) per (batch, head). A round gives each
+// lane of each of the W warps one key: the lane issues the loads of its
+// key's whole K row (16-byte loads where the rows allow them) and the V
+// rows of the warp's first keys before any use, scores its key against the
+// query in shared memory, and the warp folds its 32 scores into its online
+// softmax at once; then for each of the warp's keys (its probability
+// broadcast from the lane that scored it) every lane adds the V values of
+// its own NC = HDP/32 neighbouring dims. W·32 keys a round: one round up to
+// 512 keys with 16 warps. The partial (max, sum, output) triples of the
+// warps are merged through shared memory at the end. A masked key, or one
+// past the valid end, scores -inf (its rows are read but weigh 0). With one
+// query row the causal rule admits exactly the valid keys.
 //
-// `dec_core` is that loop for scaled query values `qv` already in
-// registers (0 past hd); key `own` (or none: -1) is read from `own_k` /
-// `own_v` in shared memory instead of kb / vb (the row an append is
-// writing).
+// `dec_core` is that loop for the scaled query `sq` in shared memory (0
+// past hd); key `own` (or none: -1) is read from `own_k` / `own_v` in
+// shared memory instead of kb / vb (the row an append is writing).
+// Rows are held as packed 32-bit words (two 16-bit elements a word), so a
+// 16-bit row takes half the registers of its element count.
+template <typename TK> __device__ __forceinline__ unsigned tk_bits(TK v);
+template <> __device__ __forceinline__ unsigned tk_bits(float v) { return __float_as_uint(v); }
+template <> __device__ __forceinline__ unsigned tk_bits(__half v) { return __half_as_ushort(v); }
+template <> __device__ __forceinline__ unsigned tk_bits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+// Element i of words holding TK elements packed.
+template <typename TK> __device__ __forceinline__ float word_get(const unsigned* w, int i);
+template <> __device__ __forceinline__ float word_get<float>(const unsigned* w, int i) { return __uint_as_float(w[i]); }
+template <> __device__ __forceinline__ float word_get<__half>(const unsigned* w, int i) {
+    return __half2float(__ushort_as_half((unsigned short)(w[i >> 1] >> (16 * (i & 1)))));
+}
+template <> __device__ __forceinline__ float word_get<__nv_bfloat16>(const unsigned* w, int i) {
+    return __uint_as_float(i & 1 ? w[i >> 1] & 0xffff0000u : w[i >> 1] << 16);
+}
+
+// N elements from p into packed words: one load of N·size bytes where that
+// is 4, 8 or 16 bytes and `vec` says p is aligned to it, else N loads, the
+// element offsets clamped below `lim` (the row's end).
+template <typename TK, int N>
+__device__ __forceinline__ void ld_words(const TK* p, bool vec, int off, int lim, unsigned* w) {
+    constexpr int B = N * (int)sizeof(TK);
+    if constexpr (B == 4 || B == 8 || B == 16) {
+        if (vec) {
+            if constexpr (B == 4) w[0] = *(const unsigned*)(p + off);
+            if constexpr (B == 8) { const uint2 u = *(const uint2*)(p + off); w[0] = u.x; w[1] = u.y; }
+            if constexpr (B == 16) { const uint4 u = *(const uint4*)(p + off); w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w; }
+            return;
+        }
+    }
+    constexpr int PW = 4 / (int)sizeof(TK);  // elements a word
+#pragma unroll
+    for (int i = 0; i < (B + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i / PW] |= tk_bits(p[off + i < lim ? off + i : lim - 1]) << (32 / PW * (i % PW));
+}
+
 template <typename T, typename TK, int HDP, int W>
-__device__ void dec_core(const float (&qv)[HDP / 32], const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
-                         i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
-    constexpr int NC = HDP / 32, KEYS = HDP <= 64 ? 8 : 4;
+__device__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
+                         i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
+    constexpr int NC = HDP / 32;
+    // A key's K row is read in chunks of at most 128 bytes (32 registers),
+    // 16 bytes a load; V rows for VG keys at a time (at most 32 registers).
+    constexpr int KC0 = (int)(128 / sizeof(TK)) < HDP ? (int)(128 / sizeof(TK)) : HDP;
+    constexpr int KC = HDP % KC0 == 0 ? KC0 : 32, KL = 16 / (int)sizeof(TK);
+    constexpr int VB = NC * (int)sizeof(TK), VG = VB <= 4 ? 32 : VB <= 8 ? 16 : 8, VW = (VB + 3) / 4;
+    static_assert(HDP % KC == 0 && KC % KL == 0, "K chunks of whole 16-byte loads");
     __shared__ float sm_m[W], sm_l[W];
     __shared__ float sm_o[W][HDP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int dc[NC];  // this lane's dims, clamped into the row (qv is 0 past hd)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) dc[c] = lane + 32 * c < hd ? lane + 32 * c : (int)hd - 1;
+    // Uniform over the block: whole rows of hd = HDP with 16-byte aligned
+    // starts take vector loads; others (odd head dims, strided views) read
+    // element by element, dims clamped into the row.
+    const bool vec = hd == HDP && ((unsigned long long)kb | (unsigned long long)vb | (unsigned long long)(krs * sizeof(TK)) | (unsigned long long)(vrs * sizeof(TK))) % 16 == 0;
+    const int d0 = lane * NC;  // this lane's output dims d0 .. d0 + NC
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (i64 k0 = (i64)warp * KEYS; k0 < kv_end; k0 += KEYS * W) {
-        TK kraw[KEYS][NC], vraw[KEYS][NC];
+    for (i64 base = (i64)warp * 32; base < kv_end; base += 32 * W) {
+        const i64 key = base + lane;
+        const i64 kk = key < kv_end ? key : base;  // in bounds; dropped below
+        const TK* krow = kb + kk * krs;
+        // The first V group's rows, loaded with the first K chunk.
+        unsigned vw[VG][VW];
+        auto load_v = [&](int g) {
 #pragma unroll
-        for (int j = 0; j < KEYS; ++j) {
-            const i64 key = k0 + j < kv_end ? k0 + j : 0;  // in bounds; dropped below
+            for (int j = 0; j < VG; ++j) {
+                const i64 vk = base + g * VG + j < kv_end ? base + g * VG + j : base;
+                ld_words<TK, NC>(vb + vk * vrs, vec, d0, (int)hd, vw[j]);
+            }
+        };
+        float s = 0.0f;
 #pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                kraw[j][c] = kb[key * krs + dc[c]];
-                vraw[j][c] = vb[key * vrs + dc[c]];
+        for (int k0 = 0; k0 < HDP; k0 += KC) {
+            unsigned kw[KC * sizeof(TK) / 4];
+#pragma unroll
+            for (int i = 0; i < KC; i += KL) ld_words<TK, KL>(krow, vec, k0 + i, (int)hd, kw + i * sizeof(TK) / 4);
+            if (k0 == 0) load_v(0);
+#pragma unroll
+            for (int i = 0; i < KC; i += 4) {
+                const float4 q4 = *(const float4*)(sq + k0 + i);
+                s = fmaf(q4.x, word_get<TK>(kw, i), s);
+                s = fmaf(q4.y, word_get<TK>(kw, i + 1), s);
+                s = fmaf(q4.z, word_get<TK>(kw, i + 2), s);
+                s = fmaf(q4.w, word_get<TK>(kw, i + 3), s);
             }
         }
-        float sc[KEYS];
-#pragma unroll
-        for (int j = 0; j < KEYS; ++j) {
-            const i64 key = k0 + j;
-            float s = 0.0f;
-#pragma unroll
-            for (int c = 0; c < NC; ++c) s = fmaf(qv[c], key == own ? own_k[dc[c]] : to_f32(kraw[j][c]), s);
-            s = warp_sum(s);
-            bool ok = key < kv_end;
-            if (ok && mask) ok = ld_any(mask, mask_row + key, mask_dt) != 0.0;
-            sc[j] = ok ? s : -INFINITY;
+        if (key == own) {
+            s = 0.0f;
+            for (int d = 0; d < hd; ++d) s = fmaf(sq[d], own_k[d], s);
         }
-        float mn = m;
-#pragma unroll
-        for (int j = 0; j < KEYS; ++j) mn = fmaxf(mn, sc[j]);
-        if (mn == -INFINITY) continue;  // no key of the step counts (uniform across the warp)
-        const float corr = expf(m - mn);
-        l *= corr;
+        bool ok = key < kv_end;
+        if (ok && mask) ok = ld_any(mask, mask_row + key, mask_dt) != 0.0;
+        s = ok ? s : -INFINITY;
+        const float mr = warp_max(s);
+        if (mr == -INFINITY) continue;  // no key of the round counts (uniform across the warp)
+        const float mn = fmaxf(m, mr), corr = expf(m - mn);
+        const float pr = ok ? expf(s - mn) : 0.0f;
+        l = l * corr + warp_sum(pr);
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] *= corr;
-#pragma unroll
-        for (int j = 0; j < KEYS; ++j) {
-            const float pr = expf(sc[j] - mn);
-            const i64 key = k0 + j;
-            l += pr;
-#pragma unroll
-            for (int c = 0; c < NC; ++c) acc[c] = fmaf(pr, key == own ? own_v[dc[c]] : to_f32(vraw[j][c]), acc[c]);
-        }
         m = mn;
+#pragma unroll
+        for (int g = 0; g < 32 / VG; ++g) {
+            if (base + g * VG >= kv_end) break;  // uniform
+            if (g > 0) load_v(g);
+#pragma unroll
+            for (int j = 0; j < VG; ++j) {
+                const float pj = __shfl_sync(0xffffffffu, pr, g * VG + j);
+                if (base + g * VG + j == own) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) acc[c] = fmaf(pj, d0 + c < hd ? own_v[d0 + c] : 0.0f, acc[c]);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) acc[c] = fmaf(pj, word_get<TK>(vw[j], c), acc[c]);
+                }
+            }
+        }
     }
     if (lane == 0) {
         sm_m[warp] = m;
         sm_l[warp] = l;
     }
 #pragma unroll
-    for (int c = 0; c < NC; ++c) sm_o[warp][lane + 32 * c] = acc[c];
+    for (int c = 0; c < NC; ++c) sm_o[warp][d0 + c] = acc[c];
     __syncthreads();
     float mt = -INFINITY;
 #pragma unroll
@@ -112,23 +177,18 @@ __device__ __forceinline__ i64 dec_valid(const int* valid, i64 valid_pb, i64 kv_
 
 template <typename T, typename TK, int HDP, int W>
 __device__ void attention_dec_body(const AttnP& p) {
-    constexpr int NC = HDP / 32;
+    __shared__ __align__(16) float s_q[HDP];
+    pdl_enter();
     const i64 b = blockIdx.y, h = blockIdx.x;
     const i64 kvh = h / (p.heads / p.kv_heads);
-    const int lane = threadIdx.x & 31;
-    const float scale = (float)p.scale;
     const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
     const T* qb = (const T*)p.q + b * p.qbs + h * p.hd;
-    float qv[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = lane + 32 * c;
-        qv[c] = d < p.hd ? ld(qb, d) * scale : 0.0f;
-    }
+    for (int d = threadIdx.x; d < HDP; d += blockDim.x) s_q[d] = d < p.hd ? ld(qb, d) * (float)p.scale : 0.0f;
+    __syncthreads();
     const TK* kb = (const TK*)p.k + b * p.kbs + kvh * p.hd;
     const TK* vb = (const TK*)p.v + b * p.vbs + kvh * p.hd;
     T* o = (T*)p.out + b * (p.heads * p.hd) + h * p.hd;
-    dec_core<T, TK, HDP, W>(qv, kb, vb, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, p.hd, -1, nullptr, nullptr, o);
+    dec_core<T, TK, HDP, W>(s_q, kb, vb, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, p.hd, -1, nullptr, nullptr, o);
 }
 
 // A decode step's attention with its KV-cache append (Op::AttentionAppend):
@@ -152,94 +212,83 @@ template <typename T> __device__ __forceinline__ float round_to(float v) { T t; 
 
 template <typename T, typename TK, int HDP, int W>
 __device__ void attention_app_body(const AttnAppP& p) {
-    constexpr int NC = HDP / 32;
-    __shared__ float s_q[HDP], s_k[HDP], s_v[HDP];
+    static_assert(W * 32 >= HDP, "a thread per dim");
+    __shared__ __align__(16) float s_q[HDP];
+    __shared__ float s_k[HDP], s_v[HDP];
     const i64 b = blockIdx.y, h = blockIdx.x;
     const i64 group = p.heads / p.kv_heads, kvh = h / group;
-    const int lane = threadIdx.x & 31;
-    const int hd = (int)p.hd;
+    const int t = threadIdx.x, hd = (int)p.hd, half = hd / 2;
+    // Before the wait: this thread's rotation frequency (no memory read).
+    double invd = 0.0;
+    if (p.rope && t < half) invd = pow(p.theta, -2.0 * (double)t / (double)hd);
+    pdl_enter();
+    // Every read that depends on the kernels before, issued together.
+    const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
+    const i64 pos = p.rope ? (i64)p.rpos[p.rpos_pb ? b : 0] : 0;
+    const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
     const T* qb = (const T*)p.q + b * p.qbs + h * hd;
     const T* knb = (const T*)p.kn + b * p.knbs + kvh * hd;
     const T* vnb = (const T*)p.vn + b * p.vnbs + kvh * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        s_q[d] = ld(qb, d);
-        s_k[d] = ld(knb, d);
-        s_v[d] = ld(vnb, d);
-    }
-    __syncthreads();
-    if (p.rope) {
-        const int half = hd / 2, i = threadIdx.x;
-        int i0 = 0, i1 = 0;
-        float q0 = 0.0f, q1 = 0.0f, k0 = 0.0f, k1 = 0.0f;
-        if (i < half) {
-            const i64 pos = (i64)p.rpos[p.rpos_pb ? b : 0];
-            double invd = pow(p.theta, -2.0 * (double)i / (double)hd);
-            if (p.factors) invd /= (double)p.factors[i];
-            const float inv = (float)invd;
-            const float ang = (float)pos * inv, c = cosf(ang), sn = sinf(ang);
-            i0 = p.rope == 1 ? i : 2 * i;
-            i1 = p.rope == 1 ? i + half : 2 * i + 1;
-            q0 = s_q[i0] * c - s_q[i1] * sn;
-            q1 = s_q[i1] * c + s_q[i0] * sn;
-            k0 = s_k[i0] * c - s_k[i1] * sn;
-            k1 = s_k[i1] * c + s_k[i0] * sn;
-        }
-        __syncthreads();
-        if (i < half) {
-            s_q[i0] = round_to<T>(q0);
-            s_q[i1] = round_to<T>(q1);
-            s_k[i0] = round_to<T>(k0);
-            s_k[i1] = round_to<T>(k1);
-        }
-        __syncthreads();
-    }
-    const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
-    const bool wok = wpos >= 0 && wpos < p.kv_len;
-    if (!wok && h == 0 && (p.wpos_pb || b == 0) && threadIdx.x == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
     TK* kc = (TK*)p.kc + b * p.kbs + kvh * hd;
     TK* vc = (TK*)p.vc + b * p.vbs + kvh * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const float kr = round_to<TK>(s_k[d]), vr = round_to<TK>(s_v[d]);
-        s_k[d] = kr;
-        s_v[d] = vr;
-        if (wok && h % group == 0) {
-            st(kc, wpos * p.krs + d, kr);
-            st(vc, wpos * p.vrs + d, vr);
+    const bool wok = wpos >= 0 && wpos < p.kv_len, writer = wok && h % group == 0;
+    if (!wok && h == 0 && (p.wpos_pb || b == 0) && t == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
+    const float scale = (float)p.scale;
+    // q and the new key (turned by RoPE, angles as the rope kernel's) and
+    // value, rounded as the separate kernels' stores would (q and the key to
+    // T, key and value to the cache's TK); the group's first head writes the
+    // key and value into the caches at row `wpos`.
+    if (p.rope) {
+        if (t < half) {
+            const int i0 = p.rope == 1 ? t : 2 * t, i1 = p.rope == 1 ? t + half : 2 * t + 1;
+            const float qa = ld(qb, i0), qz = ld(qb, i1), ka = ld(knb, i0), kz = ld(knb, i1);
+            if (p.factors) invd /= (double)p.factors[t];
+            const float ang = (float)pos * (float)invd, c = cosf(ang), sn = sinf(ang);
+            s_q[i0] = round_to<T>(qa * c - qz * sn) * scale;
+            s_q[i1] = round_to<T>(qz * c + qa * sn) * scale;
+            const float k0 = round_to<TK>(round_to<T>(ka * c - kz * sn)), k1 = round_to<TK>(round_to<T>(kz * c + ka * sn));
+            s_k[i0] = k0;
+            s_k[i1] = k1;
+            if (writer) {
+                st(kc, wpos * p.krs + i0, k0);
+                st(kc, wpos * p.krs + i1, k1);
+            }
         }
+    } else if (t < hd) {
+        s_q[t] = ld(qb, t) * scale;
+        const float k = round_to<TK>(ld(knb, t));
+        s_k[t] = k;
+        if (writer) st(kc, wpos * p.krs + t, k);
+    }
+    if (t < hd) {
+        const float v = round_to<TK>(ld(vnb, t));
+        s_v[t] = v;
+        if (writer) st(vc, wpos * p.vrs + t, v);
+    } else if (t < HDP) {
+        s_q[t] = 0.0f;
     }
     __syncthreads();
-    const float scale = (float)p.scale;
-    float qv[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int d = lane + 32 * c;
-        qv[c] = d < hd ? s_q[d] * scale : 0.0f;
-    }
-    const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
     T* o = (T*)p.out + b * (p.heads * hd) + h * hd;
-    dec_core<T, TK, HDP, W>(qv, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, wok ? wpos : -1, s_k, s_v, o);
+    dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, wok ? wpos : -1, s_k, s_v, o);
 }
 
 // Before the wait on the previous kernel: an L2 prefetch of the cache rows
-// each warp reads in its first two steps (keys up to the cache's length;
-// the valid count is not known yet). No kernel before the attention in a
-// step writes them: the row an append adds is read from shared memory.
+// of each warp's first round of keys (keys up to the cache's length; the
+// valid count is not known yet). No kernel before the attention in a step
+// writes them: the row an append adds is read from shared memory.
 template <typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_prefetch(const void* k, const void* v, i64 bs_k, i64 bs_v, i64 krs, i64 vrs, i64 heads, i64 kv_heads,
                                              i64 hd, i64 kv_len) {
-    constexpr int KEYS = HDP <= 64 ? 8 : 4, STEPS = 2;
     const i64 b = blockIdx.y, kvh = blockIdx.x / (heads / kv_heads);
     const TK* kb = (const TK*)k + b * bs_k + kvh * hd;
     const TK* vb = (const TK*)v + b * bs_v + kvh * hd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int lines = (int)((hd * (i64)sizeof(TK) + 127) / 128);
-    for (int t = lane; t < STEPS * KEYS * 2 * lines; t += 32) {
-        const int j = t % (STEPS * KEYS), kv = (t / (STEPS * KEYS)) & 1, line = t / (STEPS * KEYS * 2);
-        const i64 key = (i64)warp * KEYS + (j / KEYS) * (KEYS * W) + j % KEYS;
-        if (key < kv_len) {
-            const char* row = (const char*)(kv ? vb + key * vrs : kb + key * krs) + line * 128;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
-        }
+    const i64 key = (i64)warp * 32 + lane;
+    if (key >= kv_len) return;
+    for (int t = 0; t < 2 * lines; ++t) {
+        const char* row = (const char*)(t & 1 ? vb + key * vrs : kb + key * krs) + (t >> 1) * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
     }
 }
 template <typename TK, int HDP, int W>
@@ -256,7 +305,6 @@ __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
 #define RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, SFX, T, TK) \
     extern "C" __global__ void __launch_bounds__(W * 32) NAME##W##_##HDP##_##SFX(const P p) { \
         dec_prefetch<TK, HDP, W>(p);                                                                     \
-        pdl_enter();                                                                                     \
         BODY<T, TK, HDP, W>(p);                                                                          \
     }
 #define RLX_DEC_TYPES(NAME, BODY, P, W, HDP)                                        \

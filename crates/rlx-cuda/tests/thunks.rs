@@ -797,7 +797,7 @@ fn attention_masks_gqa_strides() {
         attention_case(&g, &mut r, dt, 1, 4, 2, 128, 37, 37, true, true, None);
         attention_case(&g, &mut r, dt, 1, 8, 2, 64, 1, 300, true, false, Some(250));
         attention_case(&g, &mut r, dt, 1, 2, 2, 40, 20, 20, false, true, None);
-        // One query row (the decode kernel: keys split over 8 warps): key
+        // One query row (the decode kernel: a key per lane, 32 a warp): key
         // padding masks, GQA, several batch rows, odd head dims, long caches.
         attention_case(&g, &mut r, dt, 3, 6, 2, 80, 1, 333, true, true, None);
         attention_case(&g, &mut r, dt, 2, 9, 3, 64, 1, 1000, false, true, Some(777));
