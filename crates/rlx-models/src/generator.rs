@@ -562,6 +562,33 @@ impl Generator {
         self.prefill.get_mut(&(slot, bucket)).ok_or_else(|| ModelError::Input("prefill step missing".into()))
     }
 
+    /// Compiles (and on a GPU records) now every step executable the batch
+    /// API would otherwise compile on first use: the decode step of each
+    /// width it runs (powers of two up to the batch) and, for every slot,
+    /// the prefill chunk of every bucket that fits the context. A server
+    /// calls it before taking requests, so the first burst of prompts does
+    /// not wait for compiles. Returns how many were compiled; the ones
+    /// already there are kept.
+    pub fn prepare_steps(&mut self) -> Result<usize> {
+        let before = self.decode.len() + self.prefill.len();
+        let batch = self.opts.batch.max(1);
+        let mut w = 1;
+        loop {
+            self.decode_exe(w)?;
+            if w >= batch {
+                break;
+            }
+            w = (w * 2).min(batch);
+        }
+        let buckets: Vec<usize> = self.opts.prefill_buckets.iter().copied().filter(|&b| b <= self.opts.ctx_size).collect();
+        for slot in 0..batch {
+            for &b in &buckets {
+                self.prefill_exe(slot, b)?;
+            }
+        }
+        Ok(self.decode.len() + self.prefill.len() - before)
+    }
+
     /// Feeds `ids[from..]` (positions `from..`) of the sequence in `slot`
     /// through prefill chunks and returns the first sampled token (and its
     /// logits). Each chunk is a one-row step on the slot's row of the

@@ -164,7 +164,8 @@ fn generate_many_matches_single_runs() {
 
 /// The batch API: three prompts decoded side by side, joining at different
 /// steps (one while the others are mid-generation), give the same greedy
-/// tokens as three single runs.
+/// tokens as three single runs, whether the steps compile on first use or
+/// all ahead.
 #[test]
 fn batched_decode_matches_single_runs() {
     let Some(path) = model("batched_decode_matches_single_runs") else { return };
@@ -175,38 +176,49 @@ fn batched_decode_matches_single_runs() {
     let prompts: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
     let want: Vec<Vec<u32>> =
         prompts.iter().map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
-    let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 3, ..Default::default() }).expect("load");
-    let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
-    let mut slot_of = vec![usize::MAX; 3];
-    let record = |ev: rlx_models::BatchEvent, slot_of: &[usize], got: &mut Vec<Vec<u32>>| {
-        let k = slot_of.iter().position(|&s| s == ev.slot).expect("known slot");
-        got[k].push(ev.piece.token);
-    };
-    // Sequence 0 starts alone, 1 joins after two steps, 2 after four.
-    for step in 0..40 {
-        for (k, join) in [(0usize, 0usize), (1, 2), (2, 4)] {
-            if step == join {
-                let ev = g.add_sequence(&prompts[k], &params).expect("add");
-                slot_of[k] = ev.slot;
-                record(ev, &slot_of, &mut got);
-            }
+    // Steps compiled on first use, then all compiled ahead (`prepare_steps`,
+    // what a server does on a GPU): the same tokens.
+    for prepare in [false, true] {
+        let mut g =
+            Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 3, ..Default::default() }).expect("load");
+        if prepare {
+            // Decode widths 1 and 2 (the full width, 3, compiles at load);
+            // prefill buckets 16 to 128 (256 exceeds the context) for each of 3 slots.
+            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4);
+            assert_eq!(g.prepare_steps().expect("prepare again"), 0);
         }
-        for ev in g.step_batch().expect("step") {
-            let done = ev.finished.is_some();
-            let slot = ev.slot;
-            record(ev, &slot_of, &mut got);
-            if done {
-                // The slot is free now; forget it so a reused slot is not misattributed.
-                if let Some(k) = slot_of.iter().position(|&s| s == slot) {
-                    slot_of[k] = usize::MAX - 1 - k;
+        let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
+        let mut slot_of = vec![usize::MAX; 3];
+        let record = |ev: rlx_models::BatchEvent, slot_of: &[usize], got: &mut Vec<Vec<u32>>| {
+            let k = slot_of.iter().position(|&s| s == ev.slot).expect("known slot");
+            got[k].push(ev.piece.token);
+        };
+        // Sequence 0 starts alone, 1 joins after two steps, 2 after four.
+        for step in 0..40 {
+            for (k, join) in [(0usize, 0usize), (1, 2), (2, 4)] {
+                if step == join {
+                    let ev = g.add_sequence(&prompts[k], &params).expect("add");
+                    slot_of[k] = ev.slot;
+                    record(ev, &slot_of, &mut got);
                 }
             }
+            for ev in g.step_batch().expect("step") {
+                let done = ev.finished.is_some();
+                let slot = ev.slot;
+                record(ev, &slot_of, &mut got);
+                if done {
+                    // The slot is free now; forget it so a reused slot is not misattributed.
+                    if let Some(k) = slot_of.iter().position(|&s| s == slot) {
+                        slot_of[k] = usize::MAX - 1 - k;
+                    }
+                }
+            }
+            if step > 4 && g.active_sequences() == 0 {
+                break;
+            }
         }
-        if step > 4 && g.active_sequences() == 0 {
-            break;
-        }
+        assert_eq!(got, want, "batched greedy tokens vs single runs");
     }
-    assert_eq!(got, want, "batched greedy tokens vs single runs");
 }
 
 /// Steps sized to the slots in use, with holes: four slots, sequences of

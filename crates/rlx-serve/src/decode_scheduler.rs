@@ -104,13 +104,28 @@ impl DecodeScheduler {
         let m = metrics.clone();
         let slots = options.batch.max(1);
         let handle = std::thread::Builder::new().name("rlx-decode".into()).spawn(move || {
-            let gen = match Generator::load_with(&path, device, options) {
+            let mut gen = match Generator::load_with(&path, device, options) {
                 Ok(g) => g,
                 Err(e) => {
                     let _ = ready_tx.send(Err(format!("generation model {}: {e}", path.display())));
                     return;
                 }
             };
+            // On a GPU each step executable is recorded as a device graph
+            // (a few milliseconds each): record them all before taking
+            // requests, so that the first prompts of many clients do not
+            // queue behind compiles. On the CPU a compile costs about a
+            // millisecond and stays lazy.
+            if matches!(device, Device::Cuda(_)) {
+                let t = std::time::Instant::now();
+                match gen.prepare_steps() {
+                    Ok(n) => eprintln!("rlx serve: recorded {n} generation step graphs in {:.1} s", t.elapsed().as_secs_f64()),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("generation model {}: preparing its steps: {e}", path.display())));
+                        return;
+                    }
+                }
+            }
             let info = GenInfo { ctx_size: gen.ctx_size(), has_chat_template: gen.has_chat_template() };
             if ready_tx.send(Ok(info)).is_err() {
                 return;
