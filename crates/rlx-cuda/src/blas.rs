@@ -41,7 +41,8 @@ pub fn cublaslt_version() -> Option<usize> {
     std::panic::catch_unwind(|| unsafe { lt::cublasLtGetVersion() }).ok()
 }
 
-/// One cuBLASLt handle and its workspace, per executable.
+/// One cuBLASLt handle and its workspace, per executable (a one-byte
+/// workspace where the executable runs no cuBLASLt matmul).
 pub(crate) struct Blas {
     handle: lt::cublasLtHandle_t,
     workspace: DeviceBuffer,
@@ -51,8 +52,10 @@ unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 
 impl Blas {
-    pub fn new(dev: &Device) -> Result<Blas> {
-        let workspace = DeviceBuffer::alloc(dev, WORKSPACE_BYTES)?;
+    /// `matmuls`: whether the executable runs cuBLASLt matmuls, which need
+    /// the full workspace.
+    pub fn new(dev: &Device, matmuls: bool) -> Result<Blas> {
+        let workspace = DeviceBuffer::alloc(dev, if matmuls { WORKSPACE_BYTES } else { 1 })?;
         let mut handle = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         lt_check(unsafe { lt::cublasLtCreate(&mut handle) }, "cublasLtCreate")?;
@@ -445,7 +448,7 @@ impl MatMulCall {
                     p.layouts[3],
                     algo,
                     self.blas.workspace.ptr as *mut c_void,
-                    WORKSPACE_BYTES as usize,
+                    self.blas.workspace.bytes as usize,
                     s.0 as lt::cudaStream_t,
                 ),
                 "cublasLtMatmul",

@@ -245,7 +245,10 @@ impl CudaExecutable {
         let mut fused = fused.into_iter();
         let schedule = if fused.len() > 0 { Arc::new(schedule.expand(|_| fused.next().unwrap_or(false))) } else { schedule };
 
-        let blas = Arc::new(Blas::new(&dev)?);
+        // cuBLASLt's 32 MiB workspace only where a thunk runs through it: a
+        // quantized decoder's steps have none, and a server holds hundreds
+        // of them (a decode step per width, prefill chunks per slot).
+        let blas = Arc::new(Blas::new(&dev, schedule.thunks.iter().any(|t| matches!(t, Thunk::MatMul(_))))?);
         let plans: Vec<Option<Arc<MatMulPlan>>> = schedule
             .thunks
             .iter()
