@@ -166,6 +166,24 @@ impl SamplingParams {
 /// weights are read once per step), for `plan_chunk`.
 const CHUNK_OVERHEAD: usize = 4;
 
+/// A prompt's first new token and its logits (when the generator returns
+/// logits).
+type FirstToken = (u32, Option<Vec<f32>>);
+
+/// A prefill step over every slot at once (`Generator::add_sequences`)
+/// feeds at most this many tokens (slots × chunk), which bounds its
+/// activation memory.
+const JOINT_PREFILL_TOKENS: usize = 4096;
+
+/// A prefill step's fixed cost in prompt-token equivalents on a GPU, for
+/// choosing between prefilling prompts side by side and one at a time
+/// (`Generator::add_sequences`). A small decoder's step there is hundreds
+/// of kernels whose time hardly grows with the rows until thousands of
+/// tokens: an estimate from SmolLM2-135M's 128-token prefill (2.9 ms on an
+/// H100) and its kernels, not a measured crossover. On the CPU a step's cost
+/// is its tokens (`CHUNK_OVERHEAD`).
+const GPU_STEP_OVERHEAD: usize = 2048;
+
 /// The bucket of the next prefill chunk for `remaining` prompt tokens with
 /// `room` cache rows left: of the plans that cover the tokens with buckets
 /// (each fitting the room), the one that processes the fewest padded
@@ -275,6 +293,9 @@ pub struct Generator {
     /// Prefill steps by (slot, bucket): one row, on the slot's row of the
     /// shared states (`Session::compile_shared_at`).
     prefill: BTreeMap<(usize, usize), CompiledGraph>,
+    /// Prefill steps over every slot at once, by chunk size
+    /// (`add_sequences`).
+    joint_prefill: BTreeMap<usize, CompiledGraph>,
     /// Decode steps by batch width: a step over slots `0..w` runs at the
     /// smallest width that holds them, on the first rows of the shared
     /// states (batch is their outermost dimension).
@@ -468,6 +489,7 @@ impl Generator {
             states: StateSet::new(),
             opts,
             prefill: BTreeMap::new(),
+            joint_prefill: BTreeMap::new(),
             decode: BTreeMap::new(),
             kv: vec![vec![]; opts_batch],
             slot_pos: vec![0; opts_batch],
@@ -564,13 +586,14 @@ impl Generator {
 
     /// Compiles (and on a GPU records) now every step executable the batch
     /// API would otherwise compile on first use: the decode step of each
-    /// width it runs (powers of two up to the batch) and, for every slot,
-    /// the prefill chunk of every bucket that fits the context. A server
+    /// width it runs (powers of two up to the batch), for every slot the
+    /// prefill chunk of every bucket that fits the context, and the prefill
+    /// over every slot at once (`add_sequences`) at its usual chunk. A server
     /// calls it before taking requests, so the first burst of prompts does
     /// not wait for compiles. Returns how many were compiled; the ones
     /// already there are kept.
     pub fn prepare_steps(&mut self) -> Result<usize> {
-        let before = self.decode.len() + self.prefill.len();
+        let before = self.decode.len() + self.prefill.len() + self.joint_prefill.len();
         let batch = self.opts.batch.max(1);
         let mut w = 1;
         loop {
@@ -586,7 +609,13 @@ impl Generator {
                 self.prefill_exe(slot, b)?;
             }
         }
-        Ok(self.decode.len() + self.prefill.len() - before)
+        // The joint prefill at the chunk it takes away from the context's end.
+        if batch >= 2 {
+            if let Some(&b) = buckets.iter().rev().find(|&&b| batch * b <= JOINT_PREFILL_TOKENS) {
+                self.joint_prefill_exe(b)?;
+            }
+        }
+        Ok(self.decode.len() + self.prefill.len() + self.joint_prefill.len() - before)
     }
 
     /// Feeds `ids[from..]` (positions `from..`) of the sequence in `slot`
@@ -691,6 +720,273 @@ impl Generator {
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
         Ok(BatchEvent { slot, piece: Piece { text, token, logits }, finished, cached_tokens })
+    }
+
+    /// Prefills several prompts into free slots (the lowest ones, in order),
+    /// each with its own sampling settings; returns each one's slot and
+    /// first token, or why it was refused, in the prompts' order. They are
+    /// prefilled side by side where that costs less than one at a time (as
+    /// [`add_sequence`](Self::add_sequence)), counting each step's tokens
+    /// and its fixed cost (`CHUNK_OVERHEAD` on the CPU, `GPU_STEP_OVERHEAD`
+    /// on a GPU): chunks of one prefill step over every slot, in which the
+    /// rows of the other slots run along harmlessly (a running sequence's
+    /// row feeds its pending token at its own position, which the next
+    /// decode step writes again; a free slot's row writes past the prefix
+    /// it keeps). Not where a slot is too near the end of its context for a
+    /// chunk. The tokens are the same either way.
+    pub fn add_sequences(&mut self, prompts: &[(Vec<u32>, SamplingParams)]) -> Vec<Result<BatchEvent>> {
+        self.admit(prompts, false)
+    }
+
+    /// As [`add_sequences`](Self::add_sequences), prefilling side by side
+    /// whatever it costs, wherever a chunk fits every slot (else one at a
+    /// time).
+    pub fn add_sequences_side_by_side(&mut self, prompts: &[(Vec<u32>, SamplingParams)]) -> Vec<Result<BatchEvent>> {
+        self.admit(prompts, true)
+    }
+
+    fn admit(&mut self, prompts: &[(Vec<u32>, SamplingParams)], side_by_side: bool) -> Vec<Result<BatchEvent>> {
+        let mut out: Vec<Option<Result<BatchEvent>>> = prompts.iter().map(|_| None).collect();
+        let free: Vec<usize> = (0..self.opts.batch).filter(|&r| self.slots[r].is_none()).collect();
+        let mut joint = Vec::new(); // (prompt index, slot)
+        for (i, (ids, params)) in prompts.iter().enumerate() {
+            if let Err(e) = self.check_prompt(ids, params) {
+                out[i] = Some(Err(e));
+            } else if joint.len() < free.len() {
+                joint.push((i, free[joint.len()]));
+            } else {
+                out[i] = Some(Err(ModelError::Input(format!(
+                    "all {} slots hold a sequence; remove one or wait for one to finish",
+                    self.opts.batch
+                ))));
+            }
+        }
+        let chunk =
+            self.joint_chunk(&joint, prompts).filter(|&b| side_by_side || (joint.len() >= 2 && self.joint_pays(&joint, prompts, b)));
+        match chunk {
+            Some(b) => {
+                let firsts = self.prefill_joint(&joint, prompts, b);
+                for ((i, slot), first) in joint.iter().zip(firsts) {
+                    out[*i] = Some(first.and_then(|(cached_tokens, (token, logits))| {
+                        let params = &prompts[*i].1;
+                        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
+                        self.slots[*slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
+                        let (text, finished) = self.accept(*slot, token)?;
+                        Ok(BatchEvent { slot: *slot, piece: Piece { text, token, logits }, finished, cached_tokens })
+                    }));
+                }
+            }
+            _ => {
+                for (i, _) in joint {
+                    out[i] = Some(self.add_sequence(&prompts[i].0, &prompts[i].1));
+                }
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or_else(|| Err(ModelError::Input("prompt not admitted".into())))).collect()
+    }
+
+    /// The chunk of a joint prefill of `joint` (prompt index, slot): the
+    /// largest bucket within `JOINT_PREFILL_TOKENS` over all the slots such
+    /// that every slot's chunk, written from its position, fits its context
+    /// in every round. `None`: none fits.
+    fn joint_chunk(&self, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)]) -> Option<usize> {
+        let (w, ctx) = (self.opts.batch, self.opts.ctx_size);
+        self.opts.prefill_buckets.iter().copied().rev().find(|&b| {
+            w * b <= JOINT_PREFILL_TOKENS
+                && (0..w).all(|r| match joint.iter().find(|&&(_, s)| s == r) {
+                    // Its chunks end before len + b, and once its prompt is
+                    // in, it runs along from len.
+                    Some(&(i, _)) => prompts[i].0.len() + b <= ctx,
+                    None => self.joint_idle_pos(r) + b <= ctx,
+                })
+        })
+    }
+
+    /// Whether prefilling `joint` side by side in chunks of `b` costs less
+    /// than one prompt at a time, in prompt-token equivalents: each step's
+    /// tokens (every slot's chunk, or the padded chunks `plan_chunk` picks)
+    /// plus its fixed cost on this device.
+    fn joint_pays(&self, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)], b: usize) -> bool {
+        let overhead = match self.session.device() {
+            Device::Cpu => CHUNK_OVERHEAD,
+            Device::Cuda(_) => GPU_STEP_OVERHEAD,
+        };
+        let (buckets, ctx) = (&self.opts.prefill_buckets, self.opts.ctx_size);
+        let mut rounds = 0;
+        let mut alone = 0;
+        for &(i, s) in joint {
+            let ids = &prompts[i].0;
+            let mut at = self.reused_prefix(s, ids);
+            rounds = rounds.max((ids.len() - at).div_ceil(b));
+            while at < ids.len() {
+                let chunk = plan_chunk(buckets, ids.len() - at, ctx - at);
+                alone += chunk + overhead;
+                at += chunk.min(ids.len() - at);
+            }
+        }
+        rounds * (self.opts.batch * b + overhead) < alone
+    }
+
+    /// Where a slot not being prefilled writes in a joint prefill: a running
+    /// sequence at its position (its pending token goes there again), a
+    /// free slot past the tokens it keeps for reuse.
+    fn joint_idle_pos(&self, slot: usize) -> usize {
+        if self.slots[slot].is_some() {
+            self.slot_pos[slot]
+        } else {
+            self.kv[slot].len()
+        }
+    }
+
+    /// The prompt tokens of `prompt` already in `slot`'s cache (at least the
+    /// last one is fed again: its logits give the first new token).
+    fn reused_prefix(&self, slot: usize, prompt: &[u32]) -> usize {
+        self.kv[slot].iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1)
+    }
+
+    /// Prefills the prompts of `joint` side by side in chunks of `b` tokens
+    /// over every slot; returns each one's (reused tokens, first token, its
+    /// logits). On an error the slots of `joint` forget their cached tokens
+    /// (the others' rows were written only past what they keep).
+    fn prefill_joint(
+        &mut self,
+        joint: &[(usize, usize)],
+        prompts: &[(Vec<u32>, SamplingParams)],
+        b: usize,
+    ) -> Vec<Result<(usize, FirstToken)>> {
+        let reused: Vec<usize> = joint.iter().map(|&(i, s)| self.reused_prefix(s, &prompts[i].0)).collect();
+        let res = self.prefill_joint_rounds(joint, prompts, &reused, b);
+        match res {
+            Ok(firsts) => {
+                for &(i, s) in joint {
+                    self.kv[s] = prompts[i].0.clone();
+                    self.slot_pos[s] = prompts[i].0.len();
+                }
+                firsts.into_iter().zip(reused).map(|(f, c)| Ok((c, f))).collect()
+            }
+            Err(e) => {
+                joint.iter().for_each(|&(_, s)| self.kv[s].clear());
+                joint.iter().map(|_| Err(ModelError::Input(format!("joint prefill: {e}")))).collect()
+            }
+        }
+    }
+
+    fn prefill_joint_rounds(
+        &mut self,
+        joint: &[(usize, usize)],
+        prompts: &[(Vec<u32>, SamplingParams)],
+        reused: &[usize],
+        b: usize,
+    ) -> Result<Vec<FirstToken>> {
+        let (w, v) = (self.opts.batch, self.config.vocab);
+        let mut at: Vec<usize> = reused.to_vec();
+        let mut firsts: Vec<Option<FirstToken>> = joint.iter().map(|_| None).collect();
+        let rows: Vec<Option<&SamplingParams>> =
+            (0..w).map(|r| joint.iter().find(|&&(_, s)| s == r).map(|&(i, _)| &prompts[i].1)).collect();
+        let (f, ip) = sampling_tensors(&rows)?;
+        while firsts.iter().any(Option::is_none) {
+            let (mut ids, mut pos) = (Vec::with_capacity(w * b), Vec::with_capacity(w * b));
+            let (mut start, mut valid, mut last_row, mut next_pos, mut slot_row) = (vec![], vec![], vec![], vec![], vec![]);
+            for r in 0..w {
+                let k = joint.iter().position(|&(_, s)| s == r).filter(|&k| firsts[k].is_none());
+                let (from, n) = match k {
+                    Some(k) => {
+                        let prompt = &prompts[joint[k].0].0;
+                        let n = (prompt.len() - at[k]).min(b);
+                        let chunk = &prompt[at[k]..at[k] + n];
+                        ids.extend(chunk.iter().map(|&t| t as i32));
+                        ids.extend(std::iter::repeat_n(chunk[n - 1] as i32, b - n));
+                        (at[k], n)
+                    }
+                    None => {
+                        // Runs along: its pending token (a running
+                        // sequence's next one, or a prompt's first new
+                        // token) at its own position; its token and
+                        // position go to the dump row.
+                        let p = match joint.iter().position(|&(_, s)| s == r) {
+                            Some(_) => self.slot_pos_after(r, joint, prompts),
+                            None => self.joint_idle_pos(r),
+                        };
+                        let pending = self.pending_token(r, joint, &firsts);
+                        ids.extend(std::iter::repeat_n(pending as i32, b));
+                        (p, 1)
+                    }
+                };
+                pos.extend((0..b).map(|j| (from + j) as i32));
+                start.push(from as i32);
+                valid.push((from + b) as i32);
+                last_row.push((r * b + n - 1) as i32);
+                next_pos.push((from + n) as i32);
+                slot_row.push(if k.is_some() { 0 } else { 1 });
+            }
+            let t = |shape: &[usize], v: &[i32]| Tensor::from_i32(shape.to_vec(), v);
+            let inputs = [
+                (io::IDS, t(&[w, b], &ids)?),
+                (io::POSITIONS, t(&[w, b], &pos)?),
+                (io::START, t(&[w], &start)?),
+                (io::VALID, t(&[w], &valid)?),
+                (io::LAST_ROW, t(&[w], &last_row)?),
+                (io::NEXT_POS, t(&[w], &next_pos)?),
+                (io::SLOT_ROW, t(&[w], &slot_row)?),
+            ];
+            let mut named: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (*n, t)).collect();
+            named.push((io::FPARAMS, &f));
+            named.push((io::IPARAMS, &ip));
+            let out = self.joint_prefill_exe(b)?.run(&named)?;
+            let tokens = out.first().map(|t| t.to_i32()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
+            let logits = out.get(1).map(|l| l.to_f32());
+            for (k, &(i, s)) in joint.iter().enumerate() {
+                if firsts[k].is_some() {
+                    continue;
+                }
+                let n = (prompts[i].0.len() - at[k]).min(b);
+                at[k] += n;
+                if at[k] == prompts[i].0.len() {
+                    let token = *tokens.get(s).ok_or_else(|| ModelError::Input(format!("prefill returned no token for slot {s}")))?;
+                    firsts[k] = Some((token as u32, logits.as_ref().map(|l| l[s * v..(s + 1) * v].to_vec())));
+                }
+            }
+        }
+        Ok(firsts.into_iter().flatten().collect())
+    }
+
+    /// A prompt's slot after its prefill ended in an earlier chunk: the
+    /// position of its first new token.
+    fn slot_pos_after(&self, slot: usize, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)]) -> usize {
+        joint.iter().find(|&&(_, s)| s == slot).map_or(0, |&(i, _)| prompts[i].0.len())
+    }
+
+    /// The token a slot not being prefilled this chunk feeds: a running
+    /// sequence's next token, a finished prompt's first new token, or 0 in
+    /// a free slot.
+    fn pending_token(&self, slot: usize, joint: &[(usize, usize)], firsts: &[Option<FirstToken>]) -> u32 {
+        if let Some(k) = joint.iter().position(|&(_, s)| s == slot) {
+            return firsts[k].as_ref().map_or(0, |f| f.0);
+        }
+        self.slots[slot].as_ref().and_then(|x| x.ids.last().copied()).unwrap_or(0)
+    }
+
+    /// The chunk sizes of the prefill steps over every slot compiled so
+    /// far (`add_sequences`), smallest first.
+    pub fn joint_prefill_chunks(&self) -> Vec<usize> {
+        self.joint_prefill.keys().copied().collect()
+    }
+
+    fn joint_prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
+        if !self.joint_prefill.contains_key(&bucket) {
+            let shape = StepShape {
+                batch: self.opts.batch,
+                seq: bucket,
+                decode: false,
+                ctx: self.opts.ctx_size,
+                logits: self.opts.logits,
+                kv_dtype: self.kv_dtype(),
+            };
+            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
+            let exe = self.session.compile_shared(&graph, &self.states)?;
+            self.joint_prefill.insert(bucket, exe);
+        }
+        self.joint_prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("joint prefill step missing".into()))
     }
 
     /// Records a slot's new token; ends the sequence when it should stop.

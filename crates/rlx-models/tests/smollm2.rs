@@ -183,8 +183,10 @@ fn batched_decode_matches_single_runs() {
             Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 3, ..Default::default() }).expect("load");
         if prepare {
             // Decode widths 1 and 2 (the full width, 3, compiles at load);
-            // prefill buckets 16 to 128 (256 exceeds the context) for each of 3 slots.
-            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4);
+            // prefill buckets 16 to 128 (256 exceeds the context) for each of
+            // 3 slots; the prefill over all slots at once, in chunks of 128.
+            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4 + 1);
+            assert_eq!(g.joint_prefill_chunks(), vec![128]);
             assert_eq!(g.prepare_steps().expect("prepare again"), 0);
         }
         let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
@@ -283,6 +285,100 @@ fn batch_widths_follow_the_highest_slot_in_use() {
     // The single-sequence API on the same generator: slot 0 at width 1.
     let again: Vec<u32> = g.generate_ids(&prompts[0], &params[0]).expect("gen").map(|x| x.expect("piece").token).collect();
     assert_eq!(again, want[0]);
+}
+
+/// Prompts that arrive together are prefilled side by side
+/// (`add_sequences_side_by_side`: one prefill step over every slot) while another
+/// sequence runs in a slot of its own and a fifth slot stays free, with
+/// sampling settings that differ per prompt (greedy, and seeded top-k with
+/// a repetition penalty): every sequence's tokens equal its single run,
+/// and the running sequence's slot keeps its cache (a later prompt reuses
+/// it and gives the same first token).
+#[test]
+fn joint_prefill_matches_single_runs() {
+    let Some(path) = model("joint_prefill_matches_single_runs") else { return };
+    let r = reference();
+    let items = r["items"].as_array().expect("items");
+    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
+    let mut single = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
+    let base: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
+    let prompts: Vec<Vec<u32>> = (0..5).map(|k| base[k % base.len()][..base[k % base.len()].len() - k / base.len()].to_vec()).collect();
+    let sampled = SamplingParams { temperature: 0.8, top_k: 20, repeat_penalty: 1.3, seed: 7, ..SamplingParams::greedy() };
+    let params: Vec<SamplingParams> = [5usize, 7, 6, 4, 6]
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| SamplingParams {
+            max_tokens: n,
+            ignore_eos: true,
+            ..if k % 2 == 1 { sampled.clone() } else { SamplingParams::greedy() }
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect())
+        .collect();
+    let mut g = Generator::load_with(&path, Device::Cpu, opts(5)).expect("load");
+    let mut got: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
+    let mut owner: Vec<Option<usize>> = vec![None; 5];
+    let mut take = |ev: rlx_models::BatchEvent, owner: &mut Vec<Option<usize>>, k: Option<usize>| {
+        if let Some(k) = k {
+            owner[ev.slot] = Some(k);
+        }
+        let k = owner[ev.slot].expect("a known slot");
+        got[k].push(ev.piece.token);
+        if ev.finished.is_some() {
+            owner[ev.slot] = None;
+        }
+    };
+    // Prompt 3 runs alone in slot 0 until it ends (slot 0 keeps its
+    // prefix); prompt 0 then takes slot 0 and runs.
+    take(g.add_sequence(&prompts[3], &params[3]).expect("add"), &mut owner, Some(3));
+    while owner[0].is_some() {
+        for ev in g.step_batch().expect("step") {
+            take(ev, &mut owner, None);
+        }
+    }
+    take(g.add_sequence(&prompts[0], &params[0]).expect("add"), &mut owner, Some(0));
+    for ev in g.step_batch().expect("step") {
+        take(ev, &mut owner, None);
+    }
+    // Prompts 1, 2 and 4 arrive together: slots 1, 2, 3, side by side with
+    // the running slot 0 and the free slot 4.
+    let joint: Vec<(Vec<u32>, SamplingParams)> = [1, 2, 4].iter().map(|&k| (prompts[k].clone(), params[k].clone())).collect();
+    for (ev, k) in g.add_sequences_side_by_side(&joint).into_iter().zip([1, 2, 4]) {
+        let ev = ev.expect("joint add");
+        assert_eq!(ev.slot, [1, 2, 4].iter().position(|&x| x == k).expect("index") + 1);
+        take(ev, &mut owner, Some(k));
+    }
+    assert_eq!(g.joint_prefill_chunks(), vec![64], "the prompts were prefilled side by side");
+    for _ in 0..20 {
+        for ev in g.step_batch().expect("step") {
+            take(ev, &mut owner, None);
+        }
+        if g.active_sequences() == 0 {
+            break;
+        }
+    }
+    assert_eq!(got, want, "joint prefill tokens vs single runs");
+    // On the CPU a step costs its tokens, so side by side pays only where
+    // the chunks are full: not for two short prompts beside a running one
+    // (one at a time: no new joint chunk), but for prompts that fill every
+    // slot's chunk.
+    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let short: Vec<(Vec<u32>, SamplingParams)> = (0..2).map(|k| (prompts[k][..8].to_vec(), params[k].clone())).collect();
+    h.add_sequences(&short).into_iter().for_each(|r| drop(r.expect("add")));
+    assert!(h.joint_prefill_chunks().is_empty(), "short prompts go one at a time on the CPU");
+    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let full: Vec<(Vec<u32>, SamplingParams)> =
+        (0..2).map(|k| ((0..64).map(|j| base[k][j % base[k].len()]).collect(), params[k].clone())).collect();
+    h.add_sequences(&full).into_iter().for_each(|r| drop(r.expect("add")));
+    assert_eq!(h.joint_prefill_chunks(), vec![64], "full chunks go side by side");
+    // Slot 0's cache is intact: prompt 0 again reuses it and gives its tokens.
+    let again = g.add_sequences(&[(prompts[0].clone(), params[0].clone())]);
+    let ev = again.into_iter().next().expect("one").expect("add");
+    assert_eq!((ev.slot, ev.piece.token), (0, want[0][0]));
+    assert!(ev.cached_tokens > 0, "slot 0 kept its prefix");
 }
 
 /// The batch API reuses a slot's cache: a prompt that starts with what the

@@ -1,7 +1,8 @@
 //! Continuous batching for generation. One thread owns the [`Generator`]
 //! (loaded on that thread) and loops: drop sequences whose client has gone,
-//! admit queued requests into free slots (`add_sequence` prefills one and
-//! returns its first token), run one batched decode step (`step_batch`),
+//! admit the queued requests into free slots (`add_sequences` prefills them,
+//! side by side when enough arrive together, and returns their first
+//! tokens), run one batched decode step (`step_batch`),
 //! send every sequence its token. A new request therefore joins the running
 //! batch at the next token boundary, and a finished one leaves without
 //! stopping the others.
@@ -188,9 +189,12 @@ impl Loop {
         let mut open = true;
         loop {
             self.drop_gone();
-            // Admit into free slots; block only when nothing runs.
-            while open && self.running() < self.active.len() {
-                let next = if self.running() == 0 {
+            // Admit into free slots, all the requests waiting at once (so
+            // that a burst is prefilled side by side); block only when
+            // nothing runs.
+            let mut batch = Vec::new();
+            while open && self.running() + batch.len() < self.active.len() {
+                let next = if self.running() == 0 && batch.is_empty() {
                     self.rx.recv().ok()
                 } else {
                     match self.rx.try_recv() {
@@ -205,9 +209,10 @@ impl Loop {
                 };
                 self.metrics.dequeued(Queue::Generation);
                 if !events.is_closed() {
-                    self.admit(req, events);
+                    batch.push((req, events));
                 }
             }
+            self.admit(batch);
             if self.running() == 0 {
                 if open {
                     continue;
@@ -261,44 +266,54 @@ impl Loop {
         }
     }
 
-    fn admit(&mut self, req: GenRequest, events: UnboundedSender<GenEvent>) {
-        let prepared = self.tokenize(&req.prompt).and_then(|ids| {
-            if ids.is_empty() {
-                return Err(ApiError::invalid("the prompt is empty (no tokens)"));
+    /// Prefills the requests into free slots (side by side where the
+    /// generator finds that worth it) and sends each its first token.
+    fn admit(&mut self, batch: Vec<(GenRequest, UnboundedSender<GenEvent>)>) {
+        let mut ready = Vec::new();
+        for (req, events) in batch {
+            let prepared = self.tokenize(&req.prompt).and_then(|ids| {
+                if ids.is_empty() {
+                    return Err(ApiError::invalid("the prompt is empty (no tokens)"));
+                }
+                let max_tokens = self.budget(ids.len(), req.max_tokens)?;
+                Ok((ids, SamplingParams { max_tokens, ..req.params }))
+            });
+            match prepared {
+                Ok(x) => ready.push((x, events)),
+                Err(e) => {
+                    let _ = events.send(GenEvent::Failed(e));
+                }
             }
-            let max_tokens = self.budget(ids.len(), req.max_tokens)?;
-            Ok((ids, SamplingParams { max_tokens, ..req.params }))
-        });
-        let (ids, params) = match prepared {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = events.send(GenEvent::Failed(e));
-                return;
-            }
-        };
-        let first = match catch_unwind(AssertUnwindSafe(|| self.gen.add_sequence(&ids, &params))) {
-            Ok(Ok(ev)) => ev,
-            Ok(Err(e)) => {
-                let _ = events.send(GenEvent::Failed(ApiError::from_model(&e)));
-                return;
-            }
-            Err(_) => {
-                let _ = events.send(GenEvent::Failed(ApiError::internal("the generator panicked while prefilling")));
-                return;
-            }
-        };
-        self.metrics.prompt(ids.len() - first.cached_tokens.min(ids.len()));
-        self.metrics.generated(1, None);
-        if self.active.len() <= first.slot {
-            self.active.resize_with(first.slot + 1, || None);
         }
-        let _ = events.send(GenEvent::Started { prompt_tokens: ids.len(), cached_tokens: first.cached_tokens });
-        let _ = events.send(GenEvent::Token(first.piece.text));
-        match first.finished {
-            Some(r) => {
-                let _ = events.send(GenEvent::Finished { finish: finish_of(&r), completion_tokens: 1 });
+        if ready.is_empty() {
+            return;
+        }
+        let prompts: Vec<(Vec<u32>, SamplingParams)> = ready.iter().map(|(x, _)| x.clone()).collect();
+        let firsts = match catch_unwind(AssertUnwindSafe(|| self.gen.add_sequences(&prompts))) {
+            Ok(f) => f.into_iter().map(|r| r.map_err(|e| ApiError::from_model(&e))).collect(),
+            Err(_) => ready.iter().map(|_| Err(ApiError::internal("the generator panicked while prefilling"))).collect::<Vec<_>>(),
+        };
+        for (((ids, _), events), first) in ready.into_iter().zip(firsts) {
+            let first = match first {
+                Ok(ev) => ev,
+                Err(e) => {
+                    let _ = events.send(GenEvent::Failed(e));
+                    continue;
+                }
+            };
+            self.metrics.prompt(ids.len() - first.cached_tokens.min(ids.len()));
+            self.metrics.generated(1, None);
+            if self.active.len() <= first.slot {
+                self.active.resize_with(first.slot + 1, || None);
             }
-            None => self.active[first.slot] = Some(Active { events, completion_tokens: 1 }),
+            let _ = events.send(GenEvent::Started { prompt_tokens: ids.len(), cached_tokens: first.cached_tokens });
+            let _ = events.send(GenEvent::Token(first.piece.text));
+            match first.finished {
+                Some(r) => {
+                    let _ = events.send(GenEvent::Finished { finish: finish_of(&r), completion_tokens: 1 });
+                }
+                None => self.active[first.slot] = Some(Active { events, completion_tokens: 1 }),
+            }
         }
     }
 
