@@ -550,18 +550,17 @@ impl Generator {
         (top + 1).next_power_of_two().min(self.opts.batch)
     }
 
+    /// A step of `batch` rows of `seq` tokens (a decode step, or a prefill
+    /// chunk), compiled over the shared states at state block `block`.
+    fn compile_step(&self, batch: usize, seq: usize, decode: bool, block: u64) -> Result<CompiledGraph> {
+        let shape = StepShape { batch, seq, decode, ctx: self.opts.ctx_size, logits: self.opts.logits, kv_dtype: self.kv_dtype() };
+        let graph = build_step_graph(&self.config, &self.kinds, shape)?;
+        Ok(self.session.compile_shared_at(&graph, &self.states, block)?)
+    }
+
     fn decode_exe(&mut self, width: usize) -> Result<&mut CompiledGraph> {
         if !self.decode.contains_key(&width) {
-            let shape = StepShape {
-                batch: width,
-                seq: 1,
-                decode: true,
-                ctx: self.opts.ctx_size,
-                logits: self.opts.logits,
-                kv_dtype: self.kv_dtype(),
-            };
-            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
-            let exe = self.session.compile_shared(&graph, &self.states)?;
+            let exe = self.compile_step(width, 1, true, 0)?;
             self.decode.insert(width, exe);
         }
         self.decode.get_mut(&width).ok_or_else(|| ModelError::Input("decode step missing".into()))
@@ -569,16 +568,7 @@ impl Generator {
 
     fn prefill_exe(&mut self, slot: usize, bucket: usize) -> Result<&mut CompiledGraph> {
         if !self.prefill.contains_key(&(slot, bucket)) {
-            let shape = StepShape {
-                batch: 1,
-                seq: bucket,
-                decode: false,
-                ctx: self.opts.ctx_size,
-                logits: self.opts.logits,
-                kv_dtype: self.kv_dtype(),
-            };
-            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
-            let exe = self.session.compile_shared_at(&graph, &self.states, slot as u64)?;
+            let exe = self.compile_step(1, bucket, false, slot as u64)?;
             self.prefill.insert((slot, bucket), exe);
         }
         self.prefill.get_mut(&(slot, bucket)).ok_or_else(|| ModelError::Input("prefill step missing".into()))
@@ -974,16 +964,7 @@ impl Generator {
 
     fn joint_prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
         if !self.joint_prefill.contains_key(&bucket) {
-            let shape = StepShape {
-                batch: self.opts.batch,
-                seq: bucket,
-                decode: false,
-                ctx: self.opts.ctx_size,
-                logits: self.opts.logits,
-                kv_dtype: self.kv_dtype(),
-            };
-            let graph = build_step_graph(&self.config, &self.kinds, shape)?;
-            let exe = self.session.compile_shared(&graph, &self.states)?;
+            let exe = self.compile_step(self.opts.batch, bucket, false, 0)?;
             self.joint_prefill.insert(bucket, exe);
         }
         self.joint_prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("joint prefill step missing".into()))
