@@ -706,6 +706,12 @@ impl Generator {
             ModelError::Input(format!("all {} slots hold a sequence; remove one or wait for one to finish", self.opts.batch))
         })?;
         let (cached_tokens, token, logits) = self.prefill_reusing(slot, prompt, params)?;
+        self.start_sequence(slot, params, cached_tokens, (token, logits))
+    }
+
+    /// Puts a prefilled sequence in `slot` and records its first token.
+    fn start_sequence(&mut self, slot: usize, params: &SamplingParams, cached_tokens: usize, first: FirstToken) -> Result<BatchEvent> {
+        let (token, logits) = first;
         let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
@@ -751,19 +757,12 @@ impl Generator {
                 ))));
             }
         }
-        let chunk =
-            self.joint_chunk(&joint, prompts).filter(|&b| side_by_side || (joint.len() >= 2 && self.joint_pays(&joint, prompts, b)));
-        match chunk {
+        let chunk = if side_by_side || joint.len() >= 2 { self.joint_chunk(&joint, prompts) } else { None };
+        match chunk.filter(|&b| side_by_side || self.joint_pays(&joint, prompts, b)) {
             Some(b) => {
                 let firsts = self.prefill_joint(&joint, prompts, b);
-                for ((i, slot), first) in joint.iter().zip(firsts) {
-                    out[*i] = Some(first.and_then(|(cached_tokens, (token, logits))| {
-                        let params = &prompts[*i].1;
-                        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
-                        self.slots[*slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
-                        let (text, finished) = self.accept(*slot, token)?;
-                        Ok(BatchEvent { slot: *slot, piece: Piece { text, token, logits }, finished, cached_tokens })
-                    }));
+                for (&(i, slot), first) in joint.iter().zip(firsts) {
+                    out[i] = Some(first.and_then(|(cached, f)| self.start_sequence(slot, &prompts[i].1, cached, f)));
                 }
             }
             _ => {
@@ -781,15 +780,25 @@ impl Generator {
     /// in every round. `None`: none fits.
     fn joint_chunk(&self, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)]) -> Option<usize> {
         let (w, ctx) = (self.opts.batch, self.opts.ctx_size);
+        let member = self.joint_members(joint);
         self.opts.prefill_buckets.iter().copied().rev().find(|&b| {
             w * b <= JOINT_PREFILL_TOKENS
-                && (0..w).all(|r| match joint.iter().find(|&&(_, s)| s == r) {
+                && (0..w).all(|r| match member[r] {
                     // Its chunks end before len + b, and once its prompt is
                     // in, it runs along from len.
-                    Some(&(i, _)) => prompts[i].0.len() + b <= ctx,
+                    Some(k) => prompts[joint[k].0].0.len() + b <= ctx,
                     None => self.joint_idle_pos(r) + b <= ctx,
                 })
         })
+    }
+
+    /// Per slot, its index in `joint` (prompt index, slot), if any.
+    fn joint_members(&self, joint: &[(usize, usize)]) -> Vec<Option<usize>> {
+        let mut member = vec![None; self.opts.batch];
+        for (k, &(_, s)) in joint.iter().enumerate() {
+            member[s] = Some(k);
+        }
+        member
     }
 
     /// Whether prefilling `joint` side by side in chunks of `b` costs less
@@ -871,14 +880,14 @@ impl Generator {
         let (w, v) = (self.opts.batch, self.config.vocab);
         let mut at: Vec<usize> = reused.to_vec();
         let mut firsts: Vec<Option<FirstToken>> = joint.iter().map(|_| None).collect();
-        let rows: Vec<Option<&SamplingParams>> =
-            (0..w).map(|r| joint.iter().find(|&&(_, s)| s == r).map(|&(i, _)| &prompts[i].1)).collect();
+        let member = self.joint_members(joint);
+        let rows: Vec<Option<&SamplingParams>> = member.iter().map(|m| m.map(|k| &prompts[joint[k].0].1)).collect();
         let (f, ip) = sampling_tensors(&rows)?;
         while firsts.iter().any(Option::is_none) {
             let (mut ids, mut pos) = (Vec::with_capacity(w * b), Vec::with_capacity(w * b));
             let (mut start, mut valid, mut last_row, mut next_pos, mut slot_row) = (vec![], vec![], vec![], vec![], vec![]);
-            for r in 0..w {
-                let k = joint.iter().position(|&(_, s)| s == r).filter(|&k| firsts[k].is_none());
+            for (r, &m) in member.iter().enumerate() {
+                let k = m.filter(|&k| firsts[k].is_none());
                 let (from, n) = match k {
                     Some(k) => {
                         let prompt = &prompts[joint[k].0].0;
@@ -889,15 +898,15 @@ impl Generator {
                         (at[k], n)
                     }
                     None => {
-                        // Runs along: its pending token (a running
-                        // sequence's next one, or a prompt's first new
-                        // token) at its own position; its token and
-                        // position go to the dump row.
-                        let p = match joint.iter().position(|&(_, s)| s == r) {
-                            Some(_) => self.slot_pos_after(r, joint, prompts),
-                            None => self.joint_idle_pos(r),
+                        // Runs along: its pending token at its own position
+                        // (a prompt done in an earlier chunk: its first new
+                        // token after the prompt; a running sequence: its
+                        // next token; a free slot: 0 past the prefix it
+                        // keeps); its token and position go to the dump row.
+                        let (p, pending) = match m {
+                            Some(k) => (prompts[joint[k].0].0.len(), firsts[k].as_ref().map_or(0, |f| f.0)),
+                            None => (self.joint_idle_pos(r), self.slots[r].as_ref().and_then(|x| x.ids.last().copied()).unwrap_or(0)),
                         };
-                        let pending = self.pending_token(r, joint, &firsts);
                         ids.extend(std::iter::repeat_n(pending as i32, b));
                         (p, 1)
                     }
@@ -938,22 +947,6 @@ impl Generator {
             }
         }
         Ok(firsts.into_iter().flatten().collect())
-    }
-
-    /// A prompt's slot after its prefill ended in an earlier chunk: the
-    /// position of its first new token.
-    fn slot_pos_after(&self, slot: usize, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)]) -> usize {
-        joint.iter().find(|&&(_, s)| s == slot).map_or(0, |&(i, _)| prompts[i].0.len())
-    }
-
-    /// The token a slot not being prefilled this chunk feeds: a running
-    /// sequence's next token, a finished prompt's first new token, or 0 in
-    /// a free slot.
-    fn pending_token(&self, slot: usize, joint: &[(usize, usize)], firsts: &[Option<FirstToken>]) -> u32 {
-        if let Some(k) = joint.iter().position(|&(_, s)| s == slot) {
-            return firsts[k].as_ref().map_or(0, |f| f.0);
-        }
-        self.slots[slot].as_ref().and_then(|x| x.ids.last().copied()).unwrap_or(0)
     }
 
     /// The chunk sizes of the prefill steps over every slot compiled so

@@ -269,7 +269,7 @@ impl Loop {
     /// Prefills the requests into free slots (side by side where the
     /// generator finds that worth it) and sends each its first token.
     fn admit(&mut self, batch: Vec<(GenRequest, UnboundedSender<GenEvent>)>) {
-        let mut ready = Vec::new();
+        let (mut prompts, mut waiting) = (Vec::new(), Vec::new());
         for (req, events) in batch {
             let prepared = self.tokenize(&req.prompt).and_then(|ids| {
                 if ids.is_empty() {
@@ -279,21 +279,23 @@ impl Loop {
                 Ok((ids, SamplingParams { max_tokens, ..req.params }))
             });
             match prepared {
-                Ok(x) => ready.push((x, events)),
+                Ok(x) => {
+                    prompts.push(x);
+                    waiting.push(events);
+                }
                 Err(e) => {
                     let _ = events.send(GenEvent::Failed(e));
                 }
             }
         }
-        if ready.is_empty() {
+        if prompts.is_empty() {
             return;
         }
-        let prompts: Vec<(Vec<u32>, SamplingParams)> = ready.iter().map(|(x, _)| x.clone()).collect();
         let firsts = match catch_unwind(AssertUnwindSafe(|| self.gen.add_sequences(&prompts))) {
             Ok(f) => f.into_iter().map(|r| r.map_err(|e| ApiError::from_model(&e))).collect(),
-            Err(_) => ready.iter().map(|_| Err(ApiError::internal("the generator panicked while prefilling"))).collect::<Vec<_>>(),
+            Err(_) => prompts.iter().map(|_| Err(ApiError::internal("the generator panicked while prefilling"))).collect::<Vec<_>>(),
         };
-        for (((ids, _), events), first) in ready.into_iter().zip(firsts) {
+        for (((ids, _), events), first) in prompts.into_iter().zip(waiting).zip(firsts) {
             let first = match first {
                 Ok(ev) => ev,
                 Err(e) => {
