@@ -23,10 +23,6 @@
 
 #define QMMA_WARPS 8
 
-// The tensor-core input type: f16, or bf16 for bf16 activations.
-template <typename T> struct MmaIn { typedef __half type; };
-template <> struct MmaIn<__nv_bfloat16> { typedef __nv_bfloat16 type; };
-
 // Four consecutive activations from `p` (aligned to 4 elements when `vec`).
 __device__ __forceinline__ void ld4(const float* p, bool vec, float* v) {
     if (vec) {

@@ -1,7 +1,7 @@
 // Block-quantized weights as GGML stores them (rlx_ir::QFormat documents
 // each block layout): format codes, block sizes, and the decoding of a
 // lane's chunk of a block, shared by the generation kernels (decode.cu's
-// matvecs and gathers, qmma.cu's tensor-core matmul).
+// matvecs and gathers, qmma.cu's and qgemm.cu's tensor-core matmuls).
 #pragma once
 #include "common.cuh"
 
@@ -15,6 +15,11 @@
 #define QF_Q6K 6
 
 typedef unsigned char u8;
+
+// The tensor-core input type of the quantized matmuls (qmma.cu, qgemm.cu):
+// f16, or bf16 for bf16 activations.
+template <typename T> struct MmaIn { typedef __half type; };
+template <> struct MmaIn<__nv_bfloat16> { typedef __nv_bfloat16 type; };
 
 template <int F> struct QFmt;
 template <> struct QFmt<QF_Q4_0> { static constexpr int BE = 32, BB = 18; };

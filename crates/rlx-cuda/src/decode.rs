@@ -1,6 +1,6 @@
 //! Launches of the generation step's kernels: matmuls and embedding
 //! gathers over block-quantized weights read as stored (kernels/decode.cu,
-//! kernels/qmma.cu), next-token sampling (kernels/sample.cu), and integer
+//! kernels/qmma.cu, kernels/qgemm.cu), next-token sampling (kernels/sample.cu), and integer
 //! binary ops (positions). The files are compiled and loaded the first time
 //! a schedule needs them (`Kernels::decode`). Every launch reads its
 //! changing values (ids, positions, sampling settings) from device memory,
@@ -22,6 +22,19 @@ const WIDE_MIN: usize = 8192;
 /// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
 /// kernels/qmma.cu): its warps split k.
 const QMMA_THREADS: u32 = 256;
+/// Threads per block of the tiled quantized matmul (`QG_THREADS` in
+/// kernels/qgemm.cu), and its tile: `QG_BM` rows × `QG_BN` columns.
+const QG_THREADS: u32 = 256;
+const QG_BM: usize = 128;
+const QG_BN: usize = 64;
+
+/// Whether a quantized matmul of `rows` × `n` outputs runs tiled through
+/// shared memory (kernels/qgemm.cu) rather than from global memory
+/// (kernels/qmma.cu): when its tiles alone fill the device's SMs.
+fn tiled(rows: usize, n: usize, sms: u32) -> bool {
+    rows >= QG_BM && n.div_ceil(QG_BN) * rows.div_ceil(QG_BM) >= sms as usize
+}
+
 /// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
 const SAMPLE_THREADS: u32 = 512;
 /// Candidates the sampling kernel holds in shared memory after top-k
@@ -131,7 +144,12 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
                 .into_iter()
                 .find(|&mc| chunks_per_lane <= mc)
                 .filter(|_| *rows == 1 && fixed && aligned && format.block_elems() == 32);
-            let (name, grid, threads) = if *rows >= 2 {
+            let (name, grid, threads) = if tiled(*rows, *n, k.sm_count) {
+                // Many rows (a long prompt, prompts side by side): tiles
+                // staged in shared memory (kernels/qgemm.cu).
+                let grid = [n.div_ceil(QG_BN).max(1) as u32, rows.div_ceil(QG_BM).clamp(1, 65535) as u32, 1];
+                (format!("qgemm_{}_m{QG_BM}_{}", format.name(), suffix(*dtype)), grid, QG_THREADS)
+            } else if *rows >= 2 {
                 // Two and more rows on tensor cores (kernels/qmma.cu): 16
                 // columns a block, 8 rows a tile up to 32 rows (a decode
                 // batch: more blocks beat decoding each weight once per 32
@@ -251,6 +269,10 @@ mod tests {
         }
         let qmma = include_str!("../kernels/qmma.cu");
         assert!(qmma.contains(&format!("#define QMMA_WARPS {}\n", QMMA_THREADS / 32)), "QMMA_WARPS");
+        let qgemm = include_str!("../kernels/qgemm.cu");
+        assert!(qgemm.contains(&format!("#define QG_THREADS {QG_THREADS}\n")), "QG_THREADS");
+        assert!(qgemm.contains(&format!("#define QG_BN {QG_BN}\n")), "QG_BN");
+        assert!(qgemm.contains(&format!("RLX_QGEMM(q4_1, QF_Q4_1, {QG_BM})\n")), "QG_BM");
     }
 
     #[test]

@@ -64,6 +64,7 @@ pub fn ffn_source(h: usize, i: usize) -> String {
 pub const DECODE_SOURCES: &[(&str, &str)] = &[
     ("decode.cu", include_str!("../kernels/decode.cu")),
     ("qmma.cu", include_str!("../kernels/qmma.cu")),
+    ("qgemm.cu", include_str!("../kernels/qgemm.cu")),
     ("sample.cu", include_str!("../kernels/sample.cu")),
 ];
 

@@ -578,7 +578,7 @@ impl Generator {
     /// API would otherwise compile on first use: the decode step of each
     /// width it runs (powers of two up to the batch), for every slot the
     /// prefill chunk of every bucket that fits the context, and the prefill
-    /// over every slot at once (`add_sequences`) at its usual chunk. A server
+    /// over every slot at once (`add_sequences`) at each chunk it takes. A server
     /// calls it before taking requests, so the first burst of prompts does
     /// not wait for compiles. Returns how many were compiled; the ones
     /// already there are kept.
@@ -599,9 +599,10 @@ impl Generator {
                 self.prefill_exe(slot, b)?;
             }
         }
-        // The joint prefill at the chunk it takes away from the context's end.
+        // The joint prefill at every chunk it takes away from the context's
+        // end (its last round takes the smallest that holds what is left).
         if batch >= 2 {
-            if let Some(&b) = buckets.iter().rev().find(|&&b| batch * b <= JOINT_PREFILL_TOKENS) {
+            for &b in buckets.iter().filter(|&&b| batch * b <= JOINT_PREFILL_TOKENS) {
                 self.joint_prefill_exe(b)?;
             }
         }
@@ -811,19 +812,39 @@ impl Generator {
             Device::Cuda(_) => GPU_STEP_OVERHEAD,
         };
         let (buckets, ctx) = (&self.opts.prefill_buckets, self.opts.ctx_size);
-        let mut rounds = 0;
         let mut alone = 0;
+        let mut left = vec![];
         for &(i, s) in joint {
             let ids = &prompts[i].0;
             let mut at = self.reused_prefix(s, ids);
-            rounds = rounds.max((ids.len() - at).div_ceil(b));
+            left.push(ids.len() - at);
             while at < ids.len() {
                 let chunk = plan_chunk(buckets, ids.len() - at, ctx - at);
                 alone += chunk + overhead;
                 at += chunk.min(ids.len() - at);
             }
         }
-        rounds * (self.opts.batch * b + overhead) < alone
+        let side_by_side: usize = self.joint_rounds(left, b).iter().map(|&c| self.opts.batch * c + overhead).sum();
+        side_by_side < alone
+    }
+
+    /// The chunk of each round of a joint prefill capped at `b`, for
+    /// prompts with `left` tokens to feed: each round the smallest bucket
+    /// (up to `b`) that holds what the longest has left, so the last round
+    /// pads the least.
+    fn joint_rounds(&self, mut left: Vec<usize>, b: usize) -> Vec<usize> {
+        let mut rounds = vec![];
+        while let Some(&most) = left.iter().max().filter(|&&m| m > 0) {
+            let c = self.joint_round_chunk(most, b);
+            left.iter_mut().for_each(|l| *l = l.saturating_sub(c));
+            rounds.push(c);
+        }
+        rounds
+    }
+
+    /// The smallest bucket up to `b` that holds `most` tokens, else `b`.
+    fn joint_round_chunk(&self, most: usize, b: usize) -> usize {
+        self.opts.prefill_buckets.iter().copied().filter(|&c| c <= b && c >= most).min().unwrap_or(b)
     }
 
     /// Where a slot not being prefilled writes in a joint prefill: a running
@@ -884,6 +905,10 @@ impl Generator {
         let rows: Vec<Option<&SamplingParams>> = member.iter().map(|m| m.map(|k| &prompts[joint[k].0].1)).collect();
         let (f, ip) = sampling_tensors(&rows)?;
         while firsts.iter().any(Option::is_none) {
+            // This round's chunk: the bucket that holds what the longest
+            // prompt has left, up to `b`.
+            let most = joint.iter().enumerate().filter(|(k, _)| firsts[*k].is_none()).map(|(k, &(i, _))| prompts[i].0.len() - at[k]).max();
+            let b = self.joint_round_chunk(most.unwrap_or(b), b);
             let (mut ids, mut pos) = (Vec::with_capacity(w * b), Vec::with_capacity(w * b));
             let (mut start, mut valid, mut last_row, mut next_pos, mut slot_row) = (vec![], vec![], vec![], vec![], vec![]);
             for (r, &m) in member.iter().enumerate() {

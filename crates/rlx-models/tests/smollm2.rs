@@ -351,7 +351,11 @@ fn joint_prefill_matches_single_runs() {
         assert_eq!(ev.slot, [1, 2, 4].iter().position(|&x| x == k).expect("index") + 1);
         take(ev, &mut owner, Some(k));
     }
-    assert_eq!(g.joint_prefill_chunks(), vec![64], "the prompts were prefilled side by side");
+    // Side by side, in rounds of the smallest chunk that holds what the
+    // longest prompt has left (these prompts: one round).
+    let longest = [1, 2, 4].iter().map(|&k| prompts[k].len()).max().expect("prompts");
+    let chunk = [16, 32, 64].into_iter().find(|&c| c >= longest).expect("a prompt under 64 tokens");
+    assert_eq!(g.joint_prefill_chunks(), vec![chunk], "the prompts were prefilled side by side");
     for _ in 0..20 {
         for ev in g.step_batch().expect("step") {
             take(ev, &mut owner, None);
@@ -362,16 +366,17 @@ fn joint_prefill_matches_single_runs() {
     }
     assert_eq!(got, want, "joint prefill tokens vs single runs");
     // On the CPU a step costs its tokens, so side by side pays only where
-    // the chunks are full: not for two short prompts beside a running one
-    // (one at a time: no new joint chunk), but for prompts that fill every
-    // slot's chunk.
+    // the chunks are about full: not for an 8-token prompt beside a
+    // 60-token one (side by side, both rows take 64 tokens; one at a time,
+    // 16 and 64: no joint chunk), but for prompts that fill every slot's
+    // chunk.
+    let cycle = |k: usize, n: usize| -> Vec<u32> { (0..n).map(|j| base[k][j % base[k].len()]).collect() };
     let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
-    let short: Vec<(Vec<u32>, SamplingParams)> = (0..2).map(|k| (prompts[k][..8].to_vec(), params[k].clone())).collect();
-    h.add_sequences(&short).into_iter().for_each(|r| drop(r.expect("add")));
-    assert!(h.joint_prefill_chunks().is_empty(), "short prompts go one at a time on the CPU");
+    let uneven: Vec<(Vec<u32>, SamplingParams)> = [(0, 8), (1, 60)].iter().map(|&(k, n)| (cycle(k, n), params[k].clone())).collect();
+    h.add_sequences(&uneven).into_iter().for_each(|r| drop(r.expect("add")));
+    assert!(h.joint_prefill_chunks().is_empty(), "uneven prompts go one at a time on the CPU");
     let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
-    let full: Vec<(Vec<u32>, SamplingParams)> =
-        (0..2).map(|k| ((0..64).map(|j| base[k][j % base[k].len()]).collect(), params[k].clone())).collect();
+    let full: Vec<(Vec<u32>, SamplingParams)> = (0..2).map(|k| (cycle(k, 64), params[k].clone())).collect();
     h.add_sequences(&full).into_iter().for_each(|r| drop(r.expect("add")));
     assert_eq!(h.joint_prefill_chunks(), vec![64], "full chunks go side by side");
     // Slot 0's cache is intact: prompt 0 again reuses it and gives its tokens.

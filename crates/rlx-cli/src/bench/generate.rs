@@ -103,9 +103,11 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64, f64), String> {
     Ok((median(pre), median(dec), median(host), load_s))
 }
 
-/// Aggregate decode tok/s of `batch` sequences decoding together (after
-/// all of them are prefilled), median of `runs`.
-fn batched(b: &GenBench, batch: usize) -> Result<f64, String> {
+/// Aggregate prefill tok/s of `batch` prompts admitted together
+/// (`Generator::add_sequences`: side by side where its cost model says so)
+/// and aggregate decode tok/s of the `batch` sequences decoding together
+/// after that, medians of `runs`.
+fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64), String> {
     // Room for one more prefill chunk past every sequence: a slot is
     // prefilled while the others hold their tokens.
     let bucket = b.prompt_tokens.next_power_of_two();
@@ -115,22 +117,26 @@ fn batched(b: &GenBench, batch: usize) -> Result<f64, String> {
     let mut g = Generator::load_with(&b.gguf, b.device, opts).map_err(|e| format!("load {}: {e}", b.gguf.display()))?;
     let vocab = g.config().vocab;
     let mut rng = Ids(b.seed ^ batch as u64);
-    let mut rates = vec![];
+    let (mut pre, mut dec) = (vec![], vec![]);
     for run in 0..=b.runs.min(3) {
-        for _ in 0..batch {
-            let prompt = random_prompt(&mut rng, vocab, b.prompt_tokens);
-            g.add_sequence(&prompt, &params(b.batch_tokens)).map_err(|e| e.to_string())?;
+        let prompts: Vec<(Vec<u32>, SamplingParams)> =
+            (0..batch).map(|_| (random_prompt(&mut rng, vocab, b.prompt_tokens), params(b.batch_tokens))).collect();
+        let t0 = Instant::now();
+        for r in g.add_sequences(&prompts) {
+            r.map_err(|e| e.to_string())?;
         }
+        let prefill_s = t0.elapsed().as_secs_f64();
         let t0 = Instant::now();
         let mut tokens = 0usize;
         while g.active_sequences() > 0 {
             tokens += g.step_batch().map_err(|e| e.to_string())?.len();
         }
         if run > 0 {
-            rates.push(tokens as f64 / t0.elapsed().as_secs_f64());
+            pre.push((batch * b.prompt_tokens) as f64 / prefill_s);
+            dec.push(tokens as f64 / t0.elapsed().as_secs_f64());
         }
     }
-    Ok(median(rates))
+    Ok((median(pre), median(dec)))
 }
 
 /// llama-bench's prefill and decode tok/s on the same file: the faster of
@@ -169,9 +175,9 @@ fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
     Ok((pp, tg, build))
 }
 
-/// llama-batched-bench's aggregate decode tok/s per batch size (flash
-/// attention on; CUDA graphs on by default).
-fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64)>, String> {
+/// llama-batched-bench's aggregate prefill and decode tok/s per batch size
+/// (flash attention on; CUDA graphs on by default).
+fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64, f64)>, String> {
     let exe = dir.join("llama-batched-bench");
     let max_b = b.batches.iter().copied().max().unwrap_or(1);
     let ctx = max_b * (b.prompt_tokens + b.batch_tokens) + 64;
@@ -191,8 +197,8 @@ fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64)>, String> 
     let mut res = vec![];
     for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
         let v: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("llama-batched-bench line {line:?}: {e}"))?;
-        if let (Some(pl), Some(s)) = (v["pl"].as_u64(), v["speed_tg"].as_f64()) {
-            res.push((pl as usize, s));
+        if let (Some(pl), Some(pp), Some(tg)) = (v["pl"].as_u64(), v["speed_pp"].as_f64(), v["speed_tg"].as_f64()) {
+            res.push((pl as usize, pp, tg));
         }
     }
     if res.is_empty() {
@@ -260,11 +266,22 @@ pub fn run(b: &GenBench) -> Result<String, String> {
         },
     ];
     for (bs, r) in rlx_batched {
-        let peer = match &peer_batched {
-            Ok(v) => v.iter().find(|(p, _)| *p == bs).map(|x| x.1).ok_or_else(|| format!("no batch {bs} row")),
+        let peer = |pick: fn(&(usize, f64, f64)) -> f64| match &peer_batched {
+            Ok(v) => v.iter().find(|x| x.0 == bs).map(pick).ok_or_else(|| format!("no batch {bs} row")),
             Err(e) => Err(e.clone()),
         };
-        lines.push(Line { what: format!("aggregate decode, batch {bs}, {} tokens each", b.batch_tokens), rlx: r, peer, unit: "tok/s" });
+        lines.push(Line {
+            what: format!("aggregate prefill, {bs} prompts of {} tokens together", b.prompt_tokens),
+            rlx: r.as_ref().map(|x| x.0).map_err(Clone::clone),
+            peer: peer(|x| x.1),
+            unit: "tok/s",
+        });
+        lines.push(Line {
+            what: format!("aggregate decode, batch {bs}, {} tokens each", b.batch_tokens),
+            rlx: r.map(|x| x.1),
+            peer: peer(|x| x.2),
+            unit: "tok/s",
+        });
     }
     if let Some((h, l)) = load {
         notes.push(format!("RLX model load and compile: {l:.2} s."));
