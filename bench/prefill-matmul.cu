@@ -91,12 +91,19 @@ static void run(QK qmma, QK qgemm, int f, const Case& c, int rows, bool timed, c
     std::vector<T> h1(n), h2(n);
     CK(cudaMemcpy(h1.data(), o1, n * sizeof(T), cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h2.data(), o2, n * sizeof(T), cudaMemcpyDeviceToHost));
+    // Outputs past the type's range (f16 overflows on these random
+    // weights) must overflow the same way in both.
     double md = 0, mr = 0;
+    size_t overflow = 0;
     for (size_t i = 0; i < n; i++) {
         double x = back<T>(h1[i]), y = back<T>(h2[i]);
-        if (!std::isfinite(x) || !std::isfinite(y)) { md = INFINITY; break; }
+        if (!std::isfinite(x) || !std::isfinite(y)) {
+            if (x == y) { overflow++; continue; }
+            md = INFINITY; break;
+        }
         md = std::max(md, std::fabs(x - y)); mr = std::max(mr, std::fabs(x));
     }
+    if (overflow) printf("(%zu outputs overflow %s in both) ", overflow, sizeof(T) == 2 ? "16 bits" : "f32");
     double rel = md / std::max(mr, 1e-30);
     if (!timed) {
         printf("%-6s %-5s %-28s rows %5d: max |qmma - qgemm| / max |qmma| = %.2e %s\n", fname, tname, c.what, rows, rel, rel < 2e-2 ? "ok" : "MISMATCH");
@@ -129,7 +136,8 @@ int main() {
     printf("Q4_1, f32 activations; median of 30 launches (µs); TFLOP/s\n\n");
     printf("| projection | rows | qmma µs | qgemm µs | speedup | TFLOP/s qmma / qgemm | max rel diff |\n|---|---:|---:|---:|---:|---:|---:|\n");
     for (int rows : {128, 512, 2048, 4096, 8192})
-        for (const Case& c : shapes) run<float>(qmma_q4_1_r32_f32, qgemm_q4_1_m128_f32, QF_Q4_1, c, rows, true, "q4_1", "f32");
+        for (const Case& c : shapes)
+            if (!getenv("PM_AGREE_ONLY")) run<float>(qmma_q4_1_r32_f32, qgemm_q4_1_m128_f32, QF_Q4_1, c, rows, true, "q4_1", "f32");
     printf("\nAgreement, every format and activation type (k 1024, 300 and 37 rows, n 200 and 72):\n");
     const Case a1 = {"n 200, norm + gate", 200, 1024, 1, 1, 0}, a2 = {"n 72, residual", 72, 1024, 0, 0, 1};
 #define AGREE(FN, F)                                                                                      \

@@ -117,7 +117,7 @@ __device__ void qgemm_body(const QMatMulP& p) {
         float xa[AP][8];
         QRaw rl, ru;
         float wl[8], wu[8];
-        int we[8];
+        int we[8] = {};
         auto load = [&](i64 gi) {
 #pragma unroll
             for (int j = 0; j < AP; ++j) {

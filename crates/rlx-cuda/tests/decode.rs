@@ -131,12 +131,12 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (70, 33, 5, DType::F32),
             (37, 24, 3, DType::F16),
             (9, 17, 4, DType::BF16),
-            // Enough 128-row × 64-column tiles to fill any GPU's SMs: the
-            // shared-memory tiled kernel, with partial last tiles both
-            // ways (and, at 301 rows, a row stride of k + 3).
-            (301, 3100, 2, DType::F32),
-            (260, 4500, 2, DType::F16),
-            (129, 9300, 2, DType::BF16),
+            // 512 rows and more: the shared-memory tiled kernel, with
+            // partial last tiles both ways (and, at 521 rows, a row
+            // stride of k + 3).
+            (521, 70, 2, DType::F32),
+            (512, 136, 2, DType::F16),
+            (600, 40, 2, DType::BF16),
         ] {
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
@@ -270,9 +270,9 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // with a partial third.
             (8, 40, true, true, false, 18),
             (70, 21, true, true, true, 5),
-            // The same, tiled through shared memory (see the test above).
-            (300, 3100, true, true, true, 2),
-            (257, 4600, true, false, false, 3),
+            // The same, tiled through shared memory (512 rows and more).
+            (520, 72, true, true, true, 2),
+            (515, 100, true, false, false, 3),
         ] {
             let k = nblk * f.block_elems();
             let lda = k + 4;

@@ -177,12 +177,12 @@ const JOINT_PREFILL_TOKENS: usize = 4096;
 
 /// A prefill step's fixed cost in prompt-token equivalents on a GPU, for
 /// choosing between prefilling prompts side by side and one at a time
-/// (`Generator::add_sequences`). A small decoder's step there is hundreds
-/// of kernels whose time hardly grows with the rows until thousands of
-/// tokens: an estimate from SmolLM2-135M's 128-token prefill (2.9 ms on an
-/// H100) and its kernels, not a measured crossover. On the CPU a step's cost
-/// is its tokens (`CHUNK_OVERHEAD`).
-const GPU_STEP_OVERHEAD: usize = 2048;
+/// (`Generator::add_sequences`). Fitted to SmolLM2-135M on an H100 (`rlx
+/// bench`): a 128-token prefill step took 2.8 ms and one of 32 prompts × 128
+/// tokens side by side 22.5 ms, so a step costs about 440 tokens' time on
+/// top of ~5 µs a token. On the CPU a step's cost is its tokens
+/// (`CHUNK_OVERHEAD`).
+const GPU_STEP_OVERHEAD: usize = 512;
 
 /// The bucket of the next prefill chunk for `remaining` prompt tokens with
 /// `room` cache rows left: of the plans that cover the tokens with buckets
