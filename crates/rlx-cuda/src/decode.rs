@@ -272,7 +272,7 @@ mod tests {
         let qgemm = include_str!("../kernels/qgemm.cu");
         assert!(qgemm.contains(&format!("#define QG_THREADS {QG_THREADS}\n")), "QG_THREADS");
         assert!(qgemm.contains(&format!("#define QG_BN {QG_BN}\n")), "QG_BN");
-        assert!(qgemm.contains(&format!("RLX_QGEMM(q4_1, QF_Q4_1, {QG_BM})\n")), "QG_BM");
+        assert!(qgemm.contains(&format!("(q4_1, QF_Q4_1, {QG_BM})\n")), "QG_BM");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use rlx::Device;
 use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams, StopReason};
@@ -38,6 +39,8 @@ pub struct GenRequest {
     pub params: SamplingParams,
     /// `None`: up to the room the context leaves.
     pub max_tokens: Option<usize>,
+    /// When the request arrived (for the time-to-first-token metric).
+    pub arrived: Instant,
 }
 
 /// Why a sequence ended, as OpenAI's `finish_reason` says it.
@@ -118,7 +121,7 @@ impl DecodeScheduler {
             // queue behind compiles. On the CPU a compile costs about a
             // millisecond and stays lazy.
             if matches!(device, Device::Cuda(_)) {
-                let t = std::time::Instant::now();
+                let t = Instant::now();
                 match gen.prepare_steps() {
                     Ok(n) => eprintln!("rlx serve: recorded {n} generation step graphs in {:.1} s", t.elapsed().as_secs_f64()),
                     Err(e) => {
@@ -269,6 +272,7 @@ impl Loop {
     /// Prefills the requests into free slots (side by side where the
     /// generator finds that worth it) and sends each its first token.
     fn admit(&mut self, batch: Vec<(GenRequest, UnboundedSender<GenEvent>)>) {
+        let t0 = Instant::now();
         let (mut prompts, mut waiting) = (Vec::new(), Vec::new());
         for (req, events) in batch {
             let prepared = self.tokenize(&req.prompt).and_then(|ids| {
@@ -281,7 +285,7 @@ impl Loop {
             match prepared {
                 Ok(x) => {
                     prompts.push(x);
-                    waiting.push(events);
+                    waiting.push((events, req.arrived));
                 }
                 Err(e) => {
                     let _ = events.send(GenEvent::Failed(e));
@@ -295,7 +299,8 @@ impl Loop {
             Ok(f) => f.into_iter().map(|r| r.map_err(|e| ApiError::from_model(&e))).collect(),
             Err(_) => prompts.iter().map(|_| Err(ApiError::internal("the generator panicked while prefilling"))).collect::<Vec<_>>(),
         };
-        for (((ids, _), events), first) in prompts.into_iter().zip(waiting).zip(firsts) {
+        self.metrics.prefill(prompts.len(), t0.elapsed());
+        for (((ids, _), (events, arrived)), first) in prompts.into_iter().zip(waiting).zip(firsts) {
             let first = match first {
                 Ok(ev) => ev,
                 Err(e) => {
@@ -304,6 +309,7 @@ impl Loop {
                 }
             };
             self.metrics.prompt(ids.len() - first.cached_tokens.min(ids.len()));
+            self.metrics.first_token(arrived.elapsed());
             self.metrics.generated(1, None);
             if self.active.len() <= first.slot {
                 self.active.resize_with(first.slot + 1, || None);

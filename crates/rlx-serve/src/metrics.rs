@@ -64,6 +64,11 @@ pub struct Metrics {
     latency: Mutex<BTreeMap<String, Histogram>>,
     embed_batch_rows: Mutex<Histogram>,
     decode_batch: Mutex<Histogram>,
+    /// Prompts per admission, and seconds each admission's prefill took.
+    prefill_prompts: Mutex<Histogram>,
+    prefill_seconds: Mutex<Histogram>,
+    /// Seconds from a generation request's arrival to its first token.
+    first_token: Mutex<Histogram>,
     embed_queue: AtomicU64,
     gen_queue: AtomicU64,
     embedded_tokens: AtomicU64,
@@ -80,6 +85,9 @@ impl Default for Metrics {
             latency: Mutex::default(),
             embed_batch_rows: Mutex::new(Histogram::new(BATCH_BOUNDS)),
             decode_batch: Mutex::new(Histogram::new(BATCH_BOUNDS)),
+            prefill_prompts: Mutex::new(Histogram::new(BATCH_BOUNDS)),
+            prefill_seconds: Mutex::new(Histogram::new(LATENCY_BOUNDS)),
+            first_token: Mutex::new(Histogram::new(LATENCY_BOUNDS)),
             embed_queue: AtomicU64::new(0),
             gen_queue: AtomicU64::new(0),
             embedded_tokens: AtomicU64::new(0),
@@ -129,6 +137,18 @@ impl Metrics {
         self.prompt_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
+    /// One admission: `prompts` prompts tokenized and prefilled together in
+    /// `took`.
+    pub fn prefill(&self, prompts: usize, took: Duration) {
+        lock(&self.prefill_prompts).observe(prompts as f64);
+        lock(&self.prefill_seconds).observe(took.as_secs_f64());
+    }
+
+    /// A generation request's first token, `waited` after it arrived.
+    pub fn first_token(&self, waited: Duration) {
+        lock(&self.first_token).observe(waited.as_secs_f64());
+    }
+
     /// One decode step (or a prefill's first token) that produced `tokens`.
     pub fn generated(&self, tokens: usize, step_rows: Option<usize>) {
         self.generated_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
@@ -171,6 +191,15 @@ impl Metrics {
         o.push_str("# HELP rlx_decode_batch_sequences Sequences per batched decode step.\n");
         o.push_str("# TYPE rlx_decode_batch_sequences histogram\n");
         lock(&self.decode_batch).render(&mut o, "rlx_decode_batch_sequences", "");
+        o.push_str("# HELP rlx_prefill_prompts Prompts admitted (tokenized and prefilled) together.\n");
+        o.push_str("# TYPE rlx_prefill_prompts histogram\n");
+        lock(&self.prefill_prompts).render(&mut o, "rlx_prefill_prompts", "");
+        o.push_str("# HELP rlx_prefill_duration_seconds Time to tokenize and prefill one admission's prompts.\n");
+        o.push_str("# TYPE rlx_prefill_duration_seconds histogram\n");
+        lock(&self.prefill_seconds).render(&mut o, "rlx_prefill_duration_seconds", "");
+        o.push_str("# HELP rlx_time_to_first_token_seconds Time from a generation request's arrival to its first token.\n");
+        o.push_str("# TYPE rlx_time_to_first_token_seconds histogram\n");
+        lock(&self.first_token).render(&mut o, "rlx_time_to_first_token_seconds", "");
         let counters = [
             ("rlx_embedding_tokens_total", "Tokens embedded.", &self.embedded_tokens),
             ("rlx_prompt_tokens_total", "Prompt tokens prefilled for generation.", &self.prompt_tokens),
@@ -218,7 +247,13 @@ mod tests {
         m.dequeued(Queue::Generation);
         m.dequeued(Queue::Embeddings);
         m.generated(20, Some(4));
+        m.prefill(3, Duration::from_millis(20));
+        m.first_token(Duration::from_millis(30));
         let t = m.render();
+        assert!(t.contains("rlx_prefill_prompts_bucket{le=\"4\"} 1\n") && t.contains("rlx_prefill_prompts_sum 3\n"), "{t}");
+        assert!(t.contains("rlx_prefill_duration_seconds_bucket{le=\"0.025\"} 1\n"), "{t}");
+        assert!(t.contains("rlx_time_to_first_token_seconds_bucket{le=\"0.025\"} 0\n"), "{t}");
+        assert!(t.contains("rlx_time_to_first_token_seconds_bucket{le=\"0.05\"} 1\n"), "{t}");
         assert!(t.contains("rlx_requests_total{route=\"/v1/embeddings\",status=\"200\"} 2\n"), "{t}");
         assert!(t.contains("rlx_requests_total{route=\"/v1/embeddings\",status=\"400\"} 1\n"), "{t}");
         assert!(t.contains("rlx_queue_depth{queue=\"generation\"} 1\n"), "{t}");

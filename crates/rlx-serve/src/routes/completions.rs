@@ -339,13 +339,14 @@ async fn next(events: &mut UnboundedReceiver<GenEvent>, deadline: Instant, limit
 }
 
 async fn respond(s: &AppState, req: GenerationRequest, model_id: String) -> Result<Response, ApiError> {
+    let arrived = std::time::Instant::now();
     let limit = s.options.request_timeout;
     let deadline = Instant::now() + limit;
     let GenerationRequest { api, prompt, mut params, seed, max_tokens, stream, include_usage } = req;
     params.seed = seed.unwrap_or_else(|| s.fresh_seed());
     let shape = Shape { api, id: s.response_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }), created: unix_now(), model: model_id };
     let sched = &s.generation_model(None)?.scheduler;
-    let mut events = sched.submit(GenRequest { prompt, params, max_tokens })?;
+    let mut events = sched.submit(GenRequest { prompt, params, max_tokens, arrived })?;
     let prompt_tokens = match next(&mut events, deadline, limit).await? {
         Some(GenEvent::Started { prompt_tokens, cached_tokens }) => (prompt_tokens, cached_tokens),
         Some(GenEvent::Failed(e)) => return Err(e),
