@@ -184,8 +184,10 @@ __device__ void qgemm_body(const QMatMulP& p) {
             if (glu) put(&sw[b][1][wc][0], wu);
         };
 
-        load(0);
-        store(0, 0);
+        if (groups > 0) {
+            load(0);
+            store(0, 0);
+        }
         __syncthreads();
         for (i64 gi = 0; gi < groups; ++gi) {
             const int b = (int)(gi & 1);

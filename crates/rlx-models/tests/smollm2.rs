@@ -184,9 +184,10 @@ fn batched_decode_matches_single_runs() {
         if prepare {
             // Decode widths 1 and 2 (the full width, 3, compiles at load);
             // prefill buckets 16 to 128 (256 exceeds the context) for each of
-            // 3 slots; the prefill over all slots at once, in chunks of 128.
-            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4 + 1);
-            assert_eq!(g.joint_prefill_chunks(), vec![128]);
+            // 3 slots; the prefill over all slots at once, at each of those
+            // chunks (a round takes the smallest that holds what is left).
+            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4 + 4);
+            assert_eq!(g.joint_prefill_chunks(), vec![16, 32, 64, 128]);
             assert_eq!(g.prepare_steps().expect("prepare again"), 0);
         }
         let mut got: Vec<Vec<u32>> = vec![vec![]; 3];
@@ -379,6 +380,26 @@ fn joint_prefill_matches_single_runs() {
     let full: Vec<(Vec<u32>, SamplingParams)> = (0..2).map(|k| (cycle(k, 64), params[k].clone())).collect();
     h.add_sequences(&full).into_iter().for_each(|r| drop(r.expect("add")));
     assert_eq!(h.joint_prefill_chunks(), vec![64], "full chunks go side by side");
+    // Prompts of 70 and 10 tokens side by side with 128 rows of context:
+    // rounds of 32 (the most a 70-token prompt leaves room for), then the
+    // smallest bucket that holds the last 6 tokens; the tokens equal
+    // single runs.
+    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let uneven: Vec<(Vec<u32>, SamplingParams)> = [(0, 70), (1, 10)].iter().map(|&(k, n)| (cycle(k, n), params[k].clone())).collect();
+    let alone: Vec<Vec<u32>> =
+        uneven.iter().map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
+    let mut side: Vec<Vec<u32>> = vec![vec![]; 2];
+    for ev in h.add_sequences_side_by_side(&uneven) {
+        let ev = ev.expect("joint add");
+        side[ev.slot].push(ev.piece.token);
+    }
+    assert_eq!(h.joint_prefill_chunks(), vec![16, 32], "rounds of 32, 32, then 16");
+    while h.active_sequences() > 0 {
+        for ev in h.step_batch().expect("step") {
+            side[ev.slot].push(ev.piece.token);
+        }
+    }
+    assert_eq!(side, alone, "uneven joint prefill tokens vs single runs");
     // Slot 0's cache is intact: prompt 0 again reuses it and gives its tokens.
     let again = g.add_sequences(&[(prompts[0].clone(), params[0].clone())]);
     let ev = again.into_iter().next().expect("one").expect("add");

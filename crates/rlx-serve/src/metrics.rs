@@ -191,13 +191,15 @@ impl Metrics {
         o.push_str("# HELP rlx_decode_batch_sequences Sequences per batched decode step.\n");
         o.push_str("# TYPE rlx_decode_batch_sequences histogram\n");
         lock(&self.decode_batch).render(&mut o, "rlx_decode_batch_sequences", "");
-        o.push_str("# HELP rlx_prefill_prompts Prompts admitted (tokenized and prefilled) together.\n");
+        o.push_str("# HELP rlx_prefill_prompts Prompts taken into one admission (tokenized and prefilled together).\n");
         o.push_str("# TYPE rlx_prefill_prompts histogram\n");
         lock(&self.prefill_prompts).render(&mut o, "rlx_prefill_prompts", "");
         o.push_str("# HELP rlx_prefill_duration_seconds Time to tokenize and prefill one admission's prompts.\n");
         o.push_str("# TYPE rlx_prefill_duration_seconds histogram\n");
         lock(&self.prefill_seconds).render(&mut o, "rlx_prefill_duration_seconds", "");
-        o.push_str("# HELP rlx_time_to_first_token_seconds Time from a generation request's arrival to its first token.\n");
+        o.push_str(
+            "# HELP rlx_time_to_first_token_seconds Time from a generation request's arrival until the scheduler has its first token.\n",
+        );
         o.push_str("# TYPE rlx_time_to_first_token_seconds histogram\n");
         lock(&self.first_token).render(&mut o, "rlx_time_to_first_token_seconds", "");
         let counters = [

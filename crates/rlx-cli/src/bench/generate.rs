@@ -107,7 +107,7 @@ fn single(b: &GenBench) -> Result<(f64, f64, f64, f64), String> {
 /// (`Generator::add_sequences`: side by side where its cost model says so)
 /// and aggregate decode tok/s of the `batch` sequences decoding together
 /// after that, medians of `runs`.
-fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64), String> {
+fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64, bool), String> {
     // Room for one more prefill chunk past every sequence: a slot is
     // prefilled while the others hold their tokens.
     let bucket = b.prompt_tokens.next_power_of_two();
@@ -136,7 +136,9 @@ fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64), String> {
             dec.push(tokens as f64 / t0.elapsed().as_secs_f64());
         }
     }
-    Ok((median(pre), median(dec)))
+    // Whether the prompts went side by side (else one at a time).
+    let joint = !g.joint_prefill_chunks().is_empty();
+    Ok((median(pre), median(dec), joint))
 }
 
 /// llama-bench's prefill and decode tok/s on the same file: the faster of
@@ -271,7 +273,15 @@ pub fn run(b: &GenBench) -> Result<String, String> {
             Err(e) => Err(e.clone()),
         };
         lines.push(Line {
-            what: format!("aggregate prefill, {bs} prompts of {} tokens together", b.prompt_tokens),
+            what: format!(
+                "aggregate prefill, {bs} prompts of {} tokens admitted together ({})",
+                b.prompt_tokens,
+                match &r {
+                    Ok((_, _, true)) => "side by side",
+                    Ok(_) => "one at a time",
+                    Err(_) => "–",
+                }
+            ),
             rlx: r.as_ref().map(|x| x.0).map_err(Clone::clone),
             peer: peer(|x| x.1),
             unit: "tok/s",
