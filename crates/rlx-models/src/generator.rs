@@ -280,13 +280,54 @@ impl GenerationStats {
     }
 }
 
+/// A decoder's tokenizer and chat template: prompts to token ids. Cheap to
+/// clone and usable from any thread, so prompts can be tokenized where
+/// they arrive rather than on the thread that owns the [`Generator`].
+#[derive(Clone)]
+pub struct PromptEncoder {
+    tokenizer: Arc<Tokenizer>,
+    template: Option<Arc<ChatTemplate>>,
+}
+
+impl std::fmt::Debug for PromptEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptEncoder").field("chat_template", &self.template.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl PromptEncoder {
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Token ids of raw text (no template; special tokens in the text are
+    /// matched, BOS added where the model asks for it).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| ModelError::Input(format!("tokenizing the prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The chat template applied to `messages` with the generation prompt.
+    pub fn render_chat(&self, messages: &[Message]) -> Result<String> {
+        let t = self.template.as_ref().ok_or_else(|| ModelError::Input("this model has no chat template; use a raw prompt".into()))?;
+        t.render(messages, true).map_err(|e| ModelError::Input(format!("chat template: {e}")))
+    }
+
+    /// Token ids of a chat prompt (template applied; no BOS added beyond
+    /// what the template writes).
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let text = self.render_chat(messages)?;
+        let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Input(format!("tokenizing the chat prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
 /// A LLaMA-family model ready to generate (see the module docs).
 pub struct Generator {
     session: Session,
     config: LlamaConfig,
     kinds: std::collections::HashMap<String, WeightKind>,
-    tokenizer: Arc<Tokenizer>,
-    template: Option<ChatTemplate>,
+    text: PromptEncoder,
     eos: Vec<u32>,
     states: Arc<StateSet>,
     opts: GeneratorOptions,
@@ -483,8 +524,7 @@ impl Generator {
             session,
             config,
             kinds: weights.kinds,
-            tokenizer: Arc::new(tokenizer),
-            template,
+            text: PromptEncoder { tokenizer: Arc::new(tokenizer), template: template.map(Arc::new) },
             eos,
             states: StateSet::new(),
             opts,
@@ -507,7 +547,13 @@ impl Generator {
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
-        &self.tokenizer
+        &self.text.tokenizer
+    }
+
+    /// The model's tokenizer and chat template, shareable with other
+    /// threads (a server tokenizes requests on its handlers' threads).
+    pub fn prompt_encoder(&self) -> PromptEncoder {
+        self.text.clone()
     }
 
     pub fn ctx_size(&self) -> usize {
@@ -520,28 +566,22 @@ impl Generator {
     }
 
     pub fn has_chat_template(&self) -> bool {
-        self.template.is_some()
+        self.text.has_chat_template()
     }
 
-    /// Token ids of raw text (no template; special tokens in the text are
-    /// matched, BOS added where the model asks for it).
+    /// See [`PromptEncoder::encode`].
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, true).map_err(|e| ModelError::Input(format!("tokenizing the prompt: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        self.text.encode(text)
     }
 
-    /// The chat template applied to `messages` with the generation prompt.
+    /// See [`PromptEncoder::render_chat`].
     pub fn render_chat(&self, messages: &[Message]) -> Result<String> {
-        let t = self.template.as_ref().ok_or_else(|| ModelError::Input("this model has no chat template; use a raw prompt".into()))?;
-        t.render(messages, true).map_err(|e| ModelError::Input(format!("chat template: {e}")))
+        self.text.render_chat(messages)
     }
 
-    /// Token ids of a chat prompt (template applied; no BOS added beyond
-    /// what the template writes).
+    /// See [`PromptEncoder::encode_chat`].
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
-        let text = self.render_chat(messages)?;
-        let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Input(format!("tokenizing the chat prompt: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        self.text.encode_chat(messages)
     }
 
     /// The batch width of a step whose highest slot in use is `top`: the
@@ -713,7 +753,7 @@ impl Generator {
     /// Puts a prefilled sequence in `slot` and records its first token.
     fn start_sequence(&mut self, slot: usize, params: &SamplingParams, cached_tokens: usize, first: FirstToken) -> Result<BatchEvent> {
         let (token, logits) = first;
-        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
+        let stream = TextStream::new(self.text.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         self.slots[slot] = Some(BatchSequence { params: params.clone(), stream, ids: vec![] });
         let (text, finished) = self.accept(slot, token)?;
         Ok(BatchEvent { slot, piece: Piece { text, token, logits }, finished, cached_tokens })
@@ -1161,7 +1201,7 @@ impl Generator {
         let t0 = Instant::now();
         let (common, first, logits) = self.prefill_reusing(0, prompt, params)?;
         let prefill_time = t0.elapsed();
-        let stream = TextStream::new(self.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
+        let stream = TextStream::new(self.text.tokenizer.clone(), true).with_stop_strings(params.stop.clone());
         // Slot 0 alone: the width-1 steps.
         let step = Tensor::from_i32([1], &[1])?;
         Ok(Generation {

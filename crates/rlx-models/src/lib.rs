@@ -36,8 +36,8 @@ pub use embedder::{cosine, l2_normalize, EmbedderOptions, EmbedderParts, Sentenc
 pub use embedding_writer::{EmbeddingWriter, OutputFormat};
 pub use error::{ModelError, Result};
 pub use generator::{
-    default_kv_dtype, gguf_text, BatchEvent, BatchOutput, Generation, GenerationStats, Generator, GeneratorOptions, Piece, SamplingParams,
-    StopReason,
+    default_kv_dtype, gguf_text, BatchEvent, BatchOutput, Generation, GenerationStats, Generator, GeneratorOptions, Piece, PromptEncoder,
+    SamplingParams, StopReason,
 };
 pub use npy::{read_npy_f32, NpyMatrix};
 pub use search::{CorpusIndex, Hit, DEFAULT_CHUNK_ROWS, MAX_QUERY_BATCH};

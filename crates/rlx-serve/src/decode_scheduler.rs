@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use rlx::Device;
-use rlx_models::{Generator, GeneratorOptions, Message, SamplingParams, StopReason};
+use rlx_models::{Generator, GeneratorOptions, Message, PromptEncoder, SamplingParams, StopReason};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::error::{ApiError, ServeError};
@@ -34,7 +34,8 @@ pub enum Prompt {
 }
 
 pub struct GenRequest {
-    pub prompt: Prompt,
+    /// The prompt's token ids ([`encode_prompt`]).
+    pub ids: Vec<u32>,
     /// `max_tokens` is set from [`max_tokens`](Self::max_tokens) at admission.
     pub params: SamplingParams,
     /// `None`: up to the room the context leaves.
@@ -82,7 +83,29 @@ pub enum GenEvent {
 #[derive(Debug, Clone)]
 pub struct GenInfo {
     pub ctx_size: usize,
-    pub has_chat_template: bool,
+    /// The model's tokenizer and chat template: handlers tokenize prompts
+    /// on their own threads, so a burst of requests is tokenized in
+    /// parallel rather than one after another on the generation thread.
+    pub encoder: PromptEncoder,
+}
+
+/// A request's prompt as token ids; an error a client can act on when the
+/// model has no chat template or the prompt has no tokens.
+pub fn encode_prompt(encoder: &PromptEncoder, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    let ids = match prompt {
+        Prompt::Chat(m) => {
+            if !encoder.has_chat_template() {
+                return Err(ApiError::invalid("this model has no chat template: use /v1/completions with a raw prompt"));
+            }
+            encoder.encode_chat(m).map_err(|e| ApiError::from_model(&e))?
+        }
+        Prompt::Text(t) => encoder.encode(t).map_err(|e| ApiError::from_model(&e))?,
+        Prompt::Ids(ids) => ids.clone(),
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty (no tokens)"));
+    }
+    Ok(ids)
 }
 
 /// The handlers' side of the queue.
@@ -130,7 +153,7 @@ impl DecodeScheduler {
                     }
                 }
             }
-            let info = GenInfo { ctx_size: gen.ctx_size(), has_chat_template: gen.has_chat_template() };
+            let info = GenInfo { ctx_size: gen.ctx_size(), encoder: gen.prompt_encoder() };
             if ready_tx.send(Ok(info)).is_err() {
                 return;
             }
@@ -236,19 +259,6 @@ impl Loop {
         }
     }
 
-    fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
-        match prompt {
-            Prompt::Chat(m) => {
-                if !self.gen.has_chat_template() {
-                    return Err(ApiError::invalid("this model has no chat template: use /v1/completions with a raw prompt"));
-                }
-                self.gen.encode_chat(m).map_err(|e| ApiError::from_model(&e))
-            }
-            Prompt::Text(t) => self.gen.encode(t).map_err(|e| ApiError::from_model(&e)),
-            Prompt::Ids(ids) => Ok(ids.clone()),
-        }
-    }
-
     /// The request's token budget; `None` fills the room the context leaves.
     fn budget(&self, prompt_len: usize, asked: Option<usize>) -> Result<usize, ApiError> {
         let usable = self.gen.ctx_size();
@@ -270,18 +280,14 @@ impl Loop {
     }
 
     /// Prefills the requests into free slots (side by side where the
-    /// generator finds that worth it) and sends each its first token.
+    /// generator finds that worth it) and sends each its first token. Their
+    /// prompts arrive tokenized.
     fn admit(&mut self, batch: Vec<(GenRequest, UnboundedSender<GenEvent>)>) {
         let t0 = Instant::now();
         let (mut prompts, mut waiting) = (Vec::new(), Vec::new());
         for (req, events) in batch {
-            let prepared = self.tokenize(&req.prompt).and_then(|ids| {
-                if ids.is_empty() {
-                    return Err(ApiError::invalid("the prompt is empty (no tokens)"));
-                }
-                let max_tokens = self.budget(ids.len(), req.max_tokens)?;
-                Ok((ids, SamplingParams { max_tokens, ..req.params }))
-            });
+            let ids = req.ids;
+            let prepared = self.budget(ids.len(), req.max_tokens).map(|max_tokens| (ids, SamplingParams { max_tokens, ..req.params }));
             match prepared {
                 Ok(x) => {
                     prompts.push(x);

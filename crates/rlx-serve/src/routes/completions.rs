@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, Sleep};
 
-use crate::decode_scheduler::{Finish, GenEvent, GenRequest, Prompt};
+use crate::decode_scheduler::{encode_prompt, Finish, GenEvent, GenRequest, Prompt};
 use crate::error::ApiError;
 use crate::request::{self, kind, token_ids, Fields};
 use crate::state::{unix_now, AppState};
@@ -346,7 +346,13 @@ async fn respond(s: &AppState, req: GenerationRequest, model_id: String) -> Resu
     params.seed = seed.unwrap_or_else(|| s.fresh_seed());
     let shape = Shape { api, id: s.response_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" }), created: unix_now(), model: model_id };
     let sched = &s.generation_model(None)?.scheduler;
-    let mut events = sched.submit(GenRequest { prompt, params, max_tokens, arrived })?;
+    // Tokenized here, on a blocking thread of the runtime: requests that
+    // arrive together are tokenized in parallel.
+    let encoder = sched.info.encoder.clone();
+    let ids = tokio::task::spawn_blocking(move || encode_prompt(&encoder, &prompt))
+        .await
+        .map_err(|_| ApiError::internal("tokenizing the prompt failed (its thread panicked)"))??;
+    let mut events = sched.submit(GenRequest { ids, params, max_tokens, arrived })?;
     let prompt_tokens = match next(&mut events, deadline, limit).await? {
         Some(GenEvent::Started { prompt_tokens, cached_tokens }) => (prompt_tokens, cached_tokens),
         Some(GenEvent::Failed(e)) => return Err(e),
