@@ -7,6 +7,7 @@
 // only. Weights and activations are synthetic.
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -I crates/rlx-cuda/kernels -o pm bench/prefill-matmul.cu && ./pm
+//   PM_AGREE_ONLY=1 ./pm    # the agreement checks only
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
