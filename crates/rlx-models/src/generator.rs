@@ -170,8 +170,8 @@ const CHUNK_OVERHEAD: usize = 4;
 /// logits).
 type FirstToken = (u32, Option<Vec<f32>>);
 
-/// A prefill step over every slot at once (`Generator::add_sequences`)
-/// feeds at most this many tokens (slots × chunk), which bounds its
+/// A prefill step over several slots at once (`Generator::add_sequences`)
+/// feeds at most this many tokens (width × chunk), which bounds its
 /// activation memory.
 const JOINT_PREFILL_TOKENS: usize = 4096;
 
@@ -334,9 +334,10 @@ pub struct Generator {
     /// Prefill steps by (slot, bucket): one row, on the slot's row of the
     /// shared states (`Session::compile_shared_at`).
     prefill: BTreeMap<(usize, usize), CompiledGraph>,
-    /// Prefill steps over every slot at once, by chunk size
-    /// (`add_sequences`).
-    joint_prefill: BTreeMap<usize, CompiledGraph>,
+    /// Prefill steps over slots `0..w` at once, by (width `w`, chunk size)
+    /// (`add_sequences`): the width is the decode width that holds the
+    /// highest slot being prefilled.
+    joint_prefill: BTreeMap<(usize, usize), CompiledGraph>,
     /// Decode steps by batch width: a step over slots `0..w` runs at the
     /// smallest width that holds them, on the first rows of the shared
     /// states (batch is their outermost dimension).
@@ -618,7 +619,8 @@ impl Generator {
     /// API would otherwise compile on first use: the decode step of each
     /// width it runs (powers of two up to the batch), for every slot the
     /// prefill chunk of every bucket that fits the context, and the prefill
-    /// over every slot at once (`add_sequences`) at each chunk it takes. A server
+    /// over several slots at once (`add_sequences`) at each width and chunk
+    /// it takes. A server
     /// calls it before taking requests, so the first burst of prompts does
     /// not wait for compiles. Returns how many were compiled; the ones
     /// already there are kept.
@@ -639,12 +641,18 @@ impl Generator {
                 self.prefill_exe(slot, b)?;
             }
         }
-        // The joint prefill at every chunk it takes away from the context's
-        // end (its last round takes the smallest that holds what is left).
-        if batch >= 2 {
-            for &b in buckets.iter().filter(|&&b| batch * b <= JOINT_PREFILL_TOKENS) {
-                self.joint_prefill_exe(b)?;
+        // The joint prefill at each width of two rows and more and every
+        // chunk it takes away from the context's end (its last round takes
+        // the smallest that holds what is left).
+        let mut w = 2;
+        while w <= batch {
+            for &b in buckets.iter().filter(|&&b| w * b <= JOINT_PREFILL_TOKENS) {
+                self.joint_prefill_exe(w, b)?;
             }
+            if w == batch {
+                break;
+            }
+            w = (w * 2).min(batch);
         }
         Ok(self.decode.len() + self.prefill.len() + self.joint_prefill.len() - before)
     }
@@ -765,8 +773,10 @@ impl Generator {
     /// prefilled side by side where that costs less than one at a time (as
     /// [`add_sequence`](Self::add_sequence)), counting each step's tokens
     /// and its fixed cost (`CHUNK_OVERHEAD` on the CPU, `GPU_STEP_OVERHEAD`
-    /// on a GPU): chunks of one prefill step over every slot, in which the
-    /// rows of the other slots run along harmlessly (a running sequence's
+    /// on a GPU): chunks of one prefill step over slots `0..w` (`w` the
+    /// decode width that holds the highest slot being prefilled; the slots
+    /// past it are not touched), in which the rows of the other slots run
+    /// along harmlessly (a running sequence's
     /// row feeds its pending token at its own position, which the next
     /// decode step writes again; a free slot's row writes past the prefix
     /// it keeps). Not where a slot is too near the end of its context for a
@@ -776,8 +786,8 @@ impl Generator {
     }
 
     /// As [`add_sequences`](Self::add_sequences), prefilling side by side
-    /// whatever it costs, wherever a chunk fits every slot (else one at a
-    /// time).
+    /// whatever it costs, wherever a chunk fits every slot of the step
+    /// (else one at a time).
     pub fn add_sequences_side_by_side(&mut self, prompts: &[(Vec<u32>, SamplingParams)]) -> Vec<Result<BatchEvent>> {
         self.admit(prompts, true)
     }
@@ -816,11 +826,11 @@ impl Generator {
     }
 
     /// The chunk of a joint prefill of `joint` (prompt index, slot): the
-    /// largest bucket within `JOINT_PREFILL_TOKENS` over all the slots such
-    /// that every slot's chunk, written from its position, fits its context
+    /// largest bucket within `JOINT_PREFILL_TOKENS` over the step's slots
+    /// such that every one's chunk, written from its position, fits its context
     /// in every round. `None`: none fits.
     fn joint_chunk(&self, joint: &[(usize, usize)], prompts: &[(Vec<u32>, SamplingParams)]) -> Option<usize> {
-        let (w, ctx) = (self.opts.batch, self.opts.ctx_size);
+        let (w, ctx) = (self.joint_width(joint), self.opts.ctx_size);
         let member = self.joint_members(joint);
         self.opts.prefill_buckets.iter().copied().rev().find(|&b| {
             w * b <= JOINT_PREFILL_TOKENS
@@ -831,6 +841,13 @@ impl Generator {
                     None => self.joint_idle_pos(r) + b <= ctx,
                 })
         })
+    }
+
+    /// The rows of a joint prefill of `joint` (prompt index, slot): slots
+    /// `0..w` for the decode width `w` that holds the highest of them. The
+    /// slots past it are not touched.
+    fn joint_width(&self, joint: &[(usize, usize)]) -> usize {
+        self.width_for(joint.iter().map(|&(_, s)| s).max().unwrap_or(0))
     }
 
     /// Per slot, its index in `joint` (prompt index, slot), if any.
@@ -864,7 +881,8 @@ impl Generator {
                 at += chunk.min(ids.len() - at);
             }
         }
-        let side_by_side: usize = self.joint_rounds(left, b).iter().map(|&c| self.opts.batch * c + overhead).sum();
+        let w = self.joint_width(joint);
+        let side_by_side: usize = self.joint_rounds(left, b).iter().map(|&c| w * c + overhead).sum();
         side_by_side < alone
     }
 
@@ -904,8 +922,8 @@ impl Generator {
         self.kv[slot].iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1)
     }
 
-    /// Prefills the prompts of `joint` side by side in chunks of `b` tokens
-    /// over every slot; returns each one's (reused tokens, first token, its
+    /// Prefills the prompts of `joint` side by side in chunks of up to `b`
+    /// tokens over the step's slots; returns each one's (reused tokens, first token, its
     /// logits). On an error the slots of `joint` forget their cached tokens
     /// (the others' rows were written only past what they keep).
     fn prefill_joint(
@@ -938,10 +956,11 @@ impl Generator {
         reused: &[usize],
         b: usize,
     ) -> Result<Vec<FirstToken>> {
-        let (w, v) = (self.opts.batch, self.config.vocab);
+        let (w, v) = (self.joint_width(joint), self.config.vocab);
         let mut at: Vec<usize> = reused.to_vec();
         let mut firsts: Vec<Option<FirstToken>> = joint.iter().map(|_| None).collect();
-        let member = self.joint_members(joint);
+        let mut member = self.joint_members(joint);
+        member.truncate(w);
         let rows: Vec<Option<&SamplingParams>> = member.iter().map(|m| m.map(|k| &prompts[joint[k].0].1)).collect();
         let (f, ip) = sampling_tensors(&rows)?;
         while firsts.iter().any(Option::is_none) {
@@ -996,7 +1015,7 @@ impl Generator {
             let mut named: Vec<(&str, &Tensor)> = inputs.iter().map(|(n, t)| (*n, t)).collect();
             named.push((io::FPARAMS, &f));
             named.push((io::IPARAMS, &ip));
-            let out = self.joint_prefill_exe(b)?.run(&named)?;
+            let out = self.joint_prefill_exe(w, b)?.run(&named)?;
             let tokens = out.first().map(|t| t.to_i32()).ok_or_else(|| ModelError::Input("prefill returned no token".into()))?;
             let logits = out.get(1).map(|l| l.to_f32());
             for (k, &(i, s)) in joint.iter().enumerate() {
@@ -1014,18 +1033,27 @@ impl Generator {
         Ok(firsts.into_iter().flatten().collect())
     }
 
-    /// The chunk sizes of the prefill steps over every slot compiled so
-    /// far (`add_sequences`), smallest first.
+    /// The chunk sizes of the prefill steps over several slots compiled so
+    /// far (`add_sequences`), at any width, smallest first.
     pub fn joint_prefill_chunks(&self) -> Vec<usize> {
+        let mut chunks: Vec<usize> = self.joint_prefill.keys().map(|k| k.1).collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        chunks
+    }
+
+    /// The (width, chunk) of each prefill step over several slots compiled
+    /// so far.
+    pub fn joint_prefill_shapes(&self) -> Vec<(usize, usize)> {
         self.joint_prefill.keys().copied().collect()
     }
 
-    fn joint_prefill_exe(&mut self, bucket: usize) -> Result<&mut CompiledGraph> {
-        if !self.joint_prefill.contains_key(&bucket) {
-            let exe = self.compile_step(self.opts.batch, bucket, false, 0)?;
-            self.joint_prefill.insert(bucket, exe);
+    fn joint_prefill_exe(&mut self, width: usize, bucket: usize) -> Result<&mut CompiledGraph> {
+        if !self.joint_prefill.contains_key(&(width, bucket)) {
+            let exe = self.compile_step(width, bucket, false, 0)?;
+            self.joint_prefill.insert((width, bucket), exe);
         }
-        self.joint_prefill.get_mut(&bucket).ok_or_else(|| ModelError::Input("joint prefill step missing".into()))
+        self.joint_prefill.get_mut(&(width, bucket)).ok_or_else(|| ModelError::Input("joint prefill step missing".into()))
     }
 
     /// Records a slot's new token; ends the sequence when it should stop.

@@ -184,9 +184,10 @@ fn batched_decode_matches_single_runs() {
         if prepare {
             // Decode widths 1 and 2 (the full width, 3, compiles at load);
             // prefill buckets 16 to 128 (256 exceeds the context) for each of
-            // 3 slots; the prefill over all slots at once, at each of those
-            // chunks (a round takes the smallest that holds what is left).
-            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4 + 4);
+            // 3 slots; the prefill over several slots at once, at widths 2
+            // and 3 and each of those chunks (a round takes the smallest
+            // that holds what is left).
+            assert_eq!(g.prepare_steps().expect("prepare"), 2 + 3 * 4 + 2 * 4);
             assert_eq!(g.joint_prefill_chunks(), vec![16, 32, 64, 128]);
             assert_eq!(g.prepare_steps().expect("prepare again"), 0);
         }
@@ -357,6 +358,9 @@ fn joint_prefill_matches_single_runs() {
     let longest = [1, 2, 4].iter().map(|&k| prompts[k].len()).max().expect("prompts");
     let chunk = [16, 32, 64].into_iter().find(|&c| c >= longest).expect("a prompt under 64 tokens");
     assert_eq!(g.joint_prefill_chunks(), vec![chunk], "the prompts were prefilled side by side");
+    // Over slots 0..4 (the decode width that holds slot 3): slot 4 stays
+    // out of the step.
+    assert_eq!(g.joint_prefill_shapes(), vec![(4, chunk)]);
     for _ in 0..20 {
         for ev in g.step_batch().expect("step") {
             take(ev, &mut owner, None);
@@ -405,6 +409,55 @@ fn joint_prefill_matches_single_runs() {
     let ev = again.into_iter().next().expect("one").expect("add");
     assert_eq!((ev.slot, ev.piece.token), (0, want[0][0]));
     assert!(ev.cached_tokens > 0, "slot 0 kept its prefix");
+}
+
+/// A side-by-side prefill runs over the slots up to the decode width that
+/// holds the highest slot it fills: with a sequence running in slot 3 of 4
+/// and two prompts taking slots 0 and 1, the step covers slots 0 and 1 and
+/// leaves slot 3 alone; every sequence's greedy tokens equal its single
+/// run.
+#[test]
+fn joint_prefill_leaves_slots_past_its_width_alone() {
+    let Some(path) = model("joint_prefill_leaves_slots_past_its_width_alone") else { return };
+    let r = reference();
+    let items = r["items"].as_array().expect("items");
+    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
+    let mut single = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
+    let prompts: Vec<Vec<u32>> = (0..6).map(|k| prompt_ids(&single, &items[k % items.len()])[k / items.len()..].to_vec()).collect();
+    let params = SamplingParams { max_tokens: 6, ignore_eos: true, ..SamplingParams::greedy() };
+    let want: Vec<Vec<u32>> =
+        prompts.iter().map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
+    let mut g = Generator::load_with(&path, Device::Cpu, opts(4)).expect("load");
+    // Prompts 0..4 fill slots 0..3; 0, 1 and 2 are dropped, 3 runs on.
+    let mut got: Vec<Vec<u32>> = vec![vec![]; 6];
+    for k in 0..4 {
+        let ev = g.add_sequence(&prompts[k], &params).expect("add");
+        assert_eq!(ev.slot, k);
+        got[k].push(ev.piece.token);
+    }
+    for slot in 0..3 {
+        g.remove_sequence(slot);
+    }
+    for ev in g.step_batch().expect("step") {
+        assert_eq!(ev.slot, 3);
+        got[3].push(ev.piece.token);
+    }
+    let joint: Vec<(Vec<u32>, SamplingParams)> = [4, 5].iter().map(|&k| (prompts[k].clone(), params.clone())).collect();
+    for (ev, k) in g.add_sequences_side_by_side(&joint).into_iter().zip([4, 5]) {
+        let ev = ev.expect("joint add");
+        assert_eq!(ev.slot, k - 4);
+        got[k].push(ev.piece.token);
+    }
+    assert!(g.joint_prefill_shapes().iter().all(|&(w, _)| w == 2), "{:?}", g.joint_prefill_shapes());
+    while g.active_sequences() > 0 {
+        for ev in g.step_batch().expect("step") {
+            let k = if ev.slot == 3 { 3 } else { ev.slot + 4 };
+            got[k].push(ev.piece.token);
+        }
+    }
+    for k in 3..6 {
+        assert_eq!(got[k], want[k], "sequence {k}");
+    }
 }
 
 /// The batch API reuses a slot's cache: a prompt that starts with what the
