@@ -626,14 +626,11 @@ impl Generator {
     /// already there are kept.
     pub fn prepare_steps(&mut self) -> Result<usize> {
         let before = self.decode.len() + self.prefill.len() + self.joint_prefill.len();
+        // The step widths: powers of two below the batch, and the batch.
         let batch = self.opts.batch.max(1);
-        let mut w = 1;
-        loop {
+        let widths: Vec<usize> = (0..usize::BITS).map(|e| 1usize << e).take_while(|&w| w < batch).chain([batch]).collect();
+        for &w in &widths {
             self.decode_exe(w)?;
-            if w >= batch {
-                break;
-            }
-            w = (w * 2).min(batch);
         }
         let buckets: Vec<usize> = self.opts.prefill_buckets.iter().copied().filter(|&b| b <= self.opts.ctx_size).collect();
         for slot in 0..batch {
@@ -644,15 +641,10 @@ impl Generator {
         // The joint prefill at each width of two rows and more and every
         // chunk it takes away from the context's end (its last round takes
         // the smallest that holds what is left).
-        let mut w = 2;
-        while w <= batch {
+        for &w in widths.iter().filter(|&&w| w >= 2) {
             for &b in buckets.iter().filter(|&&b| w * b <= JOINT_PREFILL_TOKENS) {
                 self.joint_prefill_exe(w, b)?;
             }
-            if w == batch {
-                break;
-            }
-            w = (w * 2).min(batch);
         }
         Ok(self.decode.len() + self.prefill.len() + self.joint_prefill.len() - before)
     }
@@ -1025,8 +1017,13 @@ impl Generator {
                 let n = (prompts[i].0.len() - at[k]).min(b);
                 at[k] += n;
                 if at[k] == prompts[i].0.len() {
-                    let token = *tokens.get(s).ok_or_else(|| ModelError::Input(format!("prefill returned no token for slot {s}")))?;
-                    firsts[k] = Some((token as u32, logits.as_ref().map(|l| l[s * v..(s + 1) * v].to_vec())));
+                    let missing = || ModelError::Input(format!("prefill returned no token or logits for slot {s}"));
+                    let token = *tokens.get(s).ok_or_else(missing)?;
+                    let row = match &logits {
+                        Some(l) => Some(l.get(s * v..(s + 1) * v).ok_or_else(missing)?.to_vec()),
+                        None => None,
+                    };
+                    firsts[k] = Some((token as u32, row));
                 }
             }
         }

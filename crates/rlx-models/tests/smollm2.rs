@@ -15,6 +15,16 @@ fn model(test: &str) -> Option<PathBuf> {
     common::smollm2::gguf(test)
 }
 
+/// The tokens of `prompt` generated alone (the single-sequence API).
+fn alone(g: &mut Generator, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
+    g.generate_ids(prompt, params).expect("gen").map(|x| x.expect("piece").token).collect()
+}
+
+/// A CPU generator of 128 rows of context and `batch` slots.
+fn cpu_batch(path: &std::path::Path, batch: usize) -> Generator {
+    Generator::load_with(path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch, ..Default::default() }).expect("load")
+}
+
 #[test]
 fn f32_path_matches_transformers() {
     let Some(path) = model("f32_path_matches_transformers") else { return };
@@ -174,8 +184,7 @@ fn batched_decode_matches_single_runs() {
     let params = SamplingParams { max_tokens: 10, ignore_eos: true, ..SamplingParams::greedy() };
     let mut single = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, ..Default::default() }).expect("load");
     let prompts: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
-    let want: Vec<Vec<u32>> =
-        prompts.iter().map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&mut single, p, &params)).collect();
     // Steps compiled on first use, then all compiled ahead (`prepare_steps`,
     // what a server does on a GPU): the same tokens.
     for prepare in [false, true] {
@@ -242,11 +251,7 @@ fn batch_widths_follow_the_highest_slot_in_use() {
     let lens = [3usize, 4, 5, 14, 6, 4];
     let params: Vec<SamplingParams> =
         lens.iter().map(|&n| SamplingParams { max_tokens: n, ignore_eos: true, ..SamplingParams::greedy() }).collect();
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&params)
-        .map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect())
-        .collect();
+    let want: Vec<Vec<u32>> = prompts.iter().zip(&params).map(|(p, s)| alone(&mut single, p, s)).collect();
     let mut g = Generator::load_with(&path, Device::Cpu, GeneratorOptions { ctx_size: 128, batch: 4, ..Default::default() }).expect("load");
     let mut got: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
     let mut owner: Vec<Option<usize>> = vec![None; 4];
@@ -285,7 +290,7 @@ fn batch_widths_follow_the_highest_slot_in_use() {
     }
     assert_eq!(got, want, "batched greedy tokens vs single runs");
     // The single-sequence API on the same generator: slot 0 at width 1.
-    let again: Vec<u32> = g.generate_ids(&prompts[0], &params[0]).expect("gen").map(|x| x.expect("piece").token).collect();
+    let again: Vec<u32> = alone(&mut g, &prompts[0], &params[0]);
     assert_eq!(again, want[0]);
 }
 
@@ -301,8 +306,7 @@ fn joint_prefill_matches_single_runs() {
     let Some(path) = model("joint_prefill_matches_single_runs") else { return };
     let r = reference();
     let items = r["items"].as_array().expect("items");
-    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
-    let mut single = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
+    let mut single = cpu_batch(&path, 1);
     let base: Vec<Vec<u32>> = items.iter().map(|it| prompt_ids(&single, it)).collect();
     let prompts: Vec<Vec<u32>> = (0..5).map(|k| base[k % base.len()][..base[k % base.len()].len() - k / base.len()].to_vec()).collect();
     let sampled = SamplingParams { temperature: 0.8, top_k: 20, repeat_penalty: 1.3, seed: 7, ..SamplingParams::greedy() };
@@ -315,12 +319,8 @@ fn joint_prefill_matches_single_runs() {
             ..if k % 2 == 1 { sampled.clone() } else { SamplingParams::greedy() }
         })
         .collect();
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&params)
-        .map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect())
-        .collect();
-    let mut g = Generator::load_with(&path, Device::Cpu, opts(5)).expect("load");
+    let want: Vec<Vec<u32>> = prompts.iter().zip(&params).map(|(p, s)| alone(&mut single, p, s)).collect();
+    let mut g = cpu_batch(&path, 5);
     let mut got: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
     let mut owner: Vec<Option<usize>> = vec![None; 5];
     let mut take = |ev: rlx_models::BatchEvent, owner: &mut Vec<Option<usize>>, k: Option<usize>| {
@@ -376,11 +376,11 @@ fn joint_prefill_matches_single_runs() {
     // 16 and 64: no joint chunk), but for prompts that fill every slot's
     // chunk.
     let cycle = |k: usize, n: usize| -> Vec<u32> { (0..n).map(|j| base[k][j % base[k].len()]).collect() };
-    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let mut h = cpu_batch(&path, 2);
     let uneven: Vec<(Vec<u32>, SamplingParams)> = [(0, 8), (1, 60)].iter().map(|&(k, n)| (cycle(k, n), params[k].clone())).collect();
     h.add_sequences(&uneven).into_iter().for_each(|r| drop(r.expect("add")));
     assert!(h.joint_prefill_chunks().is_empty(), "uneven prompts go one at a time on the CPU");
-    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let mut h = cpu_batch(&path, 2);
     let full: Vec<(Vec<u32>, SamplingParams)> = (0..2).map(|k| (cycle(k, 64), params[k].clone())).collect();
     h.add_sequences(&full).into_iter().for_each(|r| drop(r.expect("add")));
     assert_eq!(h.joint_prefill_chunks(), vec![64], "full chunks go side by side");
@@ -388,10 +388,9 @@ fn joint_prefill_matches_single_runs() {
     // rounds of 32 (the most a 70-token prompt leaves room for), then the
     // smallest bucket that holds the last 6 tokens; the tokens equal
     // single runs.
-    let mut h = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let mut h = cpu_batch(&path, 2);
     let uneven: Vec<(Vec<u32>, SamplingParams)> = [(0, 70), (1, 10)].iter().map(|&(k, n)| (cycle(k, n), params[k].clone())).collect();
-    let alone: Vec<Vec<u32>> =
-        uneven.iter().map(|(p, s)| single.generate_ids(p, s).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
+    let alone: Vec<Vec<u32>> = uneven.iter().map(|(p, s)| alone(&mut single, p, s)).collect();
     let mut side: Vec<Vec<u32>> = vec![vec![]; 2];
     for ev in h.add_sequences_side_by_side(&uneven) {
         let ev = ev.expect("joint add");
@@ -421,13 +420,11 @@ fn joint_prefill_leaves_slots_past_its_width_alone() {
     let Some(path) = model("joint_prefill_leaves_slots_past_its_width_alone") else { return };
     let r = reference();
     let items = r["items"].as_array().expect("items");
-    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
-    let mut single = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
+    let mut single = cpu_batch(&path, 1);
     let prompts: Vec<Vec<u32>> = (0..6).map(|k| prompt_ids(&single, &items[k % items.len()])[k / items.len()..].to_vec()).collect();
     let params = SamplingParams { max_tokens: 6, ignore_eos: true, ..SamplingParams::greedy() };
-    let want: Vec<Vec<u32>> =
-        prompts.iter().map(|p| single.generate_ids(p, &params).expect("gen").map(|x| x.expect("piece").token).collect()).collect();
-    let mut g = Generator::load_with(&path, Device::Cpu, opts(4)).expect("load");
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&mut single, p, &params)).collect();
+    let mut g = cpu_batch(&path, 4);
     // Prompts 0..4 fill slots 0..3; 0, 1 and 2 are dropped, 3 runs on.
     let mut got: Vec<Vec<u32>> = vec![vec![]; 6];
     for k in 0..4 {
@@ -470,12 +467,8 @@ fn batch_slots_reuse_a_shared_prefix() {
     let r = reference();
     let items = r["items"].as_array().expect("items");
     let params = SamplingParams { max_tokens: 8, ignore_eos: true, ..SamplingParams::greedy() };
-    let opts = |batch| GeneratorOptions { ctx_size: 128, batch, ..Default::default() };
-    let cold = |prompt: &[u32]| -> Vec<u32> {
-        let mut g = Generator::load_with(&path, Device::Cpu, opts(1)).expect("load");
-        g.generate_ids(prompt, &params).expect("gen").map(|x| x.expect("piece").token).collect()
-    };
-    let mut g = Generator::load_with(&path, Device::Cpu, opts(2)).expect("load");
+    let cold = |prompt: &[u32]| -> Vec<u32> { alone(&mut cpu_batch(&path, 1), prompt, &params) };
+    let mut g = cpu_batch(&path, 2);
     let a = prompt_ids(&g, &items[0]);
     let run = |g: &mut Generator, prompt: &[u32]| -> (usize, usize, Vec<u32>) {
         let ev = g.add_sequence(prompt, &params).expect("add");

@@ -137,7 +137,7 @@ impl Metrics {
         self.prompt_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
-    /// One admission: `prompts` prompts tokenized and prefilled together in
+    /// One admission: `prompts` prompts prefilled together in
     /// `took`.
     pub fn prefill(&self, prompts: usize, took: Duration) {
         lock(&self.prefill_prompts).observe(prompts as f64);
@@ -185,23 +185,20 @@ impl Metrics {
         o.push_str("# HELP rlx_queue_depth Requests waiting for the model.\n# TYPE rlx_queue_depth gauge\n");
         let _ = writeln!(o, "rlx_queue_depth{{queue=\"embeddings\"}} {}", self.queue_depth(Queue::Embeddings));
         let _ = writeln!(o, "rlx_queue_depth{{queue=\"generation\"}} {}", self.queue_depth(Queue::Generation));
-        o.push_str("# HELP rlx_embedding_batch_rows Texts per coalesced embedding call.\n");
-        o.push_str("# TYPE rlx_embedding_batch_rows histogram\n");
-        lock(&self.embed_batch_rows).render(&mut o, "rlx_embedding_batch_rows", "");
-        o.push_str("# HELP rlx_decode_batch_sequences Sequences per batched decode step.\n");
-        o.push_str("# TYPE rlx_decode_batch_sequences histogram\n");
-        lock(&self.decode_batch).render(&mut o, "rlx_decode_batch_sequences", "");
-        o.push_str("# HELP rlx_prefill_prompts Prompts taken into one admission (tokenized and prefilled together).\n");
-        o.push_str("# TYPE rlx_prefill_prompts histogram\n");
-        lock(&self.prefill_prompts).render(&mut o, "rlx_prefill_prompts", "");
-        o.push_str("# HELP rlx_prefill_duration_seconds Time to tokenize and prefill one admission's prompts.\n");
-        o.push_str("# TYPE rlx_prefill_duration_seconds histogram\n");
-        lock(&self.prefill_seconds).render(&mut o, "rlx_prefill_duration_seconds", "");
-        o.push_str(
-            "# HELP rlx_time_to_first_token_seconds Time from a generation request's arrival until the scheduler has its first token.\n",
-        );
-        o.push_str("# TYPE rlx_time_to_first_token_seconds histogram\n");
-        lock(&self.first_token).render(&mut o, "rlx_time_to_first_token_seconds", "");
+        for (name, help, h) in [
+            ("rlx_embedding_batch_rows", "Texts per coalesced embedding call.", &self.embed_batch_rows),
+            ("rlx_decode_batch_sequences", "Sequences per batched decode step.", &self.decode_batch),
+            ("rlx_prefill_prompts", "Prompts taken into one admission (prefilled together).", &self.prefill_prompts),
+            ("rlx_prefill_duration_seconds", "Time to prefill one admission's prompts.", &self.prefill_seconds),
+            (
+                "rlx_time_to_first_token_seconds",
+                "Time from a generation request's arrival until the scheduler has its first token.",
+                &self.first_token,
+            ),
+        ] {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
+            lock(h).render(&mut o, name, "");
+        }
         let counters = [
             ("rlx_embedding_tokens_total", "Tokens embedded.", &self.embedded_tokens),
             ("rlx_prompt_tokens_total", "Prompt tokens prefilled for generation.", &self.prompt_tokens),
