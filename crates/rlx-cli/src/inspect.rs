@@ -103,6 +103,7 @@ pub fn run(args: InspectArgs) -> Result<(), String> {
         fuse_feed_forward: !args.no_fuse,
         merge_matmuls: !args.no_merge,
         approximate_gelu: args.approximate_gelu,
+        qmatmul_scratch_rows: None,
     };
     let compiled = rlx::compile(&graph, &opts).map_err(|e| e.to_string())?;
     if args.json {

@@ -55,11 +55,23 @@ pub struct CompileOptions {
     /// then follow the model exactly. On CUDA the approximation rides in the
     /// matmul's library epilogue, which saves a kernel per FFN.
     pub approximate_gelu: bool,
+    /// Quantized matmuls of at least this many rows get arena scratch (a
+    /// backend runs them as a library matmul over weights decoded into
+    /// it). A session sets it from its backend
+    /// (`Backend::qmatmul_scratch_rows`); `None`: no scratch.
+    pub qmatmul_scratch_rows: Option<usize>,
 }
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { precision: None, merge_matmuls: true, fuse: true, fuse_feed_forward: true, approximate_gelu: false }
+        CompileOptions {
+            precision: None,
+            merge_matmuls: true,
+            fuse: true,
+            fuse_feed_forward: true,
+            approximate_gelu: false,
+            qmatmul_scratch_rows: None,
+        }
     }
 }
 
@@ -76,7 +88,7 @@ pub struct Compiled {
 pub fn compile(graph: &Graph, opts: &CompileOptions) -> Result<Compiled, CompileError> {
     graph.verify()?;
     let after = optimise(graph, opts)?;
-    let plan = plan::plan(&after)?;
+    let plan = plan::plan_with(&after, opts.qmatmul_scratch_rows)?;
     let schedule = lower::lower(&after, &plan)?;
     Ok(Compiled { before: graph.clone(), after, schedule })
 }

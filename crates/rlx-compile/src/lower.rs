@@ -349,6 +349,7 @@ impl Lowerer<'_> {
                 };
                 let next = 2 + norm.is_some() as usize;
                 let residual = if residual { Some(self.dense(i, self.input(i, next)?)?) } else { None };
+                let scratch = self.plan.scratch[i].map(|b| self.buffer(b));
                 Thunk::QMatMul {
                     format,
                     dtype,
@@ -362,6 +363,7 @@ impl Lowerer<'_> {
                     norm,
                     glu,
                     residual,
+                    scratch,
                 }
             }
             Op::QGather { format } => {

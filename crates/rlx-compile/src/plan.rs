@@ -297,6 +297,30 @@ pub(crate) fn lower_err(g: &Graph, i: usize, detail: impl Into<String>) -> Compi
 
 /// Places every value of a graph (verified first).
 pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
+    plan_with(g, None)
+}
+
+/// The scratch of quantized matmul node `i` (see
+/// `rlx_schedule::qmatmul_scratch_parts`) when it has at least `min_rows`
+/// rows, in bytes; 0 otherwise.
+pub fn qmatmul_scratch(g: &Graph, i: usize, min_rows: Option<usize>) -> u64 {
+    let node = &g.nodes[i];
+    let glu = match node.op {
+        Op::QMatMul { .. } => false,
+        Op::QMatMulFused { glu, .. } => glu,
+        _ => return 0,
+    };
+    let (n, k) = (node.shape.last(), g.nodes[node.inputs[0].0].shape.last());
+    let rows = node.shape.numel() / n.max(1);
+    match min_rows {
+        Some(m) if rows >= m && n > 0 && k > 0 => rlx_schedule::qmatmul_scratch_parts(rows, n, k, glu).map_or(0, |p| p.iter().sum()),
+        _ => 0,
+    }
+}
+
+/// As [`plan`]; quantized matmuls of at least `qmatmul_scratch_rows` rows
+/// get scratch ([`qmatmul_scratch`]).
+pub fn plan_with(g: &Graph, qmatmul_scratch_rows: Option<usize>) -> Result<ArenaPlan, CompileError> {
     g.verify()?;
     let n = g.len();
     let users = users(g);
@@ -332,6 +356,7 @@ pub fn plan(g: &Graph) -> Result<ArenaPlan, CompileError> {
         };
         let bytes = match &g.nodes[i].op {
             Op::FeedForward(f) => ffn_scratch(g, i, f).iter().sum(),
+            Op::QMatMul { .. } | Op::QMatMulFused { .. } => qmatmul_scratch(g, i, qmatmul_scratch_rows),
             _ => (scratch * g.nodes[i].dtype.size()) as u64,
         };
         if bytes > 0 {

@@ -186,3 +186,67 @@ fn decode_step_writes_state_in_place_and_attends_over_it() {
     assert_eq!((t.attn.k.buf.space, t.attn.v.buf.space), (Space::State(0), Space::State(1)));
     assert!(t.rope.is_none() && t.attn.q == t.q);
 }
+
+/// A LLaMA-like block over `rows` rows: norm → merged projection → narrow ·
+/// narrow → projection + residual; norm → gate/up → SwiGLU → down +
+/// residual; every matmul quantized (Q8_0).
+fn quantized_block(rows: usize) -> Graph {
+    use rlx_ir::QFormat;
+    let (k, f) = (64, QFormat::Q8_0);
+    let rb = f.row_bytes(k).expect("row bytes");
+    let mut g = Graph::new();
+    let x = g.input("x", [rows, k], DType::F32).unwrap();
+    let g1 = g.param("g1", [k], DType::F32).unwrap();
+    let wqkv = g.param("wqkv", [3 * k, rb], DType::U8).unwrap();
+    let wo = g.param("wo", [k, rb], DType::U8).unwrap();
+    let g2 = g.param("g2", [k], DType::F32).unwrap();
+    let wgu = g.param("wgu", [4 * k, rb], DType::U8).unwrap();
+    let wd = g.param("wd", [k, rb * 2], DType::U8).unwrap();
+    let h = g.rms_norm(x, g1, 1e-5).unwrap();
+    let qkv = g.qmatmul(h, wqkv, f).unwrap();
+    let q = g.narrow(qkv, 1, 0, k).unwrap();
+    let v = g.narrow(qkv, 1, 2 * k, k).unwrap();
+    let att = g.mul(q, v).unwrap();
+    let o = g.qmatmul(att, wo, f).unwrap();
+    let x = g.add(x, o).unwrap();
+    let h2 = g.rms_norm(x, g2, 1e-5).unwrap();
+    let gu = g.qmatmul(h2, wgu, f).unwrap();
+    let gate = g.narrow(gu, 1, 0, 2 * k).unwrap();
+    let up = g.narrow(gu, 1, 2 * k, 2 * k).unwrap();
+    let act = g.swiglu(gate, up).unwrap();
+    let d = g.qmatmul(act, wd, f).unwrap();
+    let y = g.add(x, d).unwrap();
+    g.output(y).unwrap();
+    g
+}
+
+#[test]
+fn quantized_matmuls_get_scratch_from_the_rows_asked_for() {
+    use rlx_compile::{operands, qmatmul_scratch_parts};
+    let scratch_of = |t: &Thunk| match t {
+        Thunk::QMatMul { rows, n, k, glu, scratch, .. } => Some((*rows, *n, *k, *glu, *scratch)),
+        _ => None,
+    };
+    for (rows, ask, want) in [(40, None, false), (40, Some(41), false), (40, Some(40), true), (300, Some(16), true)] {
+        let opts = CompileOptions { qmatmul_scratch_rows: ask, ..CompileOptions::default() };
+        let s = compile(&quantized_block(rows), &opts).unwrap().schedule;
+        let qmms: Vec<_> = s.thunks.iter().filter_map(scratch_of).collect();
+        assert_eq!(qmms.len(), 4, "{s}");
+        for (r, n, k, glu, scratch) in qmms {
+            assert_eq!(r, rows);
+            assert_eq!(scratch.is_some(), want, "rows {rows}, asked {ask:?}: {s}");
+            if let Some(x) = scratch {
+                let [a, w, gl] = qmatmul_scratch_parts(r, n, k, glu).unwrap();
+                assert!(x.bytes >= a + w + gl, "{x} for {r}x{n}x{k}");
+                assert_eq!(gl > 0, glu);
+                assert_eq!(x.space, Space::Arena);
+            }
+        }
+        // Every operand in bounds, the scratch disjoint from what the
+        // thunk reads and writes.
+        for t in &s.thunks {
+            operands::check_operands(t).unwrap_or_else(|e| panic!("{t:?}: {e}"));
+        }
+        assert_eq!(s.to_string().contains("scratch="), want);
+    }
+}

@@ -155,7 +155,7 @@ fn io(t: &Thunk) -> (Vec<BufRef>, Vec<BufRef>) {
         }
         Thunk::Rope { x, positions, out, .. } => (vec![x.buf, *positions], vec![*out]),
         Thunk::WriteState { state, value, position, .. } => (vec![*value, *position], vec![*state]),
-        Thunk::QMatMul { a, w, out, .. } => (vec![*a, *w], vec![*out]),
+        Thunk::QMatMul { a, w, out, scratch, .. } => (vec![*a, *w], [*out].into_iter().chain(*scratch).collect()),
         Thunk::QGather { table, ids, out, .. } => (vec![*table, *ids], vec![*out]),
         Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => {
             (vec![*logits, *fparams, *iparams, *history, *position], vec![*out])
@@ -210,7 +210,7 @@ proptest! {
         let g = random_graph(seed, steps);
         let (ins, ps) = random_feeds(&g, seed ^ 0x5eed);
         let want = eval(&g, &ins, &ps);
-        for opts in [CompileOptions::default(), CompileOptions { merge_matmuls: false, fuse: false, fuse_feed_forward: false, precision: None, approximate_gelu: false }] {
+        for opts in [CompileOptions::default(), CompileOptions { merge_matmuls: false, fuse: false, fuse_feed_forward: false, precision: None, approximate_gelu: false, qmatmul_scratch_rows: None }] {
             let c = compile(&g, &opts).map_err(|e| TestCaseError::fail(format!("{e}\n{g}")))?;
             check(&c.schedule)?;
             let got = Interp::new(&c.schedule, &ps).run(&ins);
@@ -346,7 +346,7 @@ proptest! {
         let g = wide_graph(seed);
         for precision in [None, Some(DType::F16), Some(DType::BF16)] {
             for (merge_matmuls, fuse) in [(false, false), (true, true)] {
-                let opts = CompileOptions { precision, merge_matmuls, fuse, fuse_feed_forward: fuse, approximate_gelu: false };
+                let opts = CompileOptions { precision, merge_matmuls, fuse, fuse_feed_forward: fuse, approximate_gelu: false, qmatmul_scratch_rows: None };
                 let c = compile(&g, &opts).map_err(|e| TestCaseError::fail(format!("{e}\n{g}")))?;
                 check(&c.schedule)?;
                 let json = serde_json::to_string(&c.schedule).map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -159,6 +159,7 @@ fn quantized_thunks_match_dequantised_reference() {
             norm: None,
             glu: false,
             residual: None,
+            scratch: None,
         });
         let got = p.run(&[("a", &Tensor::from_f32([rows, k], &a).expect("a"))]).expect("qmatmul")[0].to_f32();
         // Reference: dequantised rows, f64 dot products.

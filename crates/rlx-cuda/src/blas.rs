@@ -226,6 +226,57 @@ impl MatMulPlan {
         }
     }
 
+    /// The plan of a quantized matmul run through the library
+    /// (src/decode.rs): `out[rows, n] = a'[rows, k] · w'[n, k]ᵀ` with a' and
+    /// w' 16-bit (`input`: f16 or bf16) in scratch at arena offsets
+    /// `a_off` and `w_off`, out (`output`: f32, f16 or bf16) at `d_off`,
+    /// f32 accumulation; `residual_at`: C's offset when a residual is
+    /// added through beta = 1 (C is out otherwise).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decoded(
+        blas: &Blas,
+        rows: usize,
+        n: usize,
+        k: usize,
+        input: DType,
+        output: DType,
+        offsets: (u64, u64, u64),
+        residual_at: Option<u64>,
+    ) -> Result<MatMulPlan> {
+        let (a_off, w_off, d_off) = offsets;
+        let (dt_in, dt_out) = (data_type(input)?, data_type(output)?);
+        // SAFETY: descriptors are created here and destroyed by Drop (also on error).
+        unsafe {
+            let mut desc = std::ptr::null_mut();
+            let compute = lt::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+            lt_check(lt::cublasLtMatmulDescCreate(&mut desc, compute, lt::cudaDataType::CUDA_R_32F), "cublasLtMatmulDescCreate")?;
+            let mut plan = MatMulPlan {
+                desc,
+                layouts: [std::ptr::null_mut(); 4],
+                algo: LtAlgo::describe(std::mem::zeroed()),
+                aligns: [align_of(w_off), align_of(a_off), align_of(residual_at.unwrap_or(d_off)), align_of(d_off)],
+                tf32: false,
+                has_bias: false,
+                beta: if residual_at.is_some() { 1.0 } else { 0.0 },
+                epilogue: None,
+            };
+            set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
+            set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
+            let (rows, n, k) = (rows as u64, n as u64, k as u64);
+            plan.layouts[0] = layout(dt_in, k, n, k, 1, 0)?;
+            plan.layouts[1] = layout(dt_in, k, rows, k, 1, 0)?;
+            plan.layouts[2] = layout(dt_out, n, rows, n, 1, 0)?;
+            plan.layouts[3] = layout(dt_out, n, rows, n, 1, 0)?;
+            let what = || format!("quantized matmul through cuBLASLt, m={rows} n={n} k={k} {input} -> {output}");
+            let first = plan.heuristics(blas, 1, SAFE_REDUCTIONS).map_err(|e| err(format!("{}: {e}", what())))?;
+            let Some(first) = first.first() else {
+                return Err(err(format!("cuBLASLt has no algorithm for {}", what())));
+            };
+            plan.algo = *first;
+            Ok(plan)
+        }
+    }
+
     /// Minimum alignment (bytes) of A, B, C, D assumed by the algorithms.
     pub fn aligns(&self) -> [u32; 4] {
         self.aligns

@@ -10,6 +10,9 @@ use rlx_ir::{BinaryOp, DType, QFormat};
 use rlx_runtime::Result;
 use rlx_schedule::Thunk;
 
+use std::sync::Arc;
+
+use crate::blas::{Blas, MatMulCall, MatMulPlan};
 use crate::driver::err;
 use crate::launch::{collapse, suffix, Bases, Kernels, Op, Step};
 use crate::params::{self, arr, i};
@@ -100,11 +103,120 @@ fn flat<T: params::KernelParams>(k: &Kernels, name: &str, n: u64, p: &T, kind: &
     Ok(Step::new(Op::kernel(k.decode()?.get(name)?, [blocks, 1, 1], 256, 0, [1, 1, 1], p)?, kind))
 }
 
-/// The steps of a QMatMul, QGather, Sample, or integer Binary thunk.
-pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels) -> Result<Vec<Step>> {
+/// Rows from which a quantized matmul with scratch runs as a library
+/// matmul (`library_steps`); the compiler plans the scratch from here
+/// (`Backend::qmatmul_scratch_rows`).
+pub(crate) const LIB_MIN_ROWS: usize = 512;
+
+/// The 16-bit type a library quantized matmul rounds its operands to (the
+/// tensor-core input type of kernels/qmma.cu and qgemm.cu).
+fn half_of(dtype: DType) -> DType {
+    if dtype == DType::BF16 {
+        DType::BF16
+    } else {
+        DType::F16
+    }
+}
+
+/// Whether a QMatMul thunk runs as a library matmul over its scratch.
+pub(crate) fn runs_library(t: &Thunk) -> bool {
+    matches!(t, Thunk::QMatMul { rows, scratch: Some(_), .. } if *rows >= LIB_MIN_ROWS)
+}
+
+/// The cuBLASLt plan of a QMatMul that runs as a library matmul, else None.
+pub(crate) fn library_plan(t: &Thunk, blas: &Blas) -> Result<Option<MatMulPlan>> {
+    let Thunk::QMatMul { dtype, rows, n, k, out, glu, residual, scratch: Some(x), .. } = t else { return Ok(None) };
+    if !runs_library(t) {
+        return Ok(None);
+    }
+    let [pa, pw, _] = parts(*rows, *n, *k, *glu)?;
+    let (a_off, w_off) = (x.offset, x.offset + pa);
+    let plan = if *glu {
+        // The gate's and up's products, f32, into the scratch's last part.
+        MatMulPlan::decoded(blas, *rows, 2 * n, *k, half_of(*dtype), DType::F32, (a_off, w_off, w_off + pw), None)?
+    } else {
+        MatMulPlan::decoded(blas, *rows, *n, *k, half_of(*dtype), *dtype, (a_off, w_off, out.offset), residual.map(|r| r.offset))?
+    };
+    Ok(Some(plan))
+}
+
+/// The scratch's parts (rlx_schedule::qmatmul_scratch_parts).
+fn parts(rows: usize, n: usize, k: usize, glu: bool) -> Result<[u64; 3]> {
+    rlx_schedule::qmatmul_scratch_parts(rows, n, k, glu).ok_or_else(|| err(format!("qmatmul scratch for {rows}x{n}x{k} overflows")))
+}
+
+/// A QMatMul as a library matmul: its rows in 16 bits (normed), its
+/// weights decoded to 16 bits, cuBLASLt, and with a gate SwiGLU
+/// (kernels/qlib.cu).
+fn library_steps(t: &Thunk, b: &Bases, k: &Kernels, blas: &Arc<Blas>, plan: &Arc<MatMulPlan>) -> Result<Vec<Step>> {
+    let Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out, norm, glu, residual, scratch: Some(x) } = t else {
+        return Err(err("qmatmul without scratch cannot run as a library matmul"));
+    };
+    let kind = t.kind();
+    let [pa, pw, _] = parts(*rows, *n, *kk, *glu)?;
+    let base = b.ptr(x)?;
+    let (ap, wp, gp) = (base, base + pa, base + pa + pw);
+    let row_bytes = format.row_bytes(*kk).ok_or_else(|| err(format!("qmatmul: {kk} is not a whole number of {format} blocks")))?;
+    let wrows = if *glu { 2 * n } else { *n };
+    let half = suffix(half_of(*dtype));
+    let prep = params::QPrepP {
+        a: b.ptr(a)?,
+        gamma: match norm {
+            Some(nm) => b.ptr(&nm.gamma)?,
+            None => 0,
+        },
+        out: ap,
+        rows: i(*rows),
+        k: i(*kk),
+        lda: *lda as i64,
+        eps: norm.map_or(0.0, |nm| nm.eps as f64),
+    };
+    // One warp a row, 8 a block.
+    let blocks = rows.div_ceil(8).clamp(1, k.sm_count as usize * 16) as u32;
+    let mut steps = vec![Step::new(
+        Op::kernel(k.decode()?.get(&format!("qprep_{}", suffix(*dtype)))?, [blocks, 1, 1], 256, 0, [1, 1, 1], &prep)?,
+        kind,
+    )];
+    let wptr = b.ptr(w)?;
+    if !wptr.is_multiple_of(2) {
+        return Err(err(format!("qmatmul: the {format} weight starts at an odd address")));
+    }
+    let deq = params::QDequantP { w: wptr, out: wp, n: i(wrows), k: i(*kk), row_bytes: i(row_bytes) };
+    steps.push(flat(k, &format!("qdequant_{}_{half}", format.name()), (wrows * kk / 8) as u64, &deq, kind)?);
+    let (c, d) = match (glu, residual) {
+        (true, _) => (gp, gp),
+        (false, Some(r)) => (b.ptr(r)?, b.ptr(out)?),
+        (false, None) => (b.ptr(out)?, b.ptr(out)?),
+    };
+    steps.push(Step::new(
+        Op::MatMul(MatMulCall { algo: plan.algo.algo, plan: plan.clone(), blas: blas.clone(), a: ap, b: wp, c, d, bias: 0 }),
+        kind,
+    ));
+    if *glu {
+        let p = params::QGluP {
+            g: gp,
+            out: b.ptr(out)?,
+            res: match residual {
+                Some(r) => b.ptr(r)?,
+                None => 0,
+            },
+            rows: i(*rows),
+            n: i(*n),
+        };
+        steps.push(flat(k, &format!("qglu_{}", suffix(*dtype)), (rows * n) as u64, &p, kind)?);
+    }
+    Ok(steps)
+}
+
+/// The steps of a QMatMul, QGather, Sample, or integer Binary thunk;
+/// `plan`: a library quantized matmul's (`library_plan`).
+pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels, blas: &Arc<Blas>, plan: Option<&Arc<MatMulPlan>>) -> Result<Vec<Step>> {
+    if let (true, Some(plan)) = (runs_library(t), plan) {
+        return library_steps(t, b, k, blas, plan);
+    }
     let kind = t.kind();
     let step = match t {
-        Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out, norm, glu, residual } => {
+        Thunk::QMatMul { format, dtype, rows, n, k: kk, a, lda, w, out, norm, glu, residual, .. } => {
             let row_bytes = format.row_bytes(*kk).ok_or_else(|| err(format!("qmatmul: {kk} is not a whole number of {format} blocks")))?;
             let wp = b.ptr(w)?;
             // The kernel reads blocks with 16-bit loads.

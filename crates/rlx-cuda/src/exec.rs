@@ -248,12 +248,14 @@ impl CudaExecutable {
         // cuBLASLt's 32 MiB workspace only where a thunk runs through it: a
         // quantized decoder's steps have none, and a server holds hundreds
         // of them (a decode step per width, prefill chunks per slot).
-        let blas = Arc::new(Blas::new(&dev, schedule.thunks.iter().any(|t| matches!(t, Thunk::MatMul(_))))?);
+        let through_lt = |t: &Thunk| matches!(t, Thunk::MatMul(_)) || crate::decode::runs_library(t);
+        let blas = Arc::new(Blas::new(&dev, schedule.thunks.iter().any(through_lt))?);
         let plans: Vec<Option<Arc<MatMulPlan>>> = schedule
             .thunks
             .iter()
             .map(|t| match t {
                 Thunk::MatMul(m) => MatMulPlan::new(&blas, m, opts.allow_tf32).map(|p| Some(Arc::new(p))),
+                Thunk::QMatMul { .. } => crate::decode::library_plan(t, &blas).map(|p| p.map(Arc::new)),
                 _ => Ok(None),
             })
             .collect::<Result<_>>()?;
@@ -705,10 +707,11 @@ fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
             [table, ids].into_iter().chain(addends.iter().map(|(a, _)| a)).chain([gamma, beta, out]).collect()
         }
         Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
-        Thunk::QMatMul { a, w, out, norm, residual, .. } => {
+        Thunk::QMatMul { a, w, out, norm, residual, scratch, .. } => {
             let mut v = vec![a, w, out];
             v.extend(norm.as_ref().map(|nm| &nm.gamma));
             v.extend(residual.as_ref());
+            v.extend(scratch.as_ref());
             v
         }
         Thunk::QGather { table, ids, out, .. } => vec![table, ids, out],

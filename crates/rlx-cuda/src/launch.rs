@@ -443,7 +443,7 @@ pub(crate) fn lower(
             }
         }
         // Integer arithmetic (positions, lengths): kernels/decode.cu.
-        Thunk::Binary { dtype: DType::I32 | DType::I64, .. } => steps.extend(crate::decode::lower(t, b, k)?),
+        Thunk::Binary { dtype: DType::I32 | DType::I64, .. } => steps.extend(crate::decode::lower(t, b, k, blas, None)?),
         Thunk::Binary { op, dtype, out_shape, a, a_strides, b: bb, b_strides, out } => {
             let n: usize = out_shape.iter().product();
             let op = match op {
@@ -821,7 +821,7 @@ pub(crate) fn lower(
             };
             steps.push(k.flat(k.get("write_state")?, n, &p, kind)?);
         }
-        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => steps.extend(crate::decode::lower(t, b, k)?),
+        Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => steps.extend(crate::decode::lower(t, b, k, blas, plan)?),
     }
     Ok(steps)
 }

@@ -195,6 +195,12 @@ impl Backend for CudaBackend {
         thunk.parts().is_some() && self.supports(thunk)
     }
 
+    /// Quantized matmuls of this many rows and more run through cuBLASLt
+    /// over weights decoded into scratch (src/decode.rs).
+    fn qmatmul_scratch_rows(&self) -> Option<usize> {
+        Some(decode::LIB_MIN_ROWS)
+    }
+
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>> {
         Ok(Box::new(self.prepare_cuda(schedule, weights, opts)?))
     }

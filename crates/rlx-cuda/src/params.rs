@@ -126,6 +126,12 @@ kernel_params! {
     struct QMatMulP {
         a: u64, w: u64, out: u64, gamma: u64, res: u64, rows: i64, n: i64, k: i64, lda: i64, row_bytes: i64, glu: i64, eps: f64,
     }
+    /// A library quantized matmul's activations in 16 bits, normed or not (kernels/qlib.cu).
+    struct QPrepP { a: u64, gamma: u64, out: u64, rows: i64, k: i64, lda: i64, eps: f64 }
+    /// Weights decoded into 16-bit rows (kernels/qlib.cu).
+    struct QDequantP { w: u64, out: u64, n: i64, k: i64, row_bytes: i64 }
+    /// SwiGLU over a library quantized matmul's products (kernels/qlib.cu).
+    struct QGluP { g: u64, out: u64, res: u64, rows: i64, n: i64 }
     /// Embedding gathers from block-quantized tables.
     struct QGatherP { table: u64, ids: u64, out: u64, err: u64, n: i64, dim: i64, vocab: i64, id64: i64, row_bytes: i64, fmt: i64 }
     /// Integer binary ops.

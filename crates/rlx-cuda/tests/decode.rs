@@ -16,7 +16,7 @@ use rand::Rng;
 use rlx_cpu::quant::dequantize_row;
 use rlx_ir::{BinaryOp, DType, QFormat, Shape};
 use rlx_runtime::{Backend, PrepareOptions, StateSet, Tensor};
-use rlx_schedule::{AttentionThunk, BufRef, SeqView, Space, Thunk, WeightSlot};
+use rlx_schedule::{qmatmul_scratch_parts, AttentionThunk, BufRef, SeqView, Space, Thunk, WeightSlot};
 
 fn t_i32(shape: &[usize], v: &[i32]) -> Tensor {
     Tensor::from_i32(shape.to_vec(), v).unwrap_or_else(|e| panic!("{e}"))
@@ -105,7 +105,7 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
     let mut r = rng(31);
     for f in QFormat::ALL {
         let be = f.block_elems();
-        for (rows, n, nblk, dt) in [
+        for case in [
             (1, 37, 3, DType::F32),
             (3, 64, 2, DType::F32),
             (17, 9, 1, DType::F32),
@@ -137,7 +137,16 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (521, 70, 2, DType::F32),
             (512, 136, 2, DType::F16),
             (600, 40, 2, DType::BF16),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        {
+            let ((rows, n, nblk, dt), lib) = case;
+            // From 512 rows with scratch: a library matmul over weights
+            // decoded into it (kernels/qlib.cu and cuBLASLt).
+            if lib && rows < 512 {
+                continue;
+            }
             let k = nblk * be;
             // A row stride past the row: the activations are a strided view.
             let lda = if rows % 2 == 1 && rows > 1 { k + 3 } else { k + 8 };
@@ -146,6 +155,7 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             let wb = random_blocks(&mut r, f, n, k);
             let w = u8_weight(&mut sb, "w", n, wb.clone());
             let out = sb.output("out", &[rows, n], dt);
+            let scratch = lib.then(|| sb.scratch(qmatmul_scratch_parts(rows, n, k, false).expect("scratch").iter().sum()));
             sb.thunk(Thunk::QMatMul {
                 format: f,
                 dtype: dt,
@@ -159,10 +169,11 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
                 norm: None,
                 glu: false,
                 residual: None,
+                scratch,
             });
             let at = rand_tensor(&mut r, &[rows, lda], dt);
             let (s, ws) = sb.finish();
-            let what = format!("qmatmul {f} {dt} {rows}x{n}x{k}");
+            let what = format!("qmatmul {f} {dt} {rows}x{n}x{k}{}", if lib { " (library)" } else { "" });
             let inputs = named(vec![("a", at.clone())]);
             // The oracle: dequantised rows, the activations as stored, f64.
             let x = at.to_f32();
@@ -251,7 +262,7 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
     let Some(g) = gpu_or_dry() else { return };
     let mut r = rng(37);
     for f in QFormat::ALL {
-        for (rows, n, norm, glu, res, nblk) in [
+        for case in [
             (1, 24, true, false, false, 2),
             (1, 12, false, true, false, 2),
             (3, 20, false, false, true, 2),
@@ -273,7 +284,16 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // The same, tiled through shared memory (512 rows and more).
             (520, 72, true, true, true, 2),
             (515, 100, true, false, false, 3),
-        ] {
+            (530, 36, false, false, true, 2),
+        ]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        {
+            let ((rows, n, norm, glu, res, nblk), lib) = case;
+            // From 512 rows with scratch: the library matmul.
+            if lib && rows < 512 {
+                continue;
+            }
             let k = nblk * f.block_elems();
             let lda = k + 4;
             let mut sb = Sb::new();
@@ -285,6 +305,7 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             let resb = sb.input("res", &[rows, n], DType::F32);
             let out = sb.output("out", &[rows, n], DType::F32);
             let eps = 1e-5f32;
+            let scratch = lib.then(|| sb.scratch(qmatmul_scratch_parts(rows, n, k, glu).expect("scratch").iter().sum()));
             sb.thunk(Thunk::QMatMul {
                 format: f,
                 dtype: DType::F32,
@@ -298,12 +319,13 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
                 norm: norm.then_some(rlx_schedule::QNorm { gamma, eps }),
                 glu,
                 residual: res.then_some(resb),
+                scratch,
             });
             let at = rand_tensor(&mut r, &[rows, lda], DType::F32);
             let gt = rand_tensor(&mut r, &[k], DType::F32);
             let rt = rand_tensor(&mut r, &[rows, n], DType::F32);
             let (s, ws) = sb.finish();
-            let what = format!("qmatmul {f} {rows}x{n}x{k} norm={norm} glu={glu} residual={res}");
+            let what = format!("qmatmul {f} {rows}x{n}x{k} norm={norm} glu={glu} residual={res}{}", if lib { " (library)" } else { "" });
             let inputs = named(vec![("a", at.clone()), ("gamma", gt.clone()), ("res", rt.clone())]);
             let (x, gv, rv) = (at.to_f32(), gt.to_f32(), rt.to_f32());
             let rb = f.row_bytes(k).unwrap_or(0);

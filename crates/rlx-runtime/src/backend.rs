@@ -49,6 +49,13 @@ pub trait Backend: Send + Sync {
         let _ = thunk;
         false
     }
+    /// The rows from which this backend runs a quantized matmul as a
+    /// library matmul over weights it decodes into arena scratch (the
+    /// compiler then plans that scratch, `Thunk::QMatMul::scratch`). The
+    /// default: never.
+    fn qmatmul_scratch_rows(&self) -> Option<usize> {
+        None
+    }
     /// Checks support, binds the weights and allocates arenas and state.
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>>;
     /// As [`prepare`](Backend::prepare), with the schedule's states taken

@@ -230,7 +230,7 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             rd("value", *value, prod(&[*batch, *new_rows, *width]), *value_dtype),
             rd("position", *position, if *positions_per_batch { *batch } else { 1 }, DType::I32),
         ],
-        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual, scratch } => {
             let row_bytes = format.row_bytes(*k).unwrap_or(usize::MAX);
             let wrows = if *glu { n.saturating_mul(2) } else { *n };
             let mut ops = vec![
@@ -249,6 +249,10 @@ pub fn operands(t: &Thunk) -> Vec<Operand> {
             }
             if let Some(r) = residual {
                 ops.push(rd("residual", *r, prod(&[*rows, *n]), *dtype));
+            }
+            if let Some(x) = scratch {
+                let need = crate::qmatmul_scratch_parts(*rows, *n, *k, *glu).map_or(u64::MAX, |p| p.iter().sum());
+                ops.push(Operand { what: "scratch", buf: *x, need, align: 16, write: true });
             }
             ops
         }
@@ -340,9 +344,15 @@ pub fn check_operands(t: &Thunk) -> Result<(), String> {
     }
     // gemm reads its operands while it writes the output, so they must not
     // share bytes (elementwise kernels may run in place; a matmul cannot).
-    if let Thunk::QMatMul { a, w, out, norm, residual, .. } = t {
+    if let Thunk::QMatMul { a, w, out, norm, residual, scratch, .. } = t {
         if overlaps(out, a) || overlaps(out, w) || norm.is_some_and(|nm| overlaps(out, &nm.gamma)) {
             return Err("qmatmul output overlaps an operand (a, w or gamma)".into());
+        }
+        if let Some(x) = scratch {
+            let others = [Some(a), Some(w), Some(out), norm.as_ref().map(|nm| &nm.gamma), residual.as_ref()];
+            if others.into_iter().flatten().any(|o| overlaps(x, o)) {
+                return Err("qmatmul scratch overlaps an operand (a, w, out, gamma or residual)".into());
+            }
         }
         if let Some(r) = residual {
             if overlaps(out, r) && r != out {

@@ -129,7 +129,7 @@ fn describe(t: &Thunk) -> String {
             let from = if value_dtype != dtype { format!(" from {value_dtype}") } else { String::new() };
             format!("{dtype}{from} [{batch}, {new_rows}/{max_rows}, {width}] {value} -> {state} at pos={position}{per}")
         }
-        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual } => {
+        Thunk::QMatMul { format, dtype, rows, n, k, a, lda, w, out, norm, glu, residual, scratch } => {
             let mut s = String::new();
             if let Some(nm) = norm {
                 s += &format!(" rms_norm(gamma={} eps={})", nm.gamma, nm.eps);
@@ -139,6 +139,9 @@ fn describe(t: &Thunk) -> String {
             }
             if let Some(r) = residual {
                 s += &format!(" +residual={r}");
+            }
+            if let Some(x) = scratch {
+                s += &format!(" scratch={x}");
             }
             format!("{dtype} [{rows}, {k}] x {format}[{n}, {k}]ᵀ a={a} lda={lda} w={w}{s} -> {out}")
         }

@@ -25,6 +25,24 @@ pub struct QNorm {
     pub eps: f32,
 }
 
+/// Alignment of each part of a quantized matmul's scratch.
+pub const QMATMUL_SCRATCH_ALIGN: u64 = 256;
+
+/// The parts of a quantized matmul's scratch (`Thunk::QMatMul::scratch`),
+/// in bytes, each a multiple of [`QMATMUL_SCRATCH_ALIGN`] and laid out in
+/// this order: the activations as 16-bit floats `[rows, k]` (normed, when
+/// the matmul has a norm); the weights decoded to 16-bit floats `[n', k]`
+/// (n' = 2n with `glu`); with `glu`, the f32 products `[rows, 2n]` before
+/// SwiGLU (else 0). `None` when the sizes overflow.
+pub fn qmatmul_scratch_parts(rows: usize, n: usize, k: usize, glu: bool) -> Option<[u64; 3]> {
+    let al = |b: u64| b.checked_next_multiple_of(QMATMUL_SCRATCH_ALIGN);
+    let wn = if glu { n.checked_mul(2)? } else { n } as u64;
+    let a = al((rows as u64).checked_mul(k as u64)?.checked_mul(2)?)?;
+    let w = al(wn.checked_mul(k as u64)?.checked_mul(2)?)?;
+    let g = if glu { al((rows as u64).checked_mul(wn)?.checked_mul(4)?)? } else { 0 };
+    Some([a, w, g])
+}
+
 /// A byte range in one memory space. Element (0, 0, ..) of the tensor it
 /// holds sits at `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -411,7 +429,12 @@ pub enum Thunk {
     /// forms (`Op::QMatMulFused`), in order: `norm` replaces each a row by
     /// its RmsNorm times gamma; `glu` makes out = silu(a·w[..n]ᵀ) ·
     /// (a·w[n..2n]ᵀ); `residual` (`[rows, n]` contiguous, a's dtype, either
-    /// disjoint from out or out itself) is added last.
+    /// disjoint from out or out itself) is added last. `scratch`
+    /// ([`qmatmul_scratch_parts`] bytes, disjoint from every operand), for a
+    /// backend that runs many rows as a library matmul over weights decoded
+    /// into it; the planner adds it from the rows its backend asks for
+    /// (`CompileOptions::qmatmul_scratch_rows`), and a backend that has no
+    /// use for it ignores it.
     QMatMul {
         format: QFormat,
         dtype: DType,
@@ -428,6 +451,8 @@ pub enum Thunk {
         glu: bool,
         #[serde(default)]
         residual: Option<BufRef>,
+        #[serde(default)]
+        scratch: Option<BufRef>,
     },
     /// out[i, :] = dequantised table row ids[i] (f32); `vocab` rows of `dim`
     /// elements in `format` blocks. An id outside 0..vocab is an error.

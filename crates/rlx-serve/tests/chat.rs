@@ -310,3 +310,43 @@ fn bad_generation_requests_get_openai_errors() {
         server.stop().await;
     });
 }
+
+/// Requests that queue while sequences decode are gathered into one
+/// admission while they keep coming within `--max-wait-ms` of each other;
+/// with 0 each is admitted at the next step on its own.
+#[test]
+fn requests_queued_while_decoding_are_admitted_together_while_they_keep_coming() {
+    let Some(gguf) = smollm2("requests_queued_while_decoding_are_admitted_together_while_they_keep_coming") else { return };
+    for (wait_ms, admissions) in [(300, 2.0), (0, 3.0)] {
+        runtime().block_on(async {
+            let opts = ServeOptions { max_wait: Duration::from_millis(wait_ms), ..options() };
+            let server = Running::start(generation_server(&gguf), opts).await;
+            let addr = server.addr;
+            let long = json!({"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 120, "temperature": 0});
+            let a = tokio::spawn(async move { post(addr, "/v1/completions", &long).await });
+            // A runs (it is admitted alone: it found the loop idle); then B,
+            // and 50 ms later C, queue while it decodes.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            let short = json!({"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0});
+            let b = tokio::spawn({
+                let body = short.clone();
+                async move { post(addr, "/v1/completions", &body).await }
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let c = tokio::spawn(async move { post(addr, "/v1/completions", &short).await });
+            for t in [b, c] {
+                let r = t.await.unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(r.status, 200, "{}", r.text());
+            }
+            let r = a.await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(r.status, 200, "{}", r.text());
+            // A must still have been decoding when C arrived.
+            let tokens = r.json()["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+            assert!(tokens >= 100, "the long request stopped after {tokens} tokens: {}", r.text());
+            let m = Client::connect(addr).await.get("/metrics").await.text();
+            assert_eq!(metric(&m, "rlx_prefill_prompts_count"), admissions, "max wait {wait_ms} ms:\n{m}");
+            assert_eq!(metric(&m, "rlx_prefill_prompts_sum"), 3.0, "{m}");
+            server.stop().await;
+        });
+    }
+}

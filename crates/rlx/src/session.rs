@@ -179,9 +179,11 @@ impl CompiledGraph {
     }
 }
 
-/// `graph` compiled with `opts`; again without the feed-forward fusion when
-/// `backend` would run none of the fused blocks as one kernel.
+/// `graph` compiled with `opts` (quantized matmul scratch where `backend`
+/// asks for it); again without the feed-forward fusion when `backend` would
+/// run none of the fused blocks as one kernel.
 fn compile_for(backend: &dyn Backend, graph: &Graph, opts: &CompileOptions) -> Result<Compiled> {
+    let opts = &CompileOptions { qmatmul_scratch_rows: backend.qmatmul_scratch_rows(), ..opts.clone() };
     let compiled = rlx_compile::compile(graph, opts)?;
     let mut fused = compiled.schedule.thunks.iter().filter(|t| matches!(t, Thunk::FeedForward(_))).peekable();
     if fused.peek().is_some() && !fused.any(|t| backend.runs_fused(t)) {

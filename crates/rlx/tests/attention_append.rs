@@ -107,8 +107,14 @@ fn step_graph(c: &Case, by_hand: bool) -> Graph {
     g
 }
 
-const UNFUSED: CompileOptions =
-    CompileOptions { precision: None, merge_matmuls: false, fuse: false, fuse_feed_forward: true, approximate_gelu: false };
+const UNFUSED: CompileOptions = CompileOptions {
+    precision: None,
+    merge_matmuls: false,
+    fuse: false,
+    fuse_feed_forward: true,
+    approximate_gelu: false,
+    qmatmul_scratch_rows: None,
+};
 
 /// Runs `steps` decode steps (positions 0, 1, .. per row, each row at its
 /// own offset when per-row) and returns every step's output, then both

@@ -7,8 +7,14 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rlx::{AttentionSpec, CompileOptions, DType, Device, Graph, NodeId, Op, Session, Tensor};
 
-const OFF: CompileOptions =
-    CompileOptions { precision: None, merge_matmuls: false, fuse: false, fuse_feed_forward: true, approximate_gelu: false };
+const OFF: CompileOptions = CompileOptions {
+    precision: None,
+    merge_matmuls: false,
+    fuse: false,
+    fuse_feed_forward: true,
+    approximate_gelu: false,
+    qmatmul_scratch_rows: None,
+};
 
 fn random(rng: &mut StdRng, dims: &[usize]) -> Tensor {
     let n = dims.iter().product();
