@@ -1,9 +1,8 @@
-// Times the quantized matmuls for many rows against each other on a
+// Times the two quantized matmuls for many rows against each other on a
 // prefill's shapes, and checks that they agree: qmma (kernels/qmma.cu,
-// operands straight from global memory, 32 rows a block), qgemm
-// (kernels/qgemm.cu, shared-memory tiles of 128 rows × 64 columns) and the
-// library form (kernels/qlib.cu: rows to 16 bits, weights decoded to 16
-// bits, cuBLASLt, SwiGLU; what src/decode.rs runs from LIB_MIN_ROWS rows).
+// operands straight from global memory, 32 rows a block) and the library
+// form (kernels/qlib.cu: rows to 16 bits, weights decoded to 16 bits,
+// cuBLASLt, SwiGLU; what src/decode.rs runs from LIB_MIN_ROWS rows).
 // Shapes are SmolLM2-135M's projections (Q4_1, f32 activations) at 128 to
 // 8,192 rows; then every format and activation type on one shape for
 // agreement only. Weights and activations are synthetic.
@@ -17,7 +16,6 @@
 #include <algorithm>
 #include <cuda_runtime.h>
 #include "qmma.cu"
-#include "qgemm.cu"
 #include "qlib.cu"
 #include <cublasLt.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
@@ -113,18 +111,17 @@ static void launch(QK fn, dim3 grid, int threads, const QMatMulP& p) {
 
 struct Case { const char* what; int n, k, glu, norm, res; };
 
-// Runs both kernels on one problem; returns (qmma µs, qgemm µs, max |diff| / max |ref|).
+// Runs both on one problem: agreement, or times (median of 30 launches each).
 template <typename T>
-static void run(QK qmma, QK qgemm, Lib lib, int f, const Case& c, int rows, bool timed, const char* fname, const char* tname) {
+static void run(QK qmma, Lib lib, int f, const Case& c, int rows, bool timed, const char* fname, const char* tname) {
     typedef typename MmaIn<T>::type M;
     int wrows = c.glu ? 2 * c.n : c.n;
     unsigned char* w = make_weights(wrows, c.k, f);
     T* a = make_act<T>((size_t)rows * c.k, 1.0f);
     T* gamma = make_act<T>(c.k, 1.5f);
     T* res = make_act<T>((size_t)rows * c.n, 1.0f);
-    T *o1, *o2, *o3;
+    T *o1, *o3;
     CK(cudaMalloc(&o1, (size_t)rows * c.n * sizeof(T)));
-    CK(cudaMalloc(&o2, (size_t)rows * c.n * sizeof(T)));
     CK(cudaMalloc(&o3, (size_t)rows * c.n * sizeof(T)));
     M *sa, *sw; float* sg;
     CK(cudaMalloc(&sa, (size_t)rows * c.k * sizeof(M)));
@@ -133,9 +130,8 @@ static void run(QK qmma, QK qgemm, Lib lib, int f, const Case& c, int rows, bool
     QMatMulP p = {};
     p.a = a; p.w = w; p.gamma = c.norm ? gamma : nullptr; p.res = c.res ? res : nullptr;
     p.rows = rows; p.n = c.n; p.k = c.k; p.lda = c.k; p.row_bytes = row_bytes(f, c.k); p.glu = c.glu; p.eps = 1e-5;
-    dim3 g1((c.n + 15) / 16, std::min((rows + 31) / 32, 65535)), g2((c.n + 63) / 64, std::min((rows + 127) / 128, 65535));
+    dim3 g1((c.n + 15) / 16, std::min((rows + 31) / 32, 65535));
     p.out = o1; launch(qmma, g1, 256, p);
-    p.out = o2; launch(qgemm, g2, 256, p);
     // The library form, launched as src/decode.rs `library_steps` does.
     LtMm mm(rows, wrows, c.k, cdt<M>(), c.glu ? CUDA_R_32F : cdt<T>(), c.res && !c.glu);
     QPrepP pp = {a, p.gamma, sa, rows, c.k, c.k, 1e-5};
@@ -156,19 +152,22 @@ static void run(QK qmma, QK qgemm, Lib lib, int f, const Case& c, int rows, bool
     library();
     CK(cudaDeviceSynchronize());
     size_t n = (size_t)rows * c.n;
-    std::vector<T> h1(n), h2(n), h3(n);
+    std::vector<T> h1(n), h3(n);
     CK(cudaMemcpy(h1.data(), o1, n * sizeof(T), cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(h2.data(), o2, n * sizeof(T), cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(h3.data(), o3, n * sizeof(T), cudaMemcpyDeviceToHost));
     // Outputs past the type's range (f16 overflows on these random
-    // weights) must overflow the same way in both.
+    // weights) must overflow the same way in both, but for values within
+    // 1% of f16's largest (the two round in different orders, so a sum at
+    // the edge may land on either side).
     auto agree = [&](const std::vector<T>& h2) {
         double md = 0, mr = 0;
         size_t overflow = 0;
         for (size_t i = 0; i < n; i++) {
             double x = back<T>(h1[i]), y = back<T>(h2[i]);
             if (!std::isfinite(x) || !std::isfinite(y)) {
-                if (x == y) { overflow++; continue; }
+                const double fin = std::isfinite(x) ? x : y, inf = std::isfinite(x) ? y : x;
+                const bool edge = sizeof(T) == 2 && std::isfinite(fin) && std::fabs(fin) >= 0.99 * 65504.0 && (fin > 0) == (inf > 0);
+                if (x == y || edge) { overflow++; continue; }
                 md = INFINITY; break;
             }
             md = std::max(md, std::fabs(x - y)); mr = std::max(mr, std::fabs(x));
@@ -176,19 +175,17 @@ static void run(QK qmma, QK qgemm, Lib lib, int f, const Case& c, int rows, bool
         if (overflow) printf("(%zu outputs overflow %s in both) ", overflow, sizeof(T) == 2 ? "16 bits" : "f32");
         return md / std::max(mr, 1e-30);
     };
-    double rel = agree(h2), rel3 = agree(h3);
+    double rel3 = agree(h3);
     if (!timed) {
-        const bool ok = rel < 2e-2 && rel3 < 2e-2;
-        printf("%-6s %-5s %-28s rows %5d: max |x - qmma| / max |qmma|: qgemm %.2e, library %.2e %s\n", fname, tname, c.what, rows, rel, rel3, ok ? "ok" : "MISMATCH");
+        printf("%-6s %-5s %-28s rows %5d: max |library - qmma| / max |qmma| = %.2e %s\n", fname, tname, c.what, rows, rel3, rel3 < 2e-2 ? "ok" : "MISMATCH");
     } else {
         cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-        float us[3];
-        for (int v = 0; v < 3; v++) {
+        float us[2];
+        for (int v = 0; v < 2; v++) {
             std::vector<float> ts;
             for (int r = 0; r < 30; r++) {
                 CK(cudaEventRecord(e0));
                 if (v == 0) { p.out = o1; launch(qmma, g1, 256, p); }
-                else if (v == 1) { p.out = o2; launch(qgemm, g2, 256, p); }
                 else library();
                 CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
                 float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); ts.push_back(ms * 1000.0f);
@@ -196,9 +193,9 @@ static void run(QK qmma, QK qgemm, Lib lib, int f, const Case& c, int rows, bool
             std::sort(ts.begin(), ts.end()); us[v] = ts[ts.size() / 2];
         }
         double flop = 2.0 * rows * (double)wrows * c.k;
-        printf("| %s | %d | %.1f | %.1f | %.1f | %.0f / %.0f / %.0f | %.1e / %.1e |\n", c.what, rows, us[0], us[1], us[2], flop / us[0] / 1e6, flop / us[1] / 1e6, flop / us[2] / 1e6, rel, rel3);
+        printf("| %s | %d | %.1f | %.1f | %.2f× | %.0f / %.0f | %.1e |\n", c.what, rows, us[0], us[1], us[0] / us[1], flop / us[0] / 1e6, flop / us[1] / 1e6, rel3);
     }
-    cudaFree(w); cudaFree(a); cudaFree(gamma); cudaFree(res); cudaFree(o1); cudaFree(o2); cudaFree(o3); cudaFree(sa); cudaFree(sw); cudaFree(sg);
+    cudaFree(w); cudaFree(a); cudaFree(gamma); cudaFree(res); cudaFree(o1); cudaFree(o3); cudaFree(sa); cudaFree(sw); cudaFree(sg);
 }
 
 int main() {
@@ -211,19 +208,19 @@ int main() {
     LK(cublasLtCreate(&g_lt));
     CK(cudaMalloc(&g_ws, G_WS));
     printf("Q4_1, f32 activations; median of 30 launches (µs); TFLOP/s\n\n");
-    printf("| projection | rows | qmma µs | qgemm µs | library µs | TFLOP/s qmma / qgemm / library | max rel diff qgemm / library |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    printf("| projection | rows | qmma µs | library µs | speedup | TFLOP/s qmma / library | max rel diff |\n|---|---:|---:|---:|---:|---:|---:|\n");
     const Lib q41 = {qprep_f32, qdequant_q4_1_f16, qglu_f32};
     for (int rows : {128, 256, 512, 1024, 2048, 4096, 8192})
         for (const Case& c : shapes)
-            if (!getenv("PM_AGREE_ONLY")) run<float>(qmma_q4_1_r32_f32, qgemm_q4_1_m128_f32, q41, QF_Q4_1, c, rows, true, "q4_1", "f32");
+            if (!getenv("PM_AGREE_ONLY")) run<float>(qmma_q4_1_r32_f32, q41, QF_Q4_1, c, rows, true, "q4_1", "f32");
     printf("\nAgreement, every format and activation type (k 1024, 300 and 37 rows, n 200 and 72):\n");
     const Case a1 = {"n 200, norm + gate", 200, 1024, 1, 1, 0}, a2 = {"n 72, residual", 72, 1024, 0, 0, 1};
 #define AGREE(FN, F)                                                                                      \
     for (const Case* c : {&a1, &a2})                                                                      \
         for (int rows : {300, 37}) {                                                                      \
-            run<float>(qmma_##FN##_r32_f32, qgemm_##FN##_m128_f32, {qprep_f32, qdequant_##FN##_f16, qglu_f32}, F, *c, rows, false, #FN, "f32"); \
-            run<__half>(qmma_##FN##_r32_f16, qgemm_##FN##_m128_f16, {qprep_f16, qdequant_##FN##_f16, qglu_f16}, F, *c, rows, false, #FN, "f16"); \
-            run<__nv_bfloat16>(qmma_##FN##_r32_bf16, qgemm_##FN##_m128_bf16, {qprep_bf16, qdequant_##FN##_bf16, qglu_bf16}, F, *c, rows, false, #FN, "bf16"); \
+            run<float>(qmma_##FN##_r32_f32, {qprep_f32, qdequant_##FN##_f16, qglu_f32}, F, *c, rows, false, #FN, "f32"); \
+            run<__half>(qmma_##FN##_r32_f16, {qprep_f16, qdequant_##FN##_f16, qglu_f16}, F, *c, rows, false, #FN, "f16"); \
+            run<__nv_bfloat16>(qmma_##FN##_r32_bf16, {qprep_bf16, qdequant_##FN##_bf16, qglu_bf16}, F, *c, rows, false, #FN, "bf16"); \
         }
     AGREE(q4_0, QF_Q4_0) AGREE(q4_1, QF_Q4_1) AGREE(q5_0, QF_Q5_0) AGREE(q5_1, QF_Q5_1) AGREE(q8_0, QF_Q8_0)
     AGREE(q4_k, QF_Q4K) AGREE(q6_k, QF_Q6K)

@@ -2,7 +2,7 @@
 // src/decode.rs): the weights are decoded into 16-bit floats and the
 // activations rounded to 16 bits in the thunk's arena scratch, the library
 // multiplies them (f32 accumulation), and with a gate a last kernel applies
-// SwiGLU. The same contract and fused forms as qgemm.cu (QMatMulP in
+// SwiGLU. The same contract and fused forms as qmma.cu (QMatMulP in
 // quant.cuh); the 16-bit type is MmaIn<T>'s (f16, bf16 for bf16 rows).
 //
 //   qprep_<dtype>:        a' = 16-bit (RmsNorm(a) · gamma), or of a
@@ -77,7 +77,7 @@ __device__ void qdequant_body(const QDequantP& p) {
 }
 
 // The gate's products in g[:, :n], the up projection's in g[:, n:]; the
-// formula is qgemm.cu's.
+// formula is qmma.cu's.
 template <typename T>
 __device__ void qglu_body(const QGluP& p) {
     const i64 total = p.rows * p.n;

@@ -1,7 +1,7 @@
 // Block-quantized weights as GGML stores them (rlx_ir::QFormat documents
 // each block layout): format codes, block sizes, and the decoding of a
 // lane's chunk of a block, shared by the generation kernels (decode.cu's
-// matvecs and gathers, qmma.cu's and qgemm.cu's tensor-core matmuls).
+// matvecs and gathers, qmma.cu's tensor-core matmuls, qlib.cu's decoding).
 #pragma once
 #include "common.cuh"
 
@@ -16,7 +16,7 @@
 
 typedef unsigned char u8;
 
-// The tensor-core input type of the quantized matmuls (qmma.cu, qgemm.cu):
+// The tensor-core input type of the quantized matmuls (qmma.cu, and qlib.cu's 16-bit operands):
 // f16, or bf16 for bf16 activations.
 template <typename T> struct MmaIn { typedef __half type; };
 template <> struct MmaIn<__nv_bfloat16> { typedef __nv_bfloat16 type; };

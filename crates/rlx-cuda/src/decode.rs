@@ -1,6 +1,7 @@
 //! Launches of the generation step's kernels: matmuls and embedding
 //! gathers over block-quantized weights read as stored (kernels/decode.cu,
-//! kernels/qmma.cu, kernels/qgemm.cu), next-token sampling (kernels/sample.cu), and integer
+//! kernels/qmma.cu; over many rows kernels/qlib.cu and cuBLASLt), next-token
+//! sampling (kernels/sample.cu), and integer
 //! binary ops (positions). The files are compiled and loaded the first time
 //! a schedule needs them (`Kernels::decode`). Every launch reads its
 //! changing values (ids, positions, sampling settings) from device memory,
@@ -25,19 +26,6 @@ const WIDE_MIN: usize = 8192;
 /// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
 /// kernels/qmma.cu): its warps split k.
 const QMMA_THREADS: u32 = 256;
-/// Threads per block of the tiled quantized matmul (`QG_THREADS` in
-/// kernels/qgemm.cu), and its tile: `QG_BM` rows × `QG_BN` columns.
-const QG_THREADS: u32 = 256;
-const QG_BM: usize = 128;
-const QG_BN: usize = 64;
-
-/// Rows from which a quantized matmul runs tiled through shared memory
-/// (kernels/qgemm.cu) rather than from global memory (kernels/qmma.cu).
-/// Measured on an H100 on SmolLM2-135M's four projections
-/// (bench/prefill-matmul.cu): at 128 rows the tiled kernel took 1.4–2.1×
-/// qmma's time, at 512 rows 0.53–0.96×, at 2,048 and more 0.30–0.65×.
-const QG_MIN_ROWS: usize = 512;
-
 /// Threads of the sampling kernel (`SAMPLE_THREADS` in kernels/decode.cu).
 const SAMPLE_THREADS: u32 = 512;
 /// Candidates the sampling kernel holds in shared memory after top-k
@@ -105,11 +93,14 @@ fn flat<T: params::KernelParams>(k: &Kernels, name: &str, n: u64, p: &T, kind: &
 
 /// Rows from which a quantized matmul with scratch runs as a library
 /// matmul (`library_steps`); the compiler plans the scratch from here
-/// (`Backend::qmatmul_scratch_rows`).
-pub(crate) const LIB_MIN_ROWS: usize = 512;
+/// (`Backend::qmatmul_scratch_rows`). Measured on an H100 on SmolLM2-135M's
+/// four projections (bench/prefill-matmul.cu, Q4_1, f32 rows): at 128 rows
+/// the library form took 1.23× qmma's time over the four, at 256 0.85×,
+/// at 512 0.50×, at 4,096 0.16×.
+pub(crate) const LIB_MIN_ROWS: usize = 256;
 
 /// The 16-bit type a library quantized matmul rounds its operands to (the
-/// tensor-core input type of kernels/qmma.cu and qgemm.cu).
+/// tensor-core input type of kernels/qmma.cu).
 fn half_of(dtype: DType) -> DType {
     if dtype == DType::BF16 {
         DType::BF16
@@ -256,13 +247,9 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels, blas: &Arc<Blas>, plan: O
                 .into_iter()
                 .find(|&mc| chunks_per_lane <= mc)
                 .filter(|_| *rows == 1 && fixed && aligned && format.block_elems() == 32);
-            let (name, grid, threads) = if *rows >= QG_MIN_ROWS {
-                // Many rows (a long prompt, prompts side by side): tiles
-                // staged in shared memory (kernels/qgemm.cu).
-                let grid = [n.div_ceil(QG_BN).max(1) as u32, rows.div_ceil(QG_BM).clamp(1, 65535) as u32, 1];
-                (format!("qgemm_{}_m{QG_BM}_{}", format.name(), suffix(*dtype)), grid, QG_THREADS)
-            } else if *rows >= 2 {
-                // Two and more rows on tensor cores (kernels/qmma.cu): 16
+            let (name, grid, threads) = if *rows >= 2 {
+                // Two and more rows on tensor cores (kernels/qmma.cu; from
+                // LIB_MIN_ROWS with scratch, the library form above): 16
                 // columns a block, 8 rows a tile up to 32 rows (a decode
                 // batch: more blocks beat decoding each weight once per 32
                 // rows), else 32.
@@ -381,10 +368,6 @@ mod tests {
         }
         let qmma = include_str!("../kernels/qmma.cu");
         assert!(qmma.contains(&format!("#define QMMA_WARPS {}\n", QMMA_THREADS / 32)), "QMMA_WARPS");
-        let qgemm = include_str!("../kernels/qgemm.cu");
-        assert!(qgemm.contains(&format!("#define QG_THREADS {QG_THREADS}\n")), "QG_THREADS");
-        assert!(qgemm.contains(&format!("#define QG_BN {QG_BN}\n")), "QG_BN");
-        assert!(qgemm.contains(&format!("(q4_1, QF_Q4_1, {QG_BM})\n")), "QG_BM");
     }
 
     #[test]

@@ -184,7 +184,7 @@ pub(crate) struct Kernels {
     /// loaded on first use (`ffn`); a failure is kept as its message and
     /// repeated to every caller.
     ffn: std::sync::Mutex<HashMap<(usize, usize), Loaded>>,
-    /// The generation step's kernels (kernels/decode.cu, qmma.cu, qgemm.cu, sample.cu), loaded on first
+    /// The generation step's kernels (kernels/decode.cu, qmma.cu, qlib.cu, sample.cu), loaded on first
     /// use (`decode`) in the same way.
     decode: OnceLock<std::result::Result<LazyModule, String>>,
     /// The fault-injection hook's trapping kernel (kernels/fault.cu).
@@ -253,7 +253,7 @@ impl Kernels {
         let loaded = self.decode.get_or_init(|| {
             let files = crate::nvrtc::decode_sources_for(self.dev.cc);
             let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs, file: "decode.cu, qmma.cu, qgemm.cu or sample.cu" })
+            Ok(LazyModule { funcs, file: "decode.cu, qmma.cu, qlib.cu or sample.cu" })
         });
         loaded.as_ref().map_err(|e| err(format!("loading the generation kernels: {e}")))
     }

@@ -64,7 +64,6 @@ pub fn ffn_source(h: usize, i: usize) -> String {
 pub const DECODE_SOURCES: &[(&str, &str)] = &[
     ("decode.cu", include_str!("../kernels/decode.cu")),
     ("qmma.cu", include_str!("../kernels/qmma.cu")),
-    ("qgemm.cu", include_str!("../kernels/qgemm.cu")),
     ("qlib.cu", include_str!("../kernels/qlib.cu")),
     ("sample.cu", include_str!("../kernels/sample.cu")),
 ];

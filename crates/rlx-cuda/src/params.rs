@@ -122,7 +122,7 @@ kernel_params! {
     struct AxisP { x: u64, out: u64, outer: i64, len: i64, inner: i64, op: i64 }
     /// The masked mean over a sequence.
     struct MaskedMeanP { x: u64, mask: u64, out: u64, batch: i64, seq: i64, dim: i64, mask_dt: i64, out_dt: i64 }
-    /// Matmuls over block-quantized weights (kernels/decode.cu, qmma.cu, qgemm.cu).
+    /// Matmuls over block-quantized weights (kernels/decode.cu, qmma.cu).
     struct QMatMulP {
         a: u64, w: u64, out: u64, gamma: u64, res: u64, rows: i64, n: i64, k: i64, lda: i64, row_bytes: i64, glu: i64, eps: f64,
     }

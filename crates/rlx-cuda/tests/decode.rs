@@ -131,9 +131,10 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
             (70, 33, 5, DType::F32),
             (37, 24, 3, DType::F16),
             (9, 17, 4, DType::BF16),
-            // 512 rows and more: the shared-memory tiled kernel, with
-            // partial last tiles both ways (and, at 521 rows, a row
-            // stride of k + 3).
+            // Many rows, each without scratch (qmma) and with it (from 256
+            // rows: the library form), with partial tiles both ways (and,
+            // at 521 rows, a row stride of k + 3).
+            (300, 24, 3, DType::F16),
             (521, 70, 2, DType::F32),
             (512, 136, 2, DType::F16),
             (600, 40, 2, DType::BF16),
@@ -142,9 +143,9 @@ fn qmatmul_every_format_against_the_f64_oracle_and_the_cpu() {
         .flat_map(|c| [(c, false), (c, true)])
         {
             let ((rows, n, nblk, dt), lib) = case;
-            // From 512 rows with scratch: a library matmul over weights
+            // From 256 rows with scratch: a library matmul over weights
             // decoded into it (kernels/qlib.cu and cuBLASLt).
-            if lib && rows < 512 {
+            if lib && rows < 256 {
                 continue;
             }
             let k = nblk * be;
@@ -281,17 +282,19 @@ fn qmatmul_fused_forms_against_the_f64_oracle() {
             // with a partial third.
             (8, 40, true, true, false, 18),
             (70, 21, true, true, true, 5),
-            // The same, tiled through shared memory (512 rows and more).
+            // The same over many rows, without scratch and with it (the
+            // library form from 256 rows).
             (520, 72, true, true, true, 2),
             (515, 100, true, false, false, 3),
             (530, 36, false, false, true, 2),
+            (260, 24, true, true, false, 2),
         ]
         .into_iter()
         .flat_map(|c| [(c, false), (c, true)])
         {
             let ((rows, n, norm, glu, res, nblk), lib) = case;
-            // From 512 rows with scratch: the library matmul.
-            if lib && rows < 512 {
+            // From 256 rows with scratch: the library matmul.
+            if lib && rows < 256 {
                 continue;
             }
             let k = nblk * f.block_elems();

@@ -9,10 +9,10 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rlx::Device;
 use rlx_models::{Generator, GeneratorOptions, Message, PromptEncoder, SamplingParams, StopReason};
@@ -124,7 +124,6 @@ impl DecodeScheduler {
         device: Device,
         options: GeneratorOptions,
         max_queue: usize,
-        max_wait: Duration,
         metrics: Arc<Metrics>,
     ) -> Result<(DecodeScheduler, JoinHandle<()>), ServeError> {
         let (tx, rx) = sync_channel(max_queue);
@@ -158,7 +157,7 @@ impl DecodeScheduler {
             if ready_tx.send(Ok(info)).is_err() {
                 return;
             }
-            Loop { gen, rx, max_wait, metrics: m, active: (0..slots).map(|_| None).collect() }.run();
+            Loop { gen, rx, metrics: m, active: (0..slots).map(|_| None).collect() }.run();
         })?;
         let info = match ready_rx.recv() {
             Ok(Ok(info)) => info,
@@ -192,14 +191,9 @@ struct Active {
     completion_tokens: usize,
 }
 
-/// How many `max_wait` an admission gathers at most (`Loop::run`).
-const GATHER_ROUNDS: u32 = 8;
-
 struct Loop {
     gen: Generator,
     rx: Receiver<(GenRequest, UnboundedSender<GenEvent>)>,
-    /// Longest gap between requests an admission gathers across.
-    max_wait: Duration,
     metrics: Arc<Metrics>,
     /// By slot.
     active: Vec<Option<Active>>,
@@ -223,34 +217,17 @@ impl Loop {
             self.drop_gone();
             // Admit into free slots, all the requests waiting at once (so
             // that a burst is prefilled side by side); block only when
-            // nothing runs. A request that finds the loop idle is admitted
-            // at once, with whatever came with it. Requests that queued
-            // while it worked are gathered while more keep coming (each
-            // within `max_wait` of the last, at most GATHER_ROUNDS ×
-            // `max_wait` in all): the rest of a burst joins one admission
-            // instead of waiting for the one before it.
+            // nothing runs.
             let mut batch = Vec::new();
-            let mut idle = false;
-            let mut deadline = None;
             while open && self.running() + batch.len() < self.active.len() {
-                let next = match self.rx.try_recv() {
-                    Ok(r) => Some(r),
-                    Err(TryRecvError::Empty) if self.running() == 0 && batch.is_empty() => {
-                        idle = true;
-                        self.rx.recv().ok()
+                let next = if self.running() == 0 && batch.is_empty() {
+                    self.rx.recv().ok()
+                } else {
+                    match self.rx.try_recv() {
+                        Ok(r) => Some(r),
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => None,
                     }
-                    Err(TryRecvError::Empty) if idle || batch.is_empty() || self.max_wait.is_zero() => break,
-                    Err(TryRecvError::Empty) => {
-                        let now = Instant::now();
-                        let end = *deadline.get_or_insert(now + self.max_wait * GATHER_ROUNDS);
-                        let wait = self.max_wait.min(end.saturating_duration_since(now));
-                        match self.rx.recv_timeout(wait) {
-                            Ok(r) => Some(r),
-                            Err(RecvTimeoutError::Timeout) => break,
-                            Err(RecvTimeoutError::Disconnected) => None,
-                        }
-                    }
-                    Err(TryRecvError::Disconnected) => None,
                 };
                 let Some((req, events)) = next else {
                     open = false;

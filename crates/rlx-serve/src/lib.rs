@@ -76,8 +76,7 @@ impl Server {
         let generation = match &models.generation {
             Some(path) => {
                 let go = decode_scheduler::generator_options(options.max_sequences, options.ctx_size, options.kv_dtype);
-                let (scheduler, handle) =
-                    DecodeScheduler::start(path.clone(), options.device, go, options.max_queue, options.max_wait, metrics.clone())?;
+                let (scheduler, handle) = DecodeScheduler::start(path.clone(), options.device, go, options.max_queue, metrics.clone())?;
                 workers.push(handle);
                 Some(GenerationModel { id: model_id(path), scheduler })
             }
