@@ -255,7 +255,16 @@ impl CudaExecutable {
             .iter()
             .map(|t| match t {
                 Thunk::MatMul(m) => MatMulPlan::new(&blas, m, opts.allow_tf32).map(|p| Some(Arc::new(p))),
-                Thunk::QMatMul { .. } => crate::decode::library_plan(t, &blas).map(|p| p.map(Arc::new)),
+                // Without a cuBLASLt algorithm for it, the matmul runs on qmma.
+                Thunk::QMatMul { .. } => match crate::decode::library_plan(t, &blas) {
+                    Ok(p) => Ok(p.map(Arc::new)),
+                    Err(e) => {
+                        if trace {
+                            eprintln!("rlx-cuda: a quantized matmul runs on qmma, not through cuBLASLt: {e}");
+                        }
+                        Ok(None)
+                    }
+                },
                 _ => Ok(None),
             })
             .collect::<Result<_>>()?;
