@@ -178,11 +178,11 @@ const JOINT_PREFILL_TOKENS: usize = 4096;
 /// A prefill step's fixed cost in prompt-token equivalents on a GPU, for
 /// choosing between prefilling prompts side by side and one at a time
 /// (`Generator::add_sequences`). Fitted to SmolLM2-135M on an H100 (`rlx
-/// bench`): a 128-token prefill step took 2.8 ms and one of 32 prompts × 128
-/// tokens side by side 22.5 ms, so a step costs about 440 tokens' time on
-/// top of ~5 µs a token. On the CPU a step's cost is its tokens
-/// (`CHUNK_OVERHEAD`).
-const GPU_STEP_OVERHEAD: usize = 512;
+/// bench`, many-row matmuls through cuBLASLt): a 128-token prefill step
+/// took 2.8 ms and one of 32 prompts × 128 tokens side by side 12.7 ms, so
+/// a step costs about 1,000 tokens' time on top of ~2.5 µs a token. On the
+/// CPU a step's cost is its tokens (`CHUNK_OVERHEAD`).
+const GPU_STEP_OVERHEAD: usize = 1024;
 
 /// The bucket of the next prefill chunk for `remaining` prompt tokens with
 /// `room` cache rows left: of the plans that cover the tokens with buckets
