@@ -10,6 +10,7 @@
 //! # Ok(()) }
 //! ```
 
+mod ascii_wordpiece;
 mod bert;
 pub mod bpe_vocab;
 pub mod chat_template;

@@ -19,8 +19,10 @@
 
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
 use tokenizers::{Tokenizer, TruncationParams};
 
+use crate::ascii_wordpiece::AsciiWordPiece;
 use crate::{ModelError, Result};
 
 #[derive(Clone)]
@@ -30,6 +32,9 @@ pub struct TextTokenizer {
     max_len: usize,
     /// Token-making bytes of a text handed to the tokenizer at most.
     budget: usize,
+    /// BERT's pipeline for ASCII texts in one pass (src/ascii_wordpiece.rs),
+    /// where the file is that pipeline.
+    fast: Option<AsciiWordPiece>,
 }
 
 impl TextTokenizer {
@@ -48,7 +53,8 @@ impl TextTokenizer {
             _ => 0,
         };
         let budget = input_budget(max_len, longest.max(whole_word).max(4));
-        Ok(TextTokenizer { inner, path: path.to_path_buf(), max_len, budget })
+        let fast = AsciiWordPiece::for_tokenizer(&inner, max_len);
+        Ok(TextTokenizer { inner, path: path.to_path_buf(), max_len, budget, fast })
     }
 
     /// Bytes that can make a token that a text keeps before it is cut
@@ -64,6 +70,9 @@ impl TextTokenizer {
     /// Token ids of one text with `[CLS]` … `[SEP]`, truncated.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let text = &text[..cut_point(text, self.budget)];
+        if let Some((ids, _)) = self.fast.as_ref().and_then(|f| f.encode(text)) {
+            return Ok(ids);
+        }
         let enc = self
             .inner
             .encode_fast(text, true)
@@ -81,14 +90,38 @@ impl TextTokenizer {
     pub fn encode_batch_counting(&self, texts: &[&str]) -> Result<(Vec<Vec<u32>>, usize)> {
         let ends: Vec<usize> = texts.iter().map(|t| cut_point(t, self.budget)).collect();
         let cut: Vec<&str> = texts.iter().zip(&ends).map(|(t, &end)| &t[..end]).collect();
-        let encs = self.inner.encode_batch_fast(cut, true).map_err(|e| ModelError::Tokenizer {
-            path: self.path.clone(),
-            detail: format!("encoding a batch of {} texts: {e}", texts.len()),
-        })?;
-        // Truncation moves the cut tokens into the overflow encodings.
-        let truncated =
-            encs.iter().zip(texts.iter().zip(&ends)).filter(|(e, (t, &end))| !e.get_overflowing().is_empty() || end < t.len()).count();
-        Ok((encs.iter().map(|e| e.get_ids().to_vec()).collect(), truncated))
+        // The fast path's texts, in parallel; the rest through the crate.
+        let fast: Vec<Option<(Vec<u32>, bool)>> = match &self.fast {
+            Some(f) => cut.par_iter().with_min_len(64).map(|t| f.encode(t)).collect(),
+            None => vec![None; cut.len()],
+        };
+        let slow: Vec<&str> = cut.iter().zip(&fast).filter(|(_, f)| f.is_none()).map(|(t, _)| *t).collect();
+        let mut encs = if slow.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.encode_batch_fast(slow, true).map_err(|e| ModelError::Tokenizer {
+                path: self.path.clone(),
+                detail: format!("encoding a batch of {} texts: {e}", texts.len()),
+            })?
+        }
+        .into_iter();
+        let (mut ids, mut truncated) = (Vec::with_capacity(texts.len()), 0);
+        for ((f, t), &end) in fast.into_iter().zip(texts).zip(&ends) {
+            let (v, cut_tokens) = match f {
+                Some(x) => x,
+                None => {
+                    let e = encs.next().ok_or_else(|| ModelError::Tokenizer {
+                        path: self.path.clone(),
+                        detail: "the tokenizer returned fewer encodings than texts".into(),
+                    })?;
+                    // Truncation moves the cut tokens into the overflow encodings.
+                    (e.get_ids().to_vec(), !e.get_overflowing().is_empty())
+                }
+            };
+            truncated += (cut_tokens || end < t.len()) as usize;
+            ids.push(v);
+        }
+        Ok((ids, truncated))
     }
 
     /// WordPiece strings of one text (for debugging and tests).
@@ -238,6 +271,119 @@ pub(crate) fn preview(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A small BERT tokenizer.json: every ASCII letter, digit and
+    /// punctuation character but `~` and `q`, their `##` forms but `##q`,
+    /// a few longer pieces; words of up to 20 characters.
+    fn tiny_bert(lowercase: bool) -> String {
+        let mut vocab: Vec<String> = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].iter().map(|s| s.to_string()).collect();
+        for c in (b'!'..=b'~').filter(|&c| c != b'~' && c != b'q') {
+            vocab.push((c as char).to_string());
+            if c.is_ascii_alphanumeric() {
+                vocab.push(format!("##{}", c as char));
+            }
+        }
+        for w in ["the", "quick", "brown", "un", "##believ", "##able", "##ing", "hello", "world", "Hello", "##llo"] {
+            vocab.push(w.to_string());
+        }
+        let entries: Vec<String> =
+            vocab.iter().enumerate().map(|(i, t)| format!("{}: {i}", serde_json::to_string(t).unwrap_or_default())).collect();
+        let added: Vec<String> = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                format!(r#"{{"id": {i}, "content": "{t}", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}}"#)
+            })
+            .collect();
+        format!(
+            r###"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [{}],
+            "normalizer": {{"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true, "strip_accents": null, "lowercase": {lowercase}}},
+            "pre_tokenizer": {{"type": "BertPreTokenizer"}},
+            "post_processor": {{"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]}},
+            "decoder": {{"type": "WordPiece", "prefix": "##", "cleanup": true}},
+            "model": {{"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##", "max_input_chars_per_word": 20, "vocab": {{{}}}}}}}"###,
+            added.join(", "),
+            entries.join(", ")
+        )
+    }
+
+    /// Random texts: mostly letters and spaces, with digits, punctuation,
+    /// control characters and long runs; in some, added tokens and
+    /// non-ASCII characters.
+    fn random_texts(seed: u64, n: usize) -> Vec<String> {
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n)
+            .map(|_| {
+                let len = r.random_range(0..400);
+                // One text in six may hold added tokens and non-ASCII characters.
+                let exotic = r.random_bool(1.0 / 6.0);
+                let mut t = String::new();
+                while t.len() < len {
+                    match r.random_range(0..100) {
+                        89 | 90 if !exotic => t.push(' '),
+                        0..=54 => t.push((if r.random_bool(0.2) { b'A' } else { b'a' } + r.random_range(0..26)) as char),
+                        55..=69 => t.push(' '),
+                        70..=77 => t.push((b'!' + r.random_range(0..15)) as char),
+                        78..=82 => t.push((b'0' + r.random_range(0..10)) as char),
+                        83..=87 => t.push(r.random_range(0u8..32) as char),
+                        88 => t.push('\u{7f}'),
+                        89 => t.push_str(["[MASK]", "[mask]", "[CLS]", "[sep"][r.random_range(0..4)]),
+                        90 => t.push(['é', 'ß', '日', '\u{301}', '\u{a0}'][r.random_range(0..5)]),
+                        91 => t.push_str(&"x".repeat(r.random_range(15..30))),
+                        _ => t.push((b'[' + r.random_range(0..6)) as char),
+                    }
+                }
+                t
+            })
+            .collect()
+    }
+
+    /// The one-pass ASCII path gives the ids and truncation counts the
+    /// crate gives, one text at a time and in batches.
+    fn same_as_the_crate(tok: &TextTokenizer, texts: &[String], what: &str) {
+        assert!(tok.fast.is_some(), "{what}: the fast path was not taken up");
+        let slow = TextTokenizer { fast: None, ..tok.clone() };
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let (a, ta) = tok.encode_batch_counting(&refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (b, tb) = slow.encode_batch_counting(&refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (i, t) in refs.iter().enumerate() {
+            assert_eq!(a[i], b[i], "{what}: text {i} {t:?}");
+            assert_eq!(tok.encode(t).ok(), Some(b[i].clone()), "{what}: text {i} alone");
+        }
+        assert_eq!(ta, tb, "{what}: truncated texts");
+        let fast = refs.iter().filter(|t| tok.fast.as_ref().is_some_and(|f| f.encode(t).is_some())).count();
+        assert!(fast * 3 > refs.len(), "{what}: only {fast} of {} texts took the fast path", refs.len());
+    }
+
+    #[test]
+    fn the_ascii_path_equals_the_tokenizers_crate() {
+        let dir = std::env::temp_dir().join(format!("rlx-tiny-bert-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        for (lowercase, max_len) in [(true, 16), (false, 16), (true, 512)] {
+            let path = dir.join(format!("tokenizer-{lowercase}-{max_len}.json"));
+            std::fs::write(&path, tiny_bert(lowercase)).unwrap_or_else(|e| panic!("{e}"));
+            let tok = TextTokenizer::from_file(&path, max_len).unwrap_or_else(|e| panic!("{e}"));
+            same_as_the_crate(&tok, &random_texts(7 + max_len as u64, 3000), &format!("tiny, lowercase {lowercase}, max_len {max_len}"));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        // The real MiniLM tokenizer, on the embedding benchmark's corpus and
+        // random texts.
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let file = root.join("models/all-MiniLM-L6-v2/tokenizer.json");
+        if !file.is_file() {
+            assert!(std::env::var("RLX_REQUIRE_MODELS").as_deref() != Ok("1"), "{} is missing", file.display());
+            eprintln!("SKIPPED the MiniLM half: {} is missing (run scripts/fetch-models)", file.display());
+            return;
+        }
+        let corpus = std::fs::read_to_string(root.join("bench/embed-corpus.txt")).unwrap_or_else(|e| panic!("{e}"));
+        let mut texts: Vec<String> = corpus.lines().map(String::from).collect();
+        texts.extend(random_texts(11, 3000));
+        for max_len in [128, 256] {
+            let tok = TextTokenizer::from_file(&file, max_len).unwrap_or_else(|e| panic!("{e}"));
+            same_as_the_crate(&tok, &texts, &format!("MiniLM, max_len {max_len}"));
+        }
+    }
 
     #[test]
     fn the_cut_counts_only_token_making_bytes_and_keeps_characters_whole() {
