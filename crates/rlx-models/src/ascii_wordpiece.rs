@@ -22,7 +22,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{Model, ModelWrapper, Tokenizer};
+use tokenizers::{Model, ModelWrapper, Tokenizer, TruncationDirection};
 
 /// FNV-1a: vocabulary keys are a few bytes, where SipHash's setup dominates.
 #[derive(Default)]
@@ -63,7 +63,8 @@ pub(crate) struct AsciiWordPiece {
 
 /// Texts the fast path must tokenize as the crate does before it is used:
 /// every ASCII byte, punctuation between and inside words, words past the
-/// length limit, words with and without vocabulary entries.
+/// length limit, words with and without vocabulary entries, texts past the
+/// ids' limit (each word different, so that which ones are kept shows).
 fn probes() -> Vec<String> {
     let all: String = (0u8..128).map(|b| b as char).collect();
     vec![
@@ -76,6 +77,7 @@ fn probes() -> Vec<String> {
         "a".repeat(99) + " " + &"b".repeat(100) + " " + &"c".repeat(101),
         "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX.".into(),
         "word ".repeat(400),
+        (0..600).map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
     ]
 }
 
@@ -88,6 +90,11 @@ impl AsciiWordPiece {
             _ => return None,
         };
         if !matches!(tok.get_pre_tokenizer()?, PreTokenizerWrapper::BertPreTokenizer(_)) {
+            return None;
+        }
+        // Truncation keeps the first ids, with no overlap.
+        let t = tok.get_truncation()?;
+        if t.direction != TruncationDirection::Right || t.stride != 0 || t.max_length != max_len {
             return None;
         }
         let ModelWrapper::WordPiece(wp) = tok.get_model() else { return None };

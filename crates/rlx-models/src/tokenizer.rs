@@ -366,6 +366,17 @@ mod tests {
             let tok = TextTokenizer::from_file(&path, max_len).unwrap_or_else(|e| panic!("{e}"));
             same_as_the_crate(&tok, &random_texts(7 + max_len as u64, 3000), &format!("tiny, lowercase {lowercase}, max_len {max_len}"));
         }
+        // A file that truncates from the left is not BERT's usual pipeline:
+        // every text goes through the crate.
+        let left = tiny_bert(true).replacen(
+            r#""truncation": null"#,
+            r#""truncation": {"direction": "Left", "max_length": 16, "strategy": "LongestFirst", "stride": 0}"#,
+            1,
+        );
+        let path = dir.join("tokenizer-left.json");
+        std::fs::write(&path, left).unwrap_or_else(|e| panic!("{e}"));
+        let tok = TextTokenizer::from_file(&path, 16).unwrap_or_else(|e| panic!("{e}"));
+        assert!(tok.fast.is_none(), "left truncation took the fast path");
         let _ = std::fs::remove_dir_all(&dir);
         // The real MiniLM tokenizer, on the embedding benchmark's corpus and
         // random texts.
