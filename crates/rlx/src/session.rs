@@ -221,6 +221,53 @@ mod tests {
         }
     }
 
+    /// The CPU backend, asking for quantized matmul scratch from 3 rows.
+    struct Scratchy(rlx_cpu::CpuBackend);
+
+    impl Backend for Scratchy {
+        fn name(&self) -> &str {
+            "scratchy"
+        }
+        fn supports(&self, thunk: &Thunk) -> bool {
+            self.0.supports(thunk)
+        }
+        fn qmatmul_scratch_rows(&self) -> Option<usize> {
+            Some(3)
+        }
+        fn prepare(
+            &self,
+            schedule: Arc<Schedule>,
+            weights: Arc<WeightStore>,
+            opts: &PrepareOptions,
+        ) -> rlx_runtime::Result<Box<dyn Executable>> {
+            self.0.prepare(schedule, weights, opts)
+        }
+    }
+
+    #[test]
+    fn quantized_matmuls_get_scratch_where_the_backend_asks_for_it() {
+        let f = rlx_ir::QFormat::Q8_0;
+        let scratch_of = |rows: usize, backend: &dyn Backend| {
+            let mut g = Graph::new();
+            let x = g.input("x", [rows, 32], DType::F32).unwrap();
+            let w = g.param("w", [8, f.row_bytes(32).unwrap()], DType::U8).unwrap();
+            let y = g.qmatmul(x, w, f).unwrap();
+            g.output(y).unwrap();
+            let c = compile_for(backend, &g, &CompileOptions::default()).unwrap();
+            let found: Vec<bool> = c
+                .schedule
+                .thunks
+                .iter()
+                .filter_map(|t| if let Thunk::QMatMul { scratch, .. } = t { Some(scratch.is_some()) } else { None })
+                .collect();
+            assert_eq!(found.len(), 1, "{}", c.schedule);
+            found[0]
+        };
+        assert!(scratch_of(3, &Scratchy(rlx_cpu::CpuBackend::new())));
+        assert!(!scratch_of(2, &Scratchy(rlx_cpu::CpuBackend::new())));
+        assert!(!scratch_of(3, &rlx_cpu::CpuBackend::new()));
+    }
+
     /// x [2, 5, 16] → FFN1 (32, + bias, GELU) → FFN2 (16, + bias) → LayerNorm(· + x).
     fn feed_forward_graph() -> Graph {
         let mut g = Graph::new();
