@@ -198,41 +198,32 @@ mod tests {
     use super::*;
     use rlx_ir::{DType, Op};
 
-    /// The CPU backend, saying it runs fused thunks as one kernel.
-    struct Fusing(rlx_cpu::CpuBackend);
+    /// The CPU backend, saying it runs fused thunks as one kernel (`fuses`)
+    /// and asking for quantized matmul scratch from `scratch_rows` rows.
+    struct Cpu {
+        cpu: rlx_cpu::CpuBackend,
+        fuses: bool,
+        scratch_rows: Option<usize>,
+    }
 
-    impl Backend for Fusing {
-        fn name(&self) -> &str {
-            "fusing"
-        }
-        fn supports(&self, thunk: &Thunk) -> bool {
-            self.0.supports(thunk)
-        }
-        fn runs_fused(&self, thunk: &Thunk) -> bool {
-            thunk.parts().is_some()
-        }
-        fn prepare(
-            &self,
-            schedule: Arc<Schedule>,
-            weights: Arc<WeightStore>,
-            opts: &PrepareOptions,
-        ) -> rlx_runtime::Result<Box<dyn Executable>> {
-            self.0.prepare(schedule, weights, opts)
+    impl Cpu {
+        fn new(fuses: bool, scratch_rows: Option<usize>) -> Cpu {
+            Cpu { cpu: rlx_cpu::CpuBackend::new(), fuses, scratch_rows }
         }
     }
 
-    /// The CPU backend, asking for quantized matmul scratch from 3 rows.
-    struct Scratchy(rlx_cpu::CpuBackend);
-
-    impl Backend for Scratchy {
+    impl Backend for Cpu {
         fn name(&self) -> &str {
-            "scratchy"
+            "test-cpu"
         }
         fn supports(&self, thunk: &Thunk) -> bool {
-            self.0.supports(thunk)
+            self.cpu.supports(thunk)
+        }
+        fn runs_fused(&self, thunk: &Thunk) -> bool {
+            self.fuses && thunk.parts().is_some()
         }
         fn qmatmul_scratch_rows(&self) -> Option<usize> {
-            Some(3)
+            self.scratch_rows
         }
         fn prepare(
             &self,
@@ -240,7 +231,7 @@ mod tests {
             weights: Arc<WeightStore>,
             opts: &PrepareOptions,
         ) -> rlx_runtime::Result<Box<dyn Executable>> {
-            self.0.prepare(schedule, weights, opts)
+            self.cpu.prepare(schedule, weights, opts)
         }
     }
 
@@ -263,8 +254,8 @@ mod tests {
             assert_eq!(found.len(), 1, "{}", c.schedule);
             found[0]
         };
-        assert!(scratch_of(3, &Scratchy(rlx_cpu::CpuBackend::new())));
-        assert!(!scratch_of(2, &Scratchy(rlx_cpu::CpuBackend::new())));
+        assert!(scratch_of(3, &Cpu::new(false, Some(3))));
+        assert!(!scratch_of(2, &Cpu::new(false, Some(3))));
         assert!(!scratch_of(3, &rlx_cpu::CpuBackend::new()));
     }
 
@@ -289,7 +280,7 @@ mod tests {
         let g = feed_forward_graph();
         let opts = CompileOptions::default();
         let ops = |c: &Compiled| c.after.nodes.iter().filter(|n| matches!(n.op, Op::FeedForward(_))).count();
-        let fusing = compile_for(&Fusing(rlx_cpu::CpuBackend::new()), &g, &opts).unwrap();
+        let fusing = compile_for(&Cpu::new(true, None), &g, &opts).unwrap();
         let cpu = compile_for(&rlx_cpu::CpuBackend::new(), &g, &opts).unwrap();
         assert_eq!(ops(&fusing), 1, "{}", fusing.after);
         assert_eq!(ops(&cpu), 0, "{}", cpu.after);
@@ -297,6 +288,6 @@ mod tests {
         assert!(cpu.schedule.arena_bytes < fusing.schedule.arena_bytes, "{} vs {}", cpu.schedule.arena_bytes, fusing.schedule.arena_bytes);
         // With the fusion off in the options, nothing to decide.
         let off = CompileOptions { fuse_feed_forward: false, ..opts };
-        assert_eq!(ops(&compile_for(&Fusing(rlx_cpu::CpuBackend::new()), &g, &off).unwrap()), 0);
+        assert_eq!(ops(&compile_for(&Cpu::new(true, None), &g, &off).unwrap()), 0);
     }
 }
