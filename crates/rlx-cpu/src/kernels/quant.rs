@@ -745,11 +745,14 @@ pub fn matmul_with(
     let act = Act::new(format, path, m, k, a, lda);
     let w = &w[..n * rb];
 
-    // Columns per task: ~8 tasks per thread for balance, but at least ~32 KiB
-    // of weight traffic × rows each so the split costs little.
+    // Columns per task: two tasks per thread, but at least ~32 KiB of
+    // weight traffic × rows each so the split costs little. With eight a
+    // thread, decode at batch 1 (SmolLM2-135M, 2 cores) ran 1–16% slower in
+    // six alternated runs: each matvec is tens of µs, and the pool's
+    // hand-offs cost more than the balance won.
     let threads = rayon::current_num_threads().max(1);
     let min_cols = ((32 << 10) / rb.saturating_mul(m).max(1)).max(1);
-    let cn = n.div_ceil(threads * 8).max(min_cols).min(n);
+    let cn = n.div_ceil(threads * 2).max(min_cols).min(n);
     let nchunks = n.div_ceil(cn);
 
     // Each task gets the same column range of every output row.
