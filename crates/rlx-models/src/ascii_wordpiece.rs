@@ -2,7 +2,7 @@
 //! … [SEP]`) for texts that are all ASCII, in one pass over the bytes: the
 //! `tokenizers` crate's path, which tracks every character's offsets
 //! through normalisation, costs about 56 µs for a 37-token line on this
-//! project's CPU; this one a few. [`TextTokenizer`](crate::tokenizer)
+//! project's CPU; this one about 2. [`TextTokenizer`](crate::tokenizer)
 //! takes it for ASCII texts that hold no added token (`[MASK]` and the
 //! like, matched before normalisation) and hands every other text to the
 //! crate. It is built only for a tokenizer.json of exactly that pipeline,
@@ -59,6 +59,10 @@ pub(crate) struct AsciiWordPiece {
     /// Added tokens' contents, lowercased: a text holding one goes to the
     /// crate.
     added: Vec<Vec<u8>>,
+    /// Bytes an added token's match can start at (its first byte in either
+    /// case; for a leading space also tab, newline and carriage return,
+    /// which normalise to one): a text with none of them holds none.
+    starts: [bool; 256],
 }
 
 /// Texts the fast path must tokenize as the crate does before it is used:
@@ -112,7 +116,17 @@ impl AsciiWordPiece {
         // The special tokens around a text: the crate's encoding of "".
         let empty = tok.encode_fast("", true).ok()?;
         let [cls, sep] = empty.get_ids() else { return None };
-        let added = tok.get_added_tokens_decoder().values().map(|t| t.content.to_ascii_lowercase().into_bytes()).collect();
+        let added: Vec<Vec<u8>> = tok.get_added_tokens_decoder().values().map(|t| t.content.to_ascii_lowercase().into_bytes()).collect();
+        let mut starts = [false; 256];
+        for &c in added.iter().filter_map(|a| a.first()) {
+            starts[c as usize] = true;
+            starts[c.to_ascii_uppercase() as usize] = true;
+            if c == b' ' {
+                for w in [b'\t', b'\n', b'\r'] {
+                    starts[w as usize] = true;
+                }
+            }
+        }
         let fast = AsciiWordPiece {
             words: words.into(),
             rest: rest.into(),
@@ -123,6 +137,7 @@ impl AsciiWordPiece {
             max_chars: wp.max_input_chars_per_word,
             keep: max_len.checked_sub(2)?,
             added,
+            starts,
         };
         let agrees = probes().iter().all(|p| {
             let crate_ids = tok.encode_fast(p.as_str(), true).map(|e| e.get_ids().to_vec()).ok();
@@ -138,7 +153,7 @@ impl AsciiWordPiece {
         if !b.is_ascii() {
             return None;
         }
-        if !self.added.is_empty() {
+        if b.iter().any(|&c| self.starts[c as usize]) {
             // The crate matches added tokens in the raw text or in the
             // normalised one (per token): look in both, ignoring case.
             let norm: Vec<u8> = b
