@@ -112,6 +112,8 @@ struct AttnView {
     i64 valid; i64 kv_end; bool vec;
 };
 
+// QB: bytes of a query element (2, or 4 for f32 queries over a 16-bit cache).
+template <int QB = 2>
 __device__ __forceinline__ AttnView attn_view(const AttnP& p, i64 b, i64 h, bool first) {
     typedef unsigned short u16;
     AttnView a;
@@ -122,7 +124,7 @@ __device__ __forceinline__ AttnView attn_view(const AttnP& p, i64 b, i64 h, bool
     if (a.kv_end < 0) a.kv_end = 0;
     // 32-bit division (once per thread; the 64-bit one is a long sequence).
     const i64 kvh = (int)h / ((int)p.heads / (int)p.kv_heads);
-    a.qb = (const u16*)p.q + b * p.qbs + h * p.hd;
+    a.qb = (const u16*)((const char*)p.q + (b * p.qbs + h * p.hd) * QB);
     a.kb = (const u16*)p.k + b * p.kbs + kvh * p.hd;
     a.vb = (const u16*)p.v + b * p.vbs + kvh * p.hd;
     a.vec = p.hd % 8 == 0 && ((p.qrs | p.krs | p.vrs) & 7) == 0 &&
@@ -229,6 +231,58 @@ __device__ __forceinline__ void attn_load_q(unsigned (&qa)[HDP / 16][4], const A
     }
 }
 
+// f32 queries (a decoder's activations over its f16 or bf16 KV cache): the
+// same fragments, each pair rounded to T as it loads (the keys and values
+// are already T; scores still accumulate in f32). qb: the row base as f32.
+template <typename T, int HDP>
+__device__ __forceinline__ void attn_load_q_f32(unsigned (&qa)[HDP / 16][4], const AttnP& p, const float* qb, i64 wr, int t) {
+    const int hd = (int)p.hd;
+    const bool pairs = hd % 2 == 0 && (p.qrs & 1) == 0 && ((unsigned long long)qb & 7) == 0;
+    auto qpair = [&](i64 row, int d) -> unsigned {
+        if (row >= p.q_len || d >= hd) return 0u;
+        const float* r = qb + row * p.qrs + d;
+        if (pairs) {
+            const float2 x = *(const float2*)r;  // d even, d + 1 < hd
+            return Mma<T>::pack(x.x, x.y);
+        }
+        return Mma<T>::pack(r[0], d + 1 < hd ? r[1] : 0.0f);
+    };
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+}
+
+// Q's fragments for queries of type TQ (T, or f32) over keys of type T.
+template <typename TQ> struct QIsF32 { static constexpr bool v = false; };
+template <> struct QIsF32<float> { static constexpr bool v = true; };
+template <typename TQ, typename T, int HDP>
+__device__ __forceinline__ void attn_load_q_any(unsigned (&qa)[HDP / 16][4], const AttnP& p, const AttnView& a, i64 wr, int t) {
+    if constexpr (QIsF32<TQ>::v) attn_load_q_f32<T, HDP>(qa, p, (const float*)a.qb, wr, t);
+    else attn_load_q<HDP>(qa, p, a, wr, t);
+}
+
+// Two adjacent outputs (d, d + 1 < hd) of a row of type TQ as one store
+// when `pairs` says the row allows it (same rounding as st).
+template <typename TQ, typename T>
+__device__ __forceinline__ void attn_store_pair(TQ* orow, int d, int hd, bool pairs, float x0, float x1) {
+    if (pairs) {
+        if constexpr (QIsF32<TQ>::v) *(float2*)(orow + d) = make_float2(x0, x1);
+        else *(unsigned*)(orow + d) = Mma<T>::pack(x0, x1);
+    } else {
+        st(orow, d, x0);
+        if (d + 1 < hd) st(orow, d + 1, x1);
+    }
+}
+// Whether a row of TQ at orow takes pair stores (hd even, aligned to a pair).
+template <typename TQ>
+__device__ __forceinline__ bool attn_pairs(const TQ* orow, int hd) {
+    return hd % 2 == 0 && ((unsigned long long)orow & (2 * sizeof(TQ) - 1)) == 0;
+}
+
 // A probability is at most 2^LAZY_SLACK before its row is rescaled: far
 // inside f16's and bf16's range, and the same relative precision as 1.
 #define LAZY_SLACK 8.0f
@@ -322,7 +376,7 @@ __device__ __forceinline__ void attn_quad_sums(float (&l)[2]) {
     }
 }
 
-template <typename T, int HDP>
+template <typename T, int HDP, typename TQ = T>
 __device__ __forceinline__ void attn_store_rows(const float (&o)[HDP / 8][4], const float (&l)[2], const AttnP& p, i64 b, i64 h, i64 wr,
                                                 int t) {
     const int hd = (int)p.hd;
@@ -331,22 +385,19 @@ __device__ __forceinline__ void attn_store_rows(const float (&o)[HDP / 8][4], co
         const i64 row = wr + 8 * half;
         if (row >= p.q_len) continue;
         const float inv = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
-        T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
-        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+        TQ* orow = (TQ*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        const bool pairs = attn_pairs(orow, hd);
 #pragma unroll
         for (int n = 0; n < HDP / 8; ++n) {
             const int d = n * 8 + 2 * t;
-            if (pairs) {
-                if (d < hd) *(unsigned*)(orow + d) = Mma<T>::pack(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-            } else {
-                if (d < hd) st(orow, d, o[n][2 * half] * inv);
-                if (d + 1 < hd) st(orow, d + 1, o[n][2 * half + 1] * inv);
-            }
+            if (d < hd) attn_store_pair<TQ, T>(orow, d, hd, pairs, o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
         }
     }
 }
 
-template <typename T, int HDP, int W>
+// TQ: the queries' and output's type (T, or f32 over a T cache: the
+// queries round to T as they load, the output stays f32).
+template <typename T, int HDP, int W, typename TQ = T>
 __device__ void attention_mma_body(const AttnP& p) {
     constexpr int NT = 32 * W;  // threads of the block
     constexpr int R = 16 * W;   // query rows of the block, 16 per warp
@@ -372,7 +423,7 @@ __device__ void attention_mma_body(const AttnP& p) {
     // exponential is one exp2: softmax is unchanged by the base.
     const float scale = (float)p.scale * 1.4426950408889634f;
 
-    const AttnView av = attn_view(p, b, h, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0);
+    const AttnView av = attn_view<(int)sizeof(TQ)>(p, b, h, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0);
     const u16* kb = av.kb;
     const u16* vb = av.vb;
     const bool vec = av.vec;
@@ -437,7 +488,7 @@ __device__ void attention_mma_body(const AttnP& p) {
     // This warp's rows: wr and wr + 8 for the two halves of each fragment.
     const i64 wr = r0 + warp * 16 + g;
     unsigned qa[HDP / 16][4];
-    attn_load_q<HDP>(qa, p, av, wr, t);
+    attn_load_q_any<TQ, T, HDP>(qa, p, av, wr, t);
     if (ntiles > 0) load_flags(0);
 
     float o[HDP / 8][4];
@@ -510,7 +561,7 @@ __device__ void attention_mma_body(const AttnP& p) {
         if (ti + STAGES < ntiles) load_tile(buf, t0 + STAGES * TK);
     }
     attn_quad_sums(l);
-    attn_store_rows<T, HDP>(o, l, p, b, h, wr, t);
+    attn_store_rows<T, HDP, TQ>(o, l, p, b, h, wr, t);
 }
 
 // Short key ranges (at most SHORT_KEYS keys: BERT's 128 tokens at batch 32).
@@ -707,7 +758,7 @@ template <int HDP> struct AttnSplit {
 // 4 warps. `first`: the one thread that reports a bad valid_len. Every
 // thread of the 4 warps returns from here; `smem` may be reused once they
 // have.
-template <typename T, int HDP>
+template <typename T, int HDP, typename TQ = T>
 __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, unsigned char* smem, bool first) {
     constexpr int TKS = AttnSplit<HDP>::TKS;
     constexpr int KP = AttnSplit<HDP>::KP;
@@ -720,7 +771,7 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
     const int hd = (int)p.hd;
     const float scale = (float)p.scale * 1.4426950408889634f;  // log2 domain, as above
 
-    const AttnView av = attn_view(p, b, h, first);
+    const AttnView av = attn_view<(int)sizeof(TQ)>(p, b, h, first);
     const u16* kb = av.kb;
     const u16* vb = av.vb;
     const bool vec = av.vec;
@@ -758,7 +809,7 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
 
     const i64 wr = r0 + g;
     unsigned qa[HDP / 16][4];
-    attn_load_q<HDP>(qa, p, av, wr, t);
+    attn_load_q_any<TQ, T, HDP>(qa, p, av, wr, t);
 
     float o[HDP / 8][4];
 #pragma unroll
@@ -838,8 +889,8 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
         }
         // A row that sees no key at all (fully masked) yields zeros.
         const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-        T* orow = (T*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
-        const bool pairs = hd % 2 == 0 && ((unsigned long long)orow & 3) == 0;
+        TQ* orow = (TQ*)p.out + (b * p.q_len + row) * (p.heads * p.hd) + h * p.hd;
+        const bool pairs = attn_pairs(orow, hd);
 #pragma unroll
         for (int d = part * 2; d < HDP; d += 16) {
             if (d >= hd) break;
@@ -850,22 +901,17 @@ __device__ void attention_split_item(const AttnP& p, i64 b, i64 h, i64 rblk, uns
                 x0 += f[w] * src[0];
                 x1 += f[w] * src[1];
             }
-            if (pairs) {
-                *(unsigned*)(orow + d) = Mma<T>::pack(x0 * inv, x1 * inv);
-            } else {
-                st(orow, d, x0 * inv);
-                if (d + 1 < hd) st(orow, d + 1, x1 * inv);
-            }
+            attn_store_pair<TQ, T>(orow, d, hd, pairs, x0 * inv, x1 * inv);
         }
     }
     __syncthreads();  // the caller may reuse smem once every thread is past the merge reads
 }
 
-template <typename T, int HDP>
+template <typename T, int HDP, typename TQ = T>
 __device__ void attention_split_body(const AttnP& p) {
     __shared__ __align__(16) unsigned char smem[AttnSplit<HDP>::BYTES];
     const bool first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0;
-    attention_split_item<T, HDP>(p, blockIdx.z, blockIdx.y, blockIdx.x, smem, first);
+    attention_split_item<T, HDP, TQ>(p, blockIdx.z, blockIdx.y, blockIdx.x, smem, first);
 }
 
 // attention_mma_<HDP>_<dtype> (4 warps, 64 query rows per block) and
@@ -883,7 +929,18 @@ __device__ void attention_split_body(const AttnP& p) {
         pdl_enter();                                                                                                \
         BODY<__nv_bfloat16, HDP, W>(p);                                                                             \
     }
-#define RLX_ATTN_MMA(HDP, W, NAME, BOUNDS) RLX_ATTN_BLOCKS(attention_mma_body, HDP, W, NAME, BOUNDS)
+// NAME_<HDP>_f32_kvf16 / _f32_kvbf16: f32 queries and output over an f16 or
+// bf16 cache (a decoder's prompt over its KV cache).
+#define RLX_ATTN_MMA(HDP, W, NAME, BOUNDS)                                                                          \
+    RLX_ATTN_BLOCKS(attention_mma_body, HDP, W, NAME, BOUNDS)                                                       \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_f32_kvf16(const AttnP p) {                                    \
+        pdl_enter();                                                                                                \
+        attention_mma_body<__half, HDP, W, float>(p);                                                              \
+    }                                                                                                               \
+    extern "C" __global__ void BOUNDS NAME##_##HDP##_f32_kvbf16(const AttnP p) {                                   \
+        pdl_enter();                                                                                                \
+        attention_mma_body<__nv_bfloat16, HDP, W, float>(p);                                                       \
+    }
 #define RLX_FOUR_PER_SM __launch_bounds__(128, 4)
 #define RLX_TWO_PER_SM __launch_bounds__(256, 2)
 #define RLX_NO_BOUNDS
@@ -908,10 +965,18 @@ RLX_ATTN_SHORT(64, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(32, 8, attention_short_w8, __launch_bounds__(256, 3))
 RLX_ATTN_SHORT(64, 8, attention_short_w8, __launch_bounds__(256, 3))
 
-// attention_split_<HDP>_<dtype>
+// attention_split_<HDP>_<dtype>, and _f32_kvf16 / _f32_kvbf16 as above
 #define RLX_ATTN_SPLIT(HDP)                                                                                               \
     extern "C" __global__ void attention_split_##HDP##_f16(const AttnP p) { pdl_enter(); attention_split_body<__half, HDP>(p); }      \
-    extern "C" __global__ void attention_split_##HDP##_bf16(const AttnP p) { pdl_enter(); attention_split_body<__nv_bfloat16, HDP>(p); }
+    extern "C" __global__ void attention_split_##HDP##_bf16(const AttnP p) { pdl_enter(); attention_split_body<__nv_bfloat16, HDP>(p); } \
+    extern "C" __global__ void attention_split_##HDP##_f32_kvf16(const AttnP p) {                                                 \
+        pdl_enter();                                                                                                              \
+        attention_split_body<__half, HDP, float>(p);                                                                              \
+    }                                                                                                                             \
+    extern "C" __global__ void attention_split_##HDP##_f32_kvbf16(const AttnP p) {                                                \
+        pdl_enter();                                                                                                              \
+        attention_split_body<__nv_bfloat16, HDP, float>(p);                                                                       \
+    }
 RLX_ATTN_SPLIT(32)
 RLX_ATTN_SPLIT(64)
 RLX_ATTN_SPLIT(96)

@@ -682,15 +682,17 @@ pub(crate) fn lower(
             let blocks16 = (a.q_len as u64).div_ceil(16) * (a.heads * a.batch) as u64;
             let rpw: u64 = if blocks16 >= 2 * k.sm_count as u64 { 4 } else { 1 };
             let p = attention_params(a, b)?;
-            // Tensor cores for f16/bf16 with head_dim a multiple of 16: blocks
-            // of 128 or 64 query rows when they fill the GPU (`attention_mma_rows`),
+            // Tensor cores for f16/bf16 keys and values with head_dim a
+            // multiple of 16 (f32 queries, a decoder's prompt over its f16
+            // cache, round to the cache's type as they load): blocks of 128
+            // or 64 query rows when they fill the GPU (`attention_mma_rows`),
             // else 16-row blocks whose 4 warps split the keys (batch 1: 12
             // heads x 128 tokens is 24 blocks of 64 rows but 96 of 16). The
-            // scalar kernel otherwise (f32, odd head dims).
-            let tensor = a.dtype != DType::F32 && a.kv_dtype == a.dtype && a.head_dim % 16 == 0;
+            // scalar kernel otherwise (f32 caches, odd head dims).
+            let tensor = a.kv_dtype != DType::F32 && a.head_dim % 16 == 0;
             let rows = attention_mma_rows(a.q_len, a.heads * a.batch, k.sm_count);
-            // The scalar kernels' dtype suffix: f32 queries over an f16 or
-            // bf16 cache read it as stored (`f32_kvf16`, `f32_kvbf16`).
+            // The dtype suffix: f32 queries over an f16 or bf16 cache read
+            // it as stored (`f32_kvf16`, `f32_kvbf16`).
             let sfx = if a.kv_dtype == a.dtype { suffix(a.dtype).to_string() } else { format!("f32_kv{}", suffix(a.kv_dtype)) };
             let (grid, func, block, smem) = match rows {
                 // One query row (a decode step): the keys split over a block's warps.
@@ -700,10 +702,11 @@ pub(crate) fn lower(
                 }
                 Some(r) if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(r).max(1) as u32, a.heads as u32, a.batch as u32];
-                    // The short-range kernel folds the scale into its exponent (it must be positive).
-                    let short = a.scale > 0.0;
+                    // The short-range kernel folds the scale into its exponent
+                    // (it must be positive); it has no f32-query form.
+                    let short = a.scale > 0.0 && a.dtype == a.kv_dtype;
                     let name = attention_block_kernel(r, hdp, a.kv_len, short, a.causal);
-                    let func = k.get(&format!("{name}_{hdp}_{}", suffix(a.dtype)))?;
+                    let func = k.get(&format!("{name}_{hdp}_{sfx}"))?;
                     // The short-range kernel's Q and output rows (dynamic shared memory).
                     let smem = if name.starts_with("attention_short") { short_q_smem(r, hdp) } else { 0 };
                     if smem > 0 {
@@ -713,7 +716,7 @@ pub(crate) fn lower(
                 }
                 _ if tensor => {
                     let grid = [(a.q_len as u64).div_ceil(16).max(1) as u32, a.heads as u32, a.batch as u32];
-                    (grid, k.get(&format!("attention_split_{hdp}_{}", suffix(a.dtype)))?, 128, 0)
+                    (grid, k.get(&format!("attention_split_{hdp}_{sfx}"))?, 128, 0)
                 }
                 _ => {
                     let grid = [(a.q_len as u64).div_ceil(4 * rpw).max(1) as u32, a.heads as u32, a.batch as u32];

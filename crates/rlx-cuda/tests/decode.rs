@@ -726,7 +726,11 @@ fn attention_per_row(
     let what = format!(
         "attention per-row valid {dt} (k, v {kvt}) b{batch} h{heads}/{kv_heads} hd{hd} q{q_len} kv{kv_len} causal={causal} valid={vv:?}"
     );
-    check(&what, g, &s, &w, &inputs, 1.0);
+    // f32 queries over a 16-bit cache on tensor cores (prompt rows, head
+    // dims a multiple of 16) round the queries and the probabilities to the
+    // cache's type: that type's tolerance. A decode row stays in f32.
+    let scale = if dt != kvt && q_len > 1 && hd % 16 == 0 { common::tol(kvt).0 / common::tol(dt).0 } else { 1.0 };
+    check(&what, g, &s, &w, &inputs, scale);
 }
 
 #[test]
@@ -739,7 +743,8 @@ fn attention_one_valid_length_per_row() {
         attention_per_row(&g, &mut r, (dt, dt), (2, 2, 1, 48, 3, 20), false);
     }
     // f32 queries over a half-precision cache (the decoder's f16 KV cache):
-    // the decode kernel (one query row) and the scalar prefill kernels.
+    // the decode kernel (one query row), the scalar kernel (head dims not a
+    // multiple of 16) and the tensor-core kernels.
     for kvt in [DType::F16, DType::BF16] {
         attention_per_row(&g, &mut r, (DType::F32, kvt), (3, 9, 3, 64, 1, 70), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 128, 1, 50), true);
@@ -747,6 +752,14 @@ fn attention_one_valid_length_per_row() {
         attention_per_row(&g, &mut r, (DType::F32, kvt), (4, 3, 3, 32, 5, 33), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 96, 17, 60), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 2, 1, 48, 3, 20), false);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (2, 4, 2, 40, 5, 30), true);
+        // Prompt rows on tensor cores: 64-row blocks, 128-row blocks, the
+        // key-splitting 16-row blocks, head dims 32 to 128.
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (20, 8, 4, 64, 64, 120), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (16, 9, 3, 64, 128, 300), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (20, 4, 2, 96, 40, 90), false);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (24, 6, 2, 32, 64, 100), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (12, 12, 4, 128, 70, 160), true);
     }
     // Shapes that take the tensor-core kernels (f16/bf16, 16-row blocks or
     // 64-row blocks filling the GPU; short and streaming key ranges).

@@ -23,6 +23,8 @@ struct Case {
     factors: bool,
     kv_dtype: DType,
     per_batch: bool,
+    /// The first step's position (the cache rows before it stay zero).
+    start: usize,
 }
 
 impl Case {
@@ -40,6 +42,7 @@ impl Case {
             factors: rope.is_some() && r.random_bool(0.5),
             kv_dtype: [DType::F32, DType::F16, DType::BF16][r.random_range(0..3)],
             per_batch,
+            start: 0,
         }
     }
 
@@ -131,6 +134,7 @@ fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize, 
     let mut outs = vec![];
     for t in 0..steps {
         let x = Tensor::from_f32([c.batch, 1, qw + 2 * kw], &randn(&mut r, c.batch * (qw + 2 * kw))).unwrap();
+        let t = c.start + t;
         let pos: Vec<i32> = if c.per_batch { (0..c.batch).map(|b| (t + b) as i32).collect() } else { vec![t as i32] };
         let pos = Tensor::from_i32([pos.len()], &pos).unwrap();
         outs.push(exe.run(&[("x", &x), ("pos", &pos)]).unwrap()[0].to_f32());
@@ -142,8 +146,8 @@ fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize, 
 }
 
 fn steps(c: &Case) -> usize {
-    // Every row's last position (t + b) stays inside the cache.
-    (c.ctx - c.batch + 1).min(5)
+    // Every row's last position (start + t + b) stays inside the cache.
+    (c.ctx - c.start - c.batch + 1).min(5)
 }
 
 #[test]
@@ -174,8 +178,18 @@ fn fused_append_equals_the_separate_steps_bit_for_bit_on_the_cpu() {
 /// ones do.
 #[test]
 fn mismatched_rope_or_shared_caches_fuse_less() {
-    let c =
-        Case { batch: 1, heads: 2, kv_heads: 1, head_dim: 8, ctx: 6, rope: None, factors: false, kv_dtype: DType::F32, per_batch: false };
+    let c = Case {
+        batch: 1,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        ctx: 6,
+        rope: None,
+        factors: false,
+        kv_dtype: DType::F32,
+        per_batch: false,
+        start: 0,
+    };
     let (qw, kw) = c.widths();
     let build = |rope_k_theta: Option<f32>, extra_reader: bool, cache: DType| {
         let mut g = Graph::new();
@@ -231,7 +245,27 @@ fn cuda_fused_append_agrees_with_the_cpu() {
     // 4-warp decode kernels.
     for (batch, heads, kv_heads, kv_dtype) in [(20, 9, 3, DType::F16), (48, 4, 1, DType::F32)] {
         let rope = Some(RopeMode::Interleaved);
-        cases.push(Case { batch, heads, kv_heads, head_dim: 64, ctx: batch + 24, rope, factors: false, kv_dtype, per_batch: true });
+        cases.push(Case {
+            batch,
+            heads,
+            kv_heads,
+            head_dim: 64,
+            ctx: batch + 24,
+            rope,
+            factors: false,
+            kv_dtype,
+            per_batch: true,
+            start: 0,
+        });
+    }
+    // Hundreds of keys: more than one round of a block's warps, and a
+    // write position far into the cache.
+    for (batch, heads, kv_heads, head_dim, start, kv_dtype) in
+        [(1, 9, 3, 64, 600, DType::F16), (2, 4, 2, 128, 333, DType::BF16), (1, 9, 3, 64, 40, DType::F32), (3, 2, 1, 32, 150, DType::F16)]
+    {
+        let rope = Some(RopeMode::RotateHalf);
+        let ctx = start + batch + 8;
+        cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors: true, kv_dtype, per_batch: batch > 1, start });
     }
     for (case, c) in cases.iter().enumerate() {
         let case = case as u64;
