@@ -242,6 +242,124 @@ impl Drop for DeviceBuffer {
     }
 }
 
+/// Device memory at a fixed address that grows in place (CUDA's virtual
+/// memory management): a virtual range as large as the device's memory is
+/// reserved once, and physical memory is mapped into it as `grow_to` asks.
+/// Recorded graphs that hold its address stay valid as it grows.
+#[derive(Debug)]
+pub(crate) struct GrowableBuffer {
+    pub ptr: u64,
+    /// Bytes mapped from `ptr` on.
+    pub bytes: u64,
+    reserved: usize,
+    granularity: usize,
+    ordinal: i32,
+    /// The physical allocations mapped, in address order, with their sizes.
+    chunks: Vec<(sys::CUmemGenericAllocationHandle, usize)>,
+}
+
+// SAFETY: handles and addresses are plain values usable from any thread
+// with the context current; the owner serialises growth.
+unsafe impl Send for GrowableBuffer {}
+
+impl GrowableBuffer {
+    fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct; zero is "none" for every field not set.
+        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        p.location.id = ordinal;
+        p
+    }
+
+    /// Reserves the range, or None where the device has no virtual memory
+    /// management.
+    pub fn reserve(dev: &Device) -> Result<Option<GrowableBuffer>> {
+        dev.bind()?;
+        let mut cu = 0;
+        check(unsafe { sys::cuDeviceGet(&mut cu, dev.ordinal as i32) }, "cuDeviceGet")?;
+        let mut vmm = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { sys::cuDeviceGetAttribute(&mut vmm, attr, cu) }, "cuDeviceGetAttribute")?;
+        if vmm == 0 {
+            return Ok(None);
+        }
+        let prop = Self::prop(dev.ordinal as i32);
+        let mut granularity = 0usize;
+        let how = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
+        // SAFETY: out-pointer to a local; prop lives across the call.
+        check(unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, how) }, "cuMemGetAllocationGranularity")?;
+        let granularity = granularity.max(1);
+        let (_, total) = dev.mem_info()?;
+        let reserved = (total as usize).div_ceil(granularity) * granularity;
+        let mut ptr = 0;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { sys::cuMemAddressReserve(&mut ptr, reserved, granularity, 0, 0) }, "cuMemAddressReserve")?;
+        Ok(Some(GrowableBuffer { ptr, bytes: 0, reserved, granularity, ordinal: dev.ordinal as i32, chunks: Vec::new() }))
+    }
+
+    /// Maps memory so that at least `bytes` from `ptr` on are usable (a
+    /// no-op when they already are). Out of memory, or past the device's
+    /// size, is `OutOfMemory`.
+    pub fn grow_to(&mut self, dev: &Device, bytes: u64) -> Result<()> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        let oom = |dev: &Device| RuntimeError::OutOfMemory { requested: bytes, free: dev.mem_info().map(|(f, _)| f).unwrap_or(0) };
+        let want = (bytes as usize).div_ceil(self.granularity) * self.granularity;
+        if want > self.reserved {
+            return Err(oom(dev));
+        }
+        dev.bind()?;
+        let size = want - self.bytes as usize;
+        let prop = Self::prop(self.ordinal);
+        let mut handle = 0;
+        // SAFETY: out-pointer to a local; prop lives across the call.
+        let r = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(oom(dev));
+        }
+        check(r, &format!("cuMemCreate({size} bytes)"))?;
+        let at = self.ptr + self.bytes;
+        // SAFETY: [at, at + size) lies inside the reserved range and is unmapped.
+        if let Err(e) = check(unsafe { sys::cuMemMap(at, size, 0, handle, 0) }, "cuMemMap") {
+            unsafe { sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location = prop.location;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range was just mapped; one descriptor.
+        if let Err(e) = check(unsafe { sys::cuMemSetAccess(at, size, &access, 1) }, "cuMemSetAccess") {
+            unsafe {
+                sys::cuMemUnmap(at, size);
+                sys::cuMemRelease(handle);
+            }
+            return Err(e);
+        }
+        self.chunks.push((handle, size));
+        self.bytes = want as u64;
+        Ok(())
+    }
+}
+
+impl Drop for GrowableBuffer {
+    fn drop(&mut self) {
+        // SAFETY: every chunk was mapped at its place in order; the range
+        // was reserved here. Failures can only be reported, not fixed.
+        unsafe {
+            let mut at = self.ptr;
+            for (handle, size) in &self.chunks {
+                sys::cuMemUnmap(at, *size);
+                sys::cuMemRelease(*handle);
+                at += *size as u64;
+            }
+            sys::cuMemAddressFree(self.ptr, self.reserved);
+        }
+    }
+}
+
 /// Page-locked host memory: the staging area async copies (and captured
 /// copies) need.
 #[derive(Debug)]
@@ -333,6 +451,11 @@ impl Stream {
     pub fn wait(&self, e: &Event) -> Result<()> {
         // SAFETY: live stream and event.
         check(unsafe { sys::cuStreamWaitEvent(self.0, e.0, 0) }, "cuStreamWaitEvent")
+    }
+    /// `wait` on an event another owner keeps alive (the caller's duty).
+    pub fn wait_raw(&self, e: sys::CUevent) -> Result<()> {
+        // SAFETY: live stream; the caller guarantees the event is live.
+        check(unsafe { sys::cuStreamWaitEvent(self.0, e, 0) }, "cuStreamWaitEvent")
     }
 }
 

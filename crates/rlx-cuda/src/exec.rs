@@ -5,21 +5,23 @@
 //! One stream per executable: calls run on the device in submission order,
 //! which is what state (KV caches) needs; the host never waits in `submit`.
 //! State may be shared with other executables of the same device through a
-//! `StateSet` (`CudaBackend::prepare_shared`): each has its own stream, so
-//! calls of different executables that touch the set are ordered by the
-//! caller, who waits for one's calls before submitting to another (the
-//! generator does, between prefill and decode).
+//! `StateSet` (`CudaBackend::prepare_shared`). Those executables also share
+//! one activation arena (`SharedArena`: a decoder's server records hundreds
+//! of steps, each of which would otherwise hold its own), and each call
+//! waits on the device for the call submitted before it to any of them, so
+//! their calls run in submission order without the host waiting.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use cudarc::driver::sys as driver_sys;
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 use rlx_schedule::{Schedule, Space, Thunk};
 
 use crate::blas::{Blas, MatMulPlan};
-use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
+use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, GrowableBuffer, PinnedBuffer, Stream};
 use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
@@ -59,8 +61,58 @@ struct Slot {
     pending: Option<Pending>,
 }
 
+/// Unique ids of executables (for `SharedArena`'s record of the last call).
+static NEXT_EXECUTABLE: AtomicU64 = AtomicU64::new(1);
+
+/// What the executables bound to one state set share on a device: one
+/// activation arena at a fixed address that grows to the largest one's
+/// need (None where the device has no virtual memory management: each
+/// then has its own), and the order of their calls.
+pub(crate) struct SharedArena {
+    mem: Option<Mutex<GrowableBuffer>>,
+    last: Mutex<LastCall>,
+}
+
+/// The executable whose call was submitted last, and the completion event
+/// of that call (one of its slots' events: the executable clears this
+/// before it drops them).
+struct LastCall(Option<(u64, driver_sys::CUevent)>);
+// SAFETY: an event handle is usable from any thread with the context current.
+unsafe impl Send for LastCall {}
+
+impl SharedArena {
+    /// A reserve the driver refuses leaves each executable its own arena
+    /// (said under `trace`).
+    fn new(dev: &Device, trace: bool) -> SharedArena {
+        let mem = match GrowableBuffer::reserve(dev) {
+            Ok(m) => m,
+            Err(e) => {
+                if trace {
+                    eprintln!("rlx-cuda: a state set's executables keep their own arenas: {e}");
+                }
+                None
+            }
+        };
+        SharedArena { mem: mem.map(Mutex::new), last: Mutex::new(LastCall(None)) }
+    }
+    /// The arena's address, grown to `bytes`; None without a shared arena.
+    fn grow_to(&self, dev: &Device, bytes: u64) -> Result<Option<u64>> {
+        let Some(mem) = &self.mem else { return Ok(None) };
+        let mut m = mem.lock().unwrap_or_else(|p| p.into_inner());
+        m.grow_to(dev, bytes)?;
+        Ok(Some(m.ptr))
+    }
+    fn last(&self) -> MutexGuard<'_, LastCall> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 pub struct CudaExecutable {
     dev: Arc<Device>,
+    /// This executable's id in its state set's record of the last call.
+    uid: u64,
+    /// Shared with the other executables of its state set, if any.
+    set: Option<Arc<SharedArena>>,
     schedule: Arc<Schedule>,
     store: Arc<WeightStore>,
     weights: Arc<DeviceWeights>,
@@ -78,8 +130,9 @@ pub struct CudaExecutable {
     matmul_choices: Vec<(String, usize)>,
     // Drop synchronises the stream before any of these buffers are freed.
     slots: Vec<Slot>,
-    /// The activation arena, shared by the slots (see `prepare`).
-    _arena: DeviceBuffer,
+    /// The activation arena, shared by the slots (see `prepare`); None
+    /// when it is the state set's (`set`).
+    _arena: Option<DeviceBuffer>,
     /// The L2 access policy window over the arena: (bytes, hit ratio).
     l2_window: Option<(usize, f32)>,
     stream: Stream,
@@ -214,12 +267,44 @@ impl CudaExecutable {
         // only the staging buffers and the error flag, which the host reads
         // and writes, need a copy per slot. An arena per slot took `slots`
         // times the memory and was no faster, replayed or pipelined.
-        let arena = DeviceBuffer::alloc(&dev, arena_bytes)?;
+        // Executables of one state set share theirs too: their calls run in
+        // submission order (`submit`), and an arena holds nothing from one
+        // call to the next.
+        let set = match shared {
+            Some(set) => Some(set.backend_object(&format!("cuda:{}", dev.ordinal), || Ok(SharedArena::new(&dev, trace)))?),
+            None => None,
+        };
+        // Until this prepare's own device work (matmul timing) is done, no
+        // call of the set's other executables is submitted, and theirs are
+        // finished: the arena is this one's alone meanwhile.
+        let quiet = match &set {
+            Some(sa) => {
+                let last = sa.last();
+                if let Some((_, ev)) = last.0 {
+                    // SAFETY: the event's executable clears `last` before it drops it.
+                    driver::check(unsafe { driver_sys::cuEventSynchronize(ev) }, "cuEventSynchronize")?;
+                }
+                Some(last)
+            }
+            None => None,
+        };
+        let shared_ptr = match &set {
+            Some(sa) => sa.grow_to(&dev, arena_bytes)?,
+            None => None,
+        };
+        let (arena, arena_ptr) = match shared_ptr {
+            Some(ptr) => (None, ptr),
+            None => {
+                let b = DeviceBuffer::alloc(&dev, arena_bytes)?;
+                let ptr = b.ptr;
+                (Some(b), ptr)
+            }
+        };
         // Fused feed-forward blocks the kernel runs (src/ffn.rs: the shape
         // rule, then the operands' alignment and the clusters that fit); the
         // others run as their parts.
         let bases_at = |err: u64| Bases {
-            arena: arena.ptr,
+            arena: arena_ptr,
             weights: weight_bufs.iter().map(|b| b.ptr).collect(),
             states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
             consts: consts.iter().map(|b| b.ptr).collect(),
@@ -288,7 +373,7 @@ impl CudaExecutable {
         let window = match (l2_persist, dev.l2_persist_max, dev.l2_window_max) {
             (true, set, most) if set > 0 && most > 0 && dev.set_l2_persist(set).is_ok() => {
                 let bytes = (arena_bytes as usize).clamp(1, most);
-                Some((arena.ptr, bytes, (set as f32 / bytes as f32).min(1.0)))
+                Some((arena_ptr, bytes, (set as f32 / bytes as f32).min(1.0)))
             }
             _ => None,
         };
@@ -383,8 +468,14 @@ impl CudaExecutable {
             (false, _) => "eager",
         };
         let stats = ExecStats { calls: 0, kernels_per_call, arena_bytes, slots: nslots, last_host_time: Duration::ZERO, mode: mode.into() };
+        if quiet.is_some() {
+            stream.synchronize()?;
+        }
+        drop(quiet);
         let exec = CudaExecutable {
             dev,
+            uid: NEXT_EXECUTABLE.fetch_add(1, Ordering::Relaxed),
+            set,
             schedule,
             store,
             weights,
@@ -752,7 +843,15 @@ impl Executable for CudaExecutable {
         }
         let t_launch = Instant::now();
         let mut t_record = t_launch;
-        let launched = self.launch(&self.slots[si]).and_then(|_| {
+        // Executables of a state set: this call waits on the device for the
+        // call submitted before it to another of them.
+        let set = self.set.clone();
+        let mut last = set.as_ref().map(|sa| sa.last());
+        let ordered = match last.as_ref().and_then(|l| l.0) {
+            Some((uid, ev)) if uid != self.uid => self.stream.wait_raw(ev),
+            _ => Ok(()),
+        };
+        let launched = ordered.and_then(|_| self.launch(&self.slots[si])).and_then(|_| {
             t_record = Instant::now();
             self.slots[si].done.record(&self.stream)
         });
@@ -761,6 +860,10 @@ impl Executable for CudaExecutable {
             let _ = self.stream.synchronize();
             return Err(e);
         }
+        if let Some(l) = last.as_mut() {
+            l.0 = Some((self.uid, self.slots[si].done.0));
+        }
+        drop(last);
         let id = self.next_id;
         self.next_id += 1;
         let flag = Arc::new(AtomicBool::new(false));
@@ -871,6 +974,13 @@ impl Drop for CudaExecutable {
         // Nothing may be freed while the device still uses it.
         let _ = self.dev.bind();
         let _ = self.stream.synchronize();
+        // A later call of the state set waits on none of this one's events.
+        if let Some(sa) = &self.set {
+            let mut last = sa.last();
+            if last.0.is_some_and(|(uid, _)| uid == self.uid) {
+                last.0 = None;
+            }
+        }
         // The arena's lines leave L2's set-aside to other work.
         if self.l2_window.is_some() {
             let _ = self.dev.reset_l2_persisting();

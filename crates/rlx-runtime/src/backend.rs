@@ -59,7 +59,8 @@ pub trait Backend: Send + Sync {
     /// Checks support, binds the weights and allocates arenas and state.
     fn prepare(&self, schedule: Arc<Schedule>, weights: Arc<WeightStore>, opts: &PrepareOptions) -> Result<Box<dyn Executable>>;
     /// As [`prepare`](Backend::prepare), with the schedule's states taken
-    /// from (or added to) a set shared with other executables.
+    /// from (or added to) a set shared with other executables (see
+    /// [`StateSet`] on how their calls are ordered).
     fn prepare_shared(
         &self,
         schedule: Arc<Schedule>,

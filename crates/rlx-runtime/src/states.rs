@@ -6,10 +6,16 @@
 //! buffer type the first time an executable bound to the set asks for a name,
 //! and every later executable asking for that name gets the same buffer.
 //!
-//! Ordering: executables bound to one set each run their own calls in order,
-//! but calls of different executables are ordered only by the caller — wait
-//! for one executable's calls that touch the set before submitting to
-//! another (the generator does this between prefill and decode).
+//! A backend may also keep one object of its own per set for every
+//! executable bound to it ([`StateSet::backend_object`]): the CUDA backend
+//! keeps one activation arena there, which all of them share, and orders
+//! the calls of different executables on the device itself.
+//!
+//! Ordering: executables bound to one set each run their own calls in order.
+//! On the CPU, calls of different executables are ordered only by the
+//! caller — wait for one executable's calls that touch the set before
+//! submitting to another (the generator does this between prefill and
+//! decode); the CUDA backend orders them in submission order.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -27,6 +33,8 @@ struct Entry {
 #[derive(Default)]
 pub struct StateSet {
     entries: Mutex<HashMap<String, Entry>>,
+    /// Backend name -> that backend's object for the set.
+    objects: Mutex<HashMap<String, Arc<dyn Any + Send + Sync>>>,
 }
 
 impl std::fmt::Debug for StateSet {
@@ -75,6 +83,22 @@ impl StateSet {
         Ok(buf)
     }
 
+    /// The object backend `backend` keeps for every executable bound to
+    /// the set, made by `make` on first use (one per backend name; a later
+    /// request for another type is an error).
+    pub fn backend_object<T: Any + Send + Sync>(&self, backend: &str, make: impl FnOnce() -> Result<T>) -> Result<Arc<T>> {
+        let mut map = self.objects.lock().map_err(|_| RuntimeError::backend(backend, "state set lock poisoned"))?;
+        if let Some(o) = map.get(backend) {
+            return o
+                .clone()
+                .downcast::<T>()
+                .map_err(|_| RuntimeError::backend(backend, "the state set's backend object has another type"));
+        }
+        let o = Arc::new(make()?);
+        map.insert(backend.to_string(), o.clone());
+        Ok(o)
+    }
+
     /// Names of the buffers made so far.
     pub fn names(&self) -> Vec<String> {
         self.entries.lock().map(|e| e.keys().cloned().collect()).unwrap_or_default()
@@ -97,5 +121,18 @@ mod tests {
         assert!(err.contains("64 byte buffer") && err.contains("needs 65 bytes"), "{err}");
         assert!(set.get_or_create("cuda:0", "k", 64, || Ok(vec![0u8; 64])).is_err());
         assert_eq!(set.names(), vec!["k".to_string()]);
+    }
+
+    /// One object per backend name, made once; another type is refused.
+    #[test]
+    fn a_backend_object_is_made_once_per_backend() {
+        let set = StateSet::new();
+        let a = set.backend_object("cuda:0", || Ok(5u32)).expect("make");
+        let b = set.backend_object("cuda:0", || -> Result<u32> { panic!("made twice") }).expect("again");
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = set.backend_object("cuda:1", || Ok(6u32)).expect("another backend");
+        assert_eq!((*a, *c), (5, 6));
+        assert!(set.backend_object("cuda:0", || Ok(1u8)).is_err());
+        assert!(set.names().is_empty(), "objects are not state buffers");
     }
 }

@@ -106,8 +106,10 @@ impl Session {
     /// As [`compile`](Self::compile), with the graph's state tensors taken
     /// from `states` by name (created there on first use), so several
     /// executables share them — e.g. a decoder's KV cache, written by the
-    /// prefill of every length bucket and by the decode step. The caller
-    /// orders calls of different executables that touch the set.
+    /// prefill of every length bucket and by the decode step. On the CPU
+    /// the caller orders calls of different executables that touch the
+    /// set (waits for one's calls before submitting to another); on CUDA
+    /// they run in submission order, and share one activation arena.
     pub fn compile_shared(&self, graph: &Graph, states: &Arc<StateSet>) -> Result<CompiledGraph> {
         self.compile_shared_at(graph, states, 0)
     }

@@ -256,3 +256,77 @@ fn state_blocks_address_rows_of_a_wider_state() {
         assert!(err.contains("state block 1 needs states shared through a StateSet"), "{device}: {err}");
     }
 }
+
+/// A call submitted, or on the CPU already waited for.
+enum Call {
+    Pending(rlx::Ticket),
+    Done(Vec<Tensor>),
+}
+
+/// Executables bound to one state set share one activation arena on CUDA
+/// and run in submission order there: a 6-row prefill and two one-row
+/// steps submitted back to back (no wait between them, the steps reading
+/// the keys the prefill writes) give causal attention over the whole
+/// sequence; so do steps after a larger executable joins the set (the
+/// arena grows in place) and after the prefill executable is dropped. On
+/// the CPU the caller waits between executables, as the contract there
+/// asks.
+#[test]
+fn executables_of_a_state_set_share_the_arena_and_run_in_order() {
+    let devices = devices();
+    let mut r = rng(24);
+    let total = 12;
+    let q = randn(&mut r, total * H * D);
+    let k = randn(&mut r, total * KVH * D);
+    let v = randn(&mut r, total * KVH * D);
+    let want = Session::new(Device::Cpu)
+        .unwrap()
+        .compile(&full_graph(total))
+        .unwrap()
+        .run(&[("q", &rows(&q, H * D, 0, total)), ("k", &rows(&k, KVH * D, 0, total)), ("v", &rows(&v, KVH * D, 0, total))])
+        .unwrap()[0]
+        .to_f32();
+    let w = |from: usize, n: usize| -> Vec<f64> { want[from * H * D..(from + n) * H * D].iter().map(|&x| x as f64).collect() };
+    for device in devices {
+        let cpu = device == Device::Cpu;
+        // Rows from .. from + n at position `from`, over from + n keys.
+        let call = |exe: &mut rlx::CompiledGraph, from: usize, n: usize| -> Call {
+            let pos = Tensor::from_i32([1], &[from as i32]).unwrap();
+            let len = Tensor::from_i32([1], &[(from + n) as i32]).unwrap();
+            let (qt, kt, vt) = (rows(&q, H * D, from, n), rows(&k, KVH * D, from, n), rows(&v, KVH * D, from, n));
+            let t = exe.submit(&[("q", &qt), ("k", &kt), ("v", &vt), ("pos", &pos), ("len", &len)]).unwrap();
+            if cpu {
+                Call::Done(exe.wait(t).unwrap())
+            } else {
+                Call::Pending(t)
+            }
+        };
+        let out = |exe: &mut rlx::CompiledGraph, c: Call| -> Vec<f32> {
+            let o = match c {
+                Call::Pending(t) => exe.wait(t).unwrap(),
+                Call::Done(o) => o,
+            };
+            o[0].to_f32()
+        };
+        let s = Session::new(device).unwrap();
+        let set = rlx::StateSet::new();
+        let mut prefill = s.compile_shared(&step_graph(6), &set).unwrap();
+        let mut step = s.compile_shared(&step_graph(1), &set).unwrap();
+        let a = call(&mut prefill, 0, 6);
+        let b = call(&mut step, 6, 1);
+        let c = call(&mut step, 7, 1);
+        assert_close(&format!("{device}: prefill"), &out(&mut prefill, a), &w(0, 6), 1e-5);
+        assert_close(&format!("{device}: step at 6"), &out(&mut step, b), &w(6, 1), 1e-5);
+        assert_close(&format!("{device}: step at 7"), &out(&mut step, c), &w(7, 1), 1e-5);
+        // A larger executable joins (a larger arena), then the prefill goes.
+        let mut big = s.compile_shared(&step_graph(12), &set).unwrap();
+        drop(prefill);
+        let d = call(&mut step, 8, 1);
+        assert_close(&format!("{device}: step at 8"), &out(&mut step, d), &w(8, 1), 1e-5);
+        // The larger one rewrites every row, then a step reads them.
+        let e = call(&mut big, 0, 12);
+        let f = call(&mut step, 11, 1);
+        assert_close(&format!("{device}: all 12 rows"), &out(&mut big, e), &w(0, 12), 1e-5);
+        assert_close(&format!("{device}: step at 11 after them"), &out(&mut step, f), &w(11, 1), 1e-5);
+    }
+}
