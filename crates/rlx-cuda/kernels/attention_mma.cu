@@ -197,6 +197,19 @@ __device__ __forceinline__ void attn_zero_rows(unsigned short* v, int nrows, int
     }
 }
 
+// The A fragments of rows wr and wr + 8 from qpair(row, d): dims d and
+// d + 1 of a row, packed.
+template <int HDP, typename F>
+__device__ __forceinline__ void attn_q_frags(unsigned (&qa)[HDP / 16][4], i64 wr, int t, F qpair) {
+#pragma unroll
+    for (int ks = 0; ks < HDP / 16; ++ks) {
+        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
+        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
+        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
+        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
+    }
+}
+
 // The A fragments of one warp's 16 query rows (wr and wr + 8 for the two
 // halves of each fragment); zeros past q_len and the head dim.
 template <int HDP>
@@ -222,13 +235,7 @@ __device__ __forceinline__ void attn_load_q(unsigned (&qa)[HDP / 16][4], const A
         }
         return;
     }
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    attn_q_frags<HDP>(qa, wr, t, qpair);
 }
 
 // f32 queries (a decoder's activations over its f16 or bf16 KV cache): the
@@ -247,13 +254,7 @@ __device__ __forceinline__ void attn_load_q_f32(unsigned (&qa)[HDP / 16][4], con
         }
         return Mma<T>::pack(r[0], d + 1 < hd ? r[1] : 0.0f);
     };
-#pragma unroll
-    for (int ks = 0; ks < HDP / 16; ++ks) {
-        qa[ks][0] = qpair(wr, ks * 16 + 2 * t);
-        qa[ks][1] = qpair(wr + 8, ks * 16 + 2 * t);
-        qa[ks][2] = qpair(wr, ks * 16 + 2 * t + 8);
-        qa[ks][3] = qpair(wr + 8, ks * 16 + 2 * t + 8);
-    }
+    attn_q_frags<HDP>(qa, wr, t, qpair);
 }
 
 // Q's fragments for queries of type TQ (T, or f32) over keys of type T.
