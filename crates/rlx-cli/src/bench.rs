@@ -4,6 +4,8 @@
 
 mod corpus;
 mod generate;
+mod generate_chart;
+mod generate_peer;
 mod model;
 mod peer;
 mod report;
@@ -48,6 +50,11 @@ pub struct BenchArgs {
     /// Generation benchmark: KV cache dtype (auto: f16 on a GPU, f32 on the CPU; f32, f16, bf16).
     #[arg(long, default_value = "auto")]
     kv_dtype: String,
+    /// Generation benchmark: also time PyTorch (bench/torch_decode_peer.py:
+    /// transformers' LlamaForCausalLM on random weights of the same shapes,
+    /// static KV cache, CUDA graphs on a GPU) with the same settings.
+    #[arg(long)]
+    torch: bool,
     /// Storage precision: f16, bf16 or f32.
     #[arg(long, default_value = "f16")]
     dtype: String,
@@ -74,17 +81,19 @@ pub struct BenchArgs {
     /// stays exact, so the max-difference column shows what it costs).
     #[arg(long)]
     approximate_gelu: bool,
-    /// Python interpreter for the peer.
+    /// Python interpreter for the PyTorch peer.
     #[arg(long, default_value = "python3")]
     python: String,
-    /// The peer script (default: bench/gpu_peer.py in the current directory
-    /// or the source tree).
+    /// The PyTorch peer script (default: bench/gpu_peer.py, or
+    /// bench/torch_decode_peer.py for --model smollm2, in the current
+    /// directory or the source tree).
     #[arg(long)]
     peer_script: Option<PathBuf>,
     /// Write the markdown table to this file.
     #[arg(long)]
     output: Option<PathBuf>,
-    /// Draw grouped bars per configuration to this SVG file.
+    /// Draw grouped bars per configuration (per measurement with --model
+    /// smollm2) to this SVG file.
     #[arg(long)]
     plot: Option<PathBuf>,
     /// Keep the temporary directory (weights, inputs, PyTorch outputs).
@@ -130,11 +139,19 @@ fn run_generation(args: &BenchArgs, device: Device) -> Result<(), String> {
         llama_cpp: args.llama_cpp.clone(),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         kv_dtype: crate::generate::parse_kv_dtype(&args.kv_dtype)?,
+        torch: args.torch.then(|| generate::TorchPeer {
+            python: &args.python,
+            script: args.peer_script.clone().unwrap_or_else(|| default_peer_script("torch_decode_peer.py")),
+        }),
     };
-    let md = generate::run(&b)?;
-    crate::stdout::print(&md)?;
+    let report = generate::run(&b)?;
+    crate::stdout::print(&report.markdown)?;
     if let Some(path) = &args.output {
-        std::fs::write(path, &md).map_err(|e| format!("--output {}: {e}", path.display()))?;
+        std::fs::write(path, &report.markdown).map_err(|e| format!("--output {}: {e}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        generate_chart::plot_svg(path, &report.chart)?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
@@ -239,7 +256,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     }
     let mut peer_results = None;
     let peer_desc = if want_peer {
-        let script = args.peer_script.clone().unwrap_or_else(default_peer_script);
+        let script = args.peer_script.clone().unwrap_or_else(|| default_peer_script("gpu_peer.py"));
         let cmd = PeerCommand { python: &args.python, script: &script, runs: args.runs, warmup: args.warmup, device: &peer_device(device) };
         eprintln!("running the PyTorch peer ({} configurations)...", jobs.len());
         match peer::run(&cmd, &jobs, &tmp.path) {
@@ -553,14 +570,14 @@ fn peer_device(d: Device) -> String {
     }
 }
 
-/// bench/gpu_peer.py under the current directory if present, else in the
-/// source tree this binary was built from.
-fn default_peer_script() -> PathBuf {
-    let here = PathBuf::from("bench/gpu_peer.py");
+/// bench/NAME under the current directory if present, else in the source
+/// tree this binary was built from.
+fn default_peer_script(name: &str) -> PathBuf {
+    let here = Path::new("bench").join(name);
     if here.is_file() {
         return here;
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/gpu_peer.py")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench").join(name)
 }
 
 /// A scratch directory removed on drop unless kept.

@@ -1,7 +1,8 @@
 //! `rlx bench --model smollm2`: text generation speed of a GGUF decoder
 //! (prefill of a prompt, decode at batch 1, aggregate decode of a batch),
 //! with llama.cpp's own benchmark tools run on the same file in the same
-//! run when `--llama-cpp DIR` names them, and the ratio printed.
+//! run when `--llama-cpp DIR` names them, PyTorch on the same shapes with
+//! `--torch` (see generate_peer.rs), and the ratios printed.
 //!
 //! Prompts are seeded random token ids (speed does not depend on them), so
 //! no prompt is served from the prefix cache; every sequence runs to its
@@ -13,6 +14,9 @@ use std::time::Instant;
 
 use rlx::Device;
 use rlx_models::{Generator, GeneratorOptions, SamplingParams};
+
+use super::generate_chart::{Chart, ChartRow};
+use super::generate_peer::{self, Measure, TorchCommand, TorchRun};
 
 /// What one generation benchmark measures.
 pub struct GenBench<'a> {
@@ -30,14 +34,30 @@ pub struct GenBench<'a> {
     pub threads: usize,
     /// The KV cache's dtype (None: the device's default).
     pub kv_dtype: Option<rlx::DType>,
+    /// Run the PyTorch peer (`--torch`).
+    pub torch: Option<TorchPeer<'a>>,
 }
 
-/// One measured figure: RLX's, the peer's (or why there is none).
+/// Where the PyTorch peer is: the interpreter and bench/torch_decode_peer.py.
+pub struct TorchPeer<'a> {
+    pub python: &'a str,
+    pub script: PathBuf,
+}
+
+/// The benchmark's results: the markdown report and the chart's data.
+pub struct Report {
+    pub markdown: String,
+    pub chart: Chart,
+}
+
+/// One measured figure in tok/s: RLX's and each peer's (or why there is none).
 struct Line {
     what: String,
+    /// The chart's shorter label.
+    short: String,
     rlx: Result<f64, String>,
-    peer: Result<f64, String>,
-    unit: &'static str,
+    llama: Result<f64, String>,
+    torch: Result<f64, String>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -215,8 +235,33 @@ fn tail(bytes: &[u8]) -> String {
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
-/// Runs the benchmark and returns its markdown report.
-pub fn run(b: &GenBench) -> Result<String, String> {
+/// Runs PyTorch with the benchmark's settings (`--torch`), or says why
+/// there are no PyTorch figures.
+fn torch_peer(b: &GenBench) -> Result<TorchRun, String> {
+    let Some(peer) = &b.torch else {
+        return Err("not run (pass --torch)".into());
+    };
+    eprintln!("pytorch: {} with {}...", peer.script.display(), peer.python);
+    let device = match b.device {
+        Device::Cpu => "cpu".to_string(),
+        Device::Cuda(n) => format!("cuda:{n}"),
+    };
+    let cmd = TorchCommand {
+        python: peer.python,
+        script: &peer.script,
+        device: &device,
+        prompt_tokens: b.prompt_tokens,
+        new_tokens: b.new_tokens,
+        batch_tokens: b.batch_tokens,
+        batches: &b.batches,
+        runs: b.runs,
+        seed: b.seed,
+    };
+    generate_peer::run(&cmd).map_err(|why| format!("PyTorch unavailable: {why}"))
+}
+
+/// Runs the benchmark and returns its markdown report and chart.
+pub fn run(b: &GenBench) -> Result<Report, String> {
     if b.runs == 0 {
         return Err("--runs: expected at least 1".into());
     }
@@ -253,22 +298,29 @@ pub fn run(b: &GenBench) -> Result<String, String> {
             (Err(why.clone()), Err(why))
         }
     };
+    let peer = torch_peer(b);
+    let torch = |m: Measure, batch: usize| match &peer {
+        Ok(run) => run.tok_s(m, batch),
+        Err(why) => Err(why.clone()),
+    };
     let mut lines = vec![
         Line {
             what: format!("prefill, {}-token prompt", b.prompt_tokens),
+            short: format!("prefill, {}-token prompt", b.prompt_tokens),
             rlx: pre,
-            peer: peer_single.as_ref().map(|x| x.0).map_err(Clone::clone),
-            unit: "tok/s",
+            llama: peer_single.as_ref().map(|x| x.0).map_err(Clone::clone),
+            torch: torch(Measure::Prefill, 1),
         },
         Line {
             what: format!("decode, batch 1, {} tokens", b.new_tokens),
+            short: "decode, batch 1".into(),
             rlx: dec,
-            peer: peer_single.as_ref().map(|x| x.1).map_err(Clone::clone),
-            unit: "tok/s",
+            llama: peer_single.as_ref().map(|x| x.1).map_err(Clone::clone),
+            torch: torch(Measure::Decode, 1),
         },
     ];
     for (bs, r) in rlx_batched {
-        let peer = |pick: fn(&(usize, f64, f64)) -> f64| match &peer_batched {
+        let llama = |pick: fn(&(usize, f64, f64)) -> f64| match &peer_batched {
             Ok(v) => v.iter().find(|x| x.0 == bs).map(pick).ok_or_else(|| format!("no batch {bs} row")),
             Err(e) => Err(e.clone()),
         };
@@ -282,15 +334,17 @@ pub fn run(b: &GenBench) -> Result<String, String> {
                     Err(_) => "–",
                 }
             ),
+            short: format!("prefill, {bs} prompts together"),
             rlx: r.as_ref().map(|x| x.0).map_err(Clone::clone),
-            peer: peer(|x| x.1),
-            unit: "tok/s",
+            llama: llama(|x| x.1),
+            torch: torch(Measure::Prefill, bs),
         });
         lines.push(Line {
             what: format!("aggregate decode, batch {bs}, {} tokens each", b.batch_tokens),
+            short: format!("decode, batch {bs}"),
             rlx: r.map(|x| x.1),
-            peer: peer(|x| x.2),
-            unit: "tok/s",
+            llama: llama(|x| x.2),
+            torch: torch(Measure::Decode, bs),
         });
     }
     if let Some((h, l)) = load {
@@ -301,24 +355,53 @@ pub fn run(b: &GenBench) -> Result<String, String> {
         let kv = b.kv_dtype.unwrap_or_else(|| rlx_models::default_kv_dtype(b.device));
         notes.push(format!("RLX KV cache: {kv} (llama.cpp's default cache is f16)."));
     }
+    if let Ok(run) = &peer {
+        notes.extend(run.describe());
+    }
     let machine = super::report::machine(!matches!(b.device, Device::Cpu));
+    let date = super::report::utc_now();
+    let markdown = markdown(b, &machine, &date, &lines, &notes);
+    let chart = Chart {
+        title: format!("rlx bench --model smollm2 — {machine} — {date}"),
+        series: vec!["RLX", "llama.cpp", "PyTorch"],
+        rows: lines
+            .iter()
+            .map(|l| ChartRow {
+                label: l.short.clone(),
+                values: [&l.rlx, &l.llama, &l.torch].iter().map(|r| r.as_ref().ok().copied()).collect(),
+            })
+            .collect(),
+    };
+    Ok(Report { markdown, chart })
+}
+
+/// The report: what ran where, the table, then the notes.
+fn markdown(b: &GenBench, machine: &str, date: &str, lines: &[Line], notes: &[String]) -> String {
     let mut md = format!(
-        "# RLX generation benchmark\n\nmodel: {}\ndevice: {} ({machine})\ndate: {}\nruns: {} (medians)\n\n| measurement | RLX | llama.cpp | RLX / llama.cpp |\n|---|---:|---:|---:|\n",
+        "# RLX generation benchmark\n\nmodel: {}\ndevice: {} ({machine})\ndate: {date}\nruns: {} (medians)\n\n\
+         | measurement | RLX | llama.cpp | RLX / llama.cpp | PyTorch | RLX / PyTorch |\n|---|---:|---:|---:|---:|---:|\n",
         b.gguf.display(),
         b.device_name,
-        super::report::utc_now(),
         b.runs
     );
-    let fmt = |r: &Result<f64, String>, unit: &str| match r {
-        Ok(v) => format!("{v:.0} {unit}"),
+    let fmt = |r: &Result<f64, String>| match r {
+        Ok(v) => format!("{v:.0} tok/s"),
         Err(e) => format!("– ({e})"),
     };
-    for l in &lines {
-        let ratio = match (&l.rlx, &l.peer) {
-            (Ok(a), Ok(p)) if *p > 0.0 => format!("{:.2}×", a / p),
-            _ => "–".into(),
-        };
-        md += &format!("| {} | {} | {} | {ratio} |\n", l.what, fmt(&l.rlx, l.unit), fmt(&l.peer, l.unit));
+    let ratio = |a: &Result<f64, String>, p: &Result<f64, String>| match (a, p) {
+        (Ok(a), Ok(p)) if *p > 0.0 => format!("{:.2}×", a / p),
+        _ => "–".into(),
+    };
+    for l in lines {
+        md += &format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            l.what,
+            fmt(&l.rlx),
+            fmt(&l.llama),
+            ratio(&l.rlx, &l.llama),
+            fmt(&l.torch),
+            ratio(&l.rlx, &l.torch)
+        );
     }
     if !notes.is_empty() {
         md += "\n";
@@ -326,5 +409,58 @@ pub fn run(b: &GenBench) -> Result<String, String> {
             md += &format!("- {n}\n");
         }
     }
-    Ok(md)
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_has_a_column_and_a_ratio_per_peer() {
+        let b = GenBench {
+            gguf: PathBuf::from("m.gguf"),
+            device: Device::Cpu,
+            device_name: "cpu",
+            prompt_tokens: 128,
+            new_tokens: 256,
+            batch_tokens: 128,
+            batches: vec![8],
+            runs: 3,
+            seed: 42,
+            llama_cpp: None,
+            threads: 2,
+            kv_dtype: None,
+            torch: None,
+        };
+        let lines = [
+            Line {
+                what: "prefill, 128-token prompt".into(),
+                short: "prefill".into(),
+                rlx: Ok(52342.0),
+                llama: Ok(16484.0),
+                torch: Ok(20000.0),
+            },
+            Line {
+                what: "decode, batch 1, 256 tokens".into(),
+                short: "decode".into(),
+                rlx: Ok(1642.0),
+                llama: Err("no batch 1 row".into()),
+                torch: Err("not run (pass --torch)".into()),
+            },
+            Line { what: "x".into(), short: "x".into(), rlx: Err("load failed".into()), llama: Ok(1.0), torch: Ok(2.0) },
+        ];
+        let md = markdown(&b, "test machine", "2026-12-06 22:18 UTC", &lines, &["a note".into()]);
+        assert!(
+            md.contains("| measurement | RLX | llama.cpp | RLX / llama.cpp | PyTorch | RLX / PyTorch |\n|---|---:|---:|---:|---:|---:|"),
+            "{md}"
+        );
+        assert!(md.contains("| prefill, 128-token prompt | 52342 tok/s | 16484 tok/s | 3.18× | 20000 tok/s | 2.62× |"), "{md}");
+        assert!(
+            md.contains("| decode, batch 1, 256 tokens | 1642 tok/s | – (no batch 1 row) | – | – (not run (pass --torch)) | – |"),
+            "{md}"
+        );
+        assert!(md.contains("| x | – (load failed) | 1 tok/s | – | 2 tok/s | – |"), "{md}");
+        assert!(md.contains("device: cpu (test machine)") && md.ends_with("- a note\n"), "{md}");
+    }
 }

@@ -1,6 +1,8 @@
 //! The PyTorch side of `rlx bench`: writes the jobs file, runs
 //! bench/gpu_peer.py once for all jobs, reads its JSON lines and its hidden
-//! states, and compares them with RLX's outputs.
+//! states, and compares them with RLX's outputs. How a peer script is run
+//! and when it counts as unavailable (`run_script`, `ScriptExit`) is shared
+//! with the generation benchmark's peer.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -54,15 +56,59 @@ pub struct PeerCommand<'a> {
     pub device: &'a str,
 }
 
+/// How a peer script ended.
+pub struct ScriptExit {
+    pub code: Option<i32>,
+    /// The exit status in words, for messages.
+    pub status: String,
+}
+
+impl ScriptExit {
+    /// Why the peer counts as not run at all, if it does: exit status 3 is
+    /// a peer script's "cannot run here" (no torch, no GPU); any other
+    /// failure with no result is one too. `said`: what the peer reported
+    /// besides results (its `{"error"}` lines first of all).
+    pub fn unavailable(&self, any_result: bool, said: &[String]) -> Option<String> {
+        (self.code == Some(3) || (!any_result && self.code != Some(0))).then(|| {
+            if said.is_empty() {
+                format!("the peer exited with {} and reported nothing", self.status)
+            } else {
+                said.join("; ")
+            }
+        })
+    }
+}
+
+/// Runs `python script args...` with the hub offline, hands each stdout
+/// line to `on_line` as it arrives (stderr passes through), and waits. An
+/// error when the script is missing or python cannot start.
+pub fn run_script(python: &str, script: &Path, args: &[String], mut on_line: impl FnMut(&str)) -> Result<ScriptExit, String> {
+    if !script.is_file() {
+        return Err(format!("peer script {} not found (run from the repository root or pass --peer-script)", script.display()));
+    }
+    let mut child = Command::new(python)
+        .arg(script)
+        .args(args)
+        // The GPU machine has no network: never let transformers try the hub.
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start '{python}': {e}"))?;
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            on_line(&line);
+        }
+    }
+    let status = child.wait();
+    Ok(ScriptExit { code: status.as_ref().ok().and_then(|s| s.code()), status: format!("{status:?}") })
+}
+
 /// Runs the peer on `jobs`, writing the jobs file into `dir`. Progress lines
 /// go to stderr as results arrive; the peer's own stderr passes through.
 pub fn run(cmd: &PeerCommand, jobs: &[PeerJob], dir: &Path) -> PeerOutcome {
-    if !cmd.script.is_file() {
-        return PeerOutcome::Unavailable(format!(
-            "peer script {} not found (run from the repository root or pass --peer-script)",
-            cmd.script.display()
-        ));
-    }
     let list: Vec<Value> = jobs
         .iter()
         .map(|j| {
@@ -76,48 +122,38 @@ pub fn run(cmd: &PeerCommand, jobs: &[PeerJob], dir: &Path) -> PeerOutcome {
     if let Err(e) = std::fs::write(&jobs_path, Value::Array(list).to_string()) {
         return PeerOutcome::Unavailable(format!("cannot write {}: {e}", jobs_path.display()));
     }
-    let child = Command::new(cmd.python)
-        .arg(cmd.script)
-        .arg(&jobs_path)
-        .args(["--runs", &cmd.runs.to_string(), "--warmup", &cmd.warmup.to_string(), "--device", cmd.device])
-        // The GPU machine has no network: never let transformers try the hub.
-        .env("HF_HUB_OFFLINE", "1")
-        .env("TRANSFORMERS_OFFLINE", "1")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => return PeerOutcome::Unavailable(format!("cannot start '{}': {e}", cmd.python)),
-    };
     let mut results = HashMap::new();
     let mut notes = Vec::new();
     let mut versions = String::new();
-    if let Some(out) = child.stdout.take() {
-        for line in BufReader::new(out).lines() {
-            let Ok(line) = line else { break };
-            match parse_line(&line) {
-                Line::Fatal(msg) => notes.push(msg),
-                Line::Job { id, result, version } => {
-                    eprintln!("peer: {id}: eager {} µs, graph {} µs", fmt_opt(result.eager_us), fmt_opt(result.graph_us));
-                    if versions.is_empty() {
-                        versions = version;
-                    }
-                    results.insert(id, result);
-                }
-                Line::Other(l) => notes.push(format!("unexpected peer output: {l}")),
+    let args = [
+        jobs_path.display().to_string(),
+        "--runs".into(),
+        cmd.runs.to_string(),
+        "--warmup".into(),
+        cmd.warmup.to_string(),
+        "--device".into(),
+        cmd.device.into(),
+    ];
+    let exit = run_script(cmd.python, cmd.script, &args, |line| match parse_line(line) {
+        Line::Fatal(msg) => notes.push(msg),
+        Line::Job { id, result, version } => {
+            eprintln!("peer: {id}: eager {} µs, graph {} µs", fmt_opt(result.eager_us), fmt_opt(result.graph_us));
+            if versions.is_empty() {
+                versions = version;
             }
+            results.insert(id, result);
         }
-    }
-    let status = child.wait();
-    let code = status.as_ref().ok().and_then(|s| s.code());
-    // Exit status 3 is the script's "cannot run here" (no torch, no GPU).
-    if code == Some(3) || (results.is_empty() && code != Some(0)) {
-        let why = if notes.is_empty() { format!("the peer exited with {status:?} and reported nothing") } else { notes.join("; ") };
+        Line::Other(l) => notes.push(format!("unexpected peer output: {l}")),
+    });
+    let exit = match exit {
+        Ok(e) => e,
+        Err(e) => return PeerOutcome::Unavailable(e),
+    };
+    if let Some(why) = exit.unavailable(!results.is_empty(), &notes) {
         return PeerOutcome::Unavailable(why);
     }
-    if code != Some(0) {
-        notes.push(format!("the peer exited with {status:?}; configurations without a result were not measured"));
+    if exit.code != Some(0) {
+        notes.push(format!("the peer exited with {}; configurations without a result were not measured", exit.status));
     }
     PeerOutcome::Ran { versions, results, notes }
 }
