@@ -41,13 +41,15 @@ pub fn cublaslt_version() -> Option<usize> {
     std::panic::catch_unwind(|| unsafe { lt::cublasLtGetVersion() }).ok()
 }
 
-/// One cuBLASLt handle and its workspace, per executable (a one-byte
-/// workspace where the executable runs no cuBLASLt matmul).
+/// One cuBLASLt handle and its workspace, per executable or per state set
+/// (src/exec.rs `SharedArena`; a one-byte workspace where an executable of
+/// its own runs no cuBLASLt matmul).
 pub(crate) struct Blas {
     handle: lt::cublasLtHandle_t,
     workspace: DeviceBuffer,
 }
-// SAFETY: used from one thread at a time (the executable is behind &mut).
+// SAFETY: used from one thread at a time (the executable is behind &mut;
+// a state set's executables enqueue work under the set's lock).
 unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 

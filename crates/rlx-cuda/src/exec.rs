@@ -67,10 +67,13 @@ static NEXT_EXECUTABLE: AtomicU64 = AtomicU64::new(1);
 /// What the executables bound to one state set share on a device: one
 /// activation arena at a fixed address that grows to the largest one's
 /// need (None where the device has no virtual memory management: each
-/// then has its own), and the order of their calls.
+/// then has its own), the order of their calls, and one cuBLASLt handle
+/// and workspace.
 pub(crate) struct SharedArena {
     mem: Option<Mutex<GrowableBuffer>>,
     last: Mutex<LastCall>,
+    /// The cuBLASLt handle and workspace of those that run cuBLASLt matmuls.
+    blas: Mutex<Option<Arc<Blas>>>,
 }
 
 /// The executable whose call was submitted last, and the completion event
@@ -93,7 +96,17 @@ impl SharedArena {
                 None
             }
         };
-        SharedArena { mem: mem.map(Mutex::new), last: Mutex::new(LastCall(None)) }
+        SharedArena { mem: mem.map(Mutex::new), last: Mutex::new(LastCall(None)), blas: Mutex::new(None) }
+    }
+    /// The set's cuBLASLt handle with the full workspace, made on first use.
+    fn blas(&self, dev: &Device) -> Result<Arc<Blas>> {
+        let mut b = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(blas) = &*b {
+            return Ok(blas.clone());
+        }
+        let blas = Arc::new(Blas::new(dev, true)?);
+        *b = Some(blas.clone());
+        Ok(blas)
     }
     /// The arena's address, grown to `bytes`; None without a shared arena.
     fn grow_to(&self, dev: &Device, bytes: u64) -> Result<Option<u64>> {
@@ -333,8 +346,14 @@ impl CudaExecutable {
         // cuBLASLt's 32 MiB workspace only where a thunk runs through it: a
         // quantized decoder's steps have none, and a server holds hundreds
         // of them (a decode step per width, prefill chunks per slot).
+        // The executables of a state set share one handle and workspace
+        // (their calls, and their prepares' matmul timing, never overlap).
         let through_lt = |t: &Thunk| matches!(t, Thunk::MatMul(_)) || crate::decode::runs_library(t);
-        let blas = Arc::new(Blas::new(&dev, schedule.thunks.iter().any(through_lt))?);
+        let lt_matmuls = schedule.thunks.iter().any(through_lt);
+        let blas = match &set {
+            Some(sa) if lt_matmuls => sa.blas(&dev)?,
+            _ => Arc::new(Blas::new(&dev, lt_matmuls)?),
+        };
         let plans: Vec<Option<Arc<MatMulPlan>>> = schedule
             .thunks
             .iter()
