@@ -3,25 +3,24 @@
 //! replay or eager.
 //!
 //! One stream per executable: calls run on the device in submission order,
-//! which is what state (KV caches) needs; the host never waits in `submit`.
-//! State may be shared with other executables of the same device through a
-//! `StateSet` (`CudaBackend::prepare_shared`). Those executables also share
-//! one activation arena (`SharedArena`: a decoder's server records hundreds
-//! of steps, each of which would otherwise hold its own), and each call
-//! waits on the device for the call submitted before it to any of them, so
-//! their calls run in submission order without the host waiting.
+//! which is what state (KV caches) needs; the host does not wait for the
+//! device in `submit`. State may be shared with other executables of the
+//! same device through a `StateSet` (`CudaBackend::prepare_shared`). Those
+//! executables also share one activation arena and cuBLASLt workspace, and
+//! their calls run in submission order on the device (src/arena.rs); a
+//! `submit` may wait for the set's lock while another of them prepares.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys as driver_sys;
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 use rlx_schedule::{Schedule, Space, Thunk};
 
+use crate::arena::{SharedArena, StreamSyncGuard};
 use crate::blas::{Blas, MatMulPlan};
-use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, GrowableBuffer, PinnedBuffer, Stream};
+use crate::driver::{self, err, Device, DeviceBuffer, Event, Func, GraphExec, PinnedBuffer, Stream};
 use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
@@ -63,62 +62,6 @@ struct Slot {
 
 /// Unique ids of executables (for `SharedArena`'s record of the last call).
 static NEXT_EXECUTABLE: AtomicU64 = AtomicU64::new(1);
-
-/// What the executables bound to one state set share on a device: one
-/// activation arena at a fixed address that grows to the largest one's
-/// need (None where the device has no virtual memory management: each
-/// then has its own), the order of their calls, and one cuBLASLt handle
-/// and workspace.
-pub(crate) struct SharedArena {
-    mem: Option<Mutex<GrowableBuffer>>,
-    last: Mutex<LastCall>,
-    /// The cuBLASLt handle and workspace of those that run cuBLASLt matmuls.
-    blas: Mutex<Option<Arc<Blas>>>,
-}
-
-/// The executable whose call was submitted last, and the completion event
-/// of that call (one of its slots' events: the executable clears this
-/// before it drops them).
-struct LastCall(Option<(u64, driver_sys::CUevent)>);
-// SAFETY: an event handle is usable from any thread with the context current.
-unsafe impl Send for LastCall {}
-
-impl SharedArena {
-    /// A reserve the driver refuses leaves each executable its own arena
-    /// (said under `trace`).
-    fn new(dev: &Device, trace: bool) -> SharedArena {
-        let mem = match GrowableBuffer::reserve(dev) {
-            Ok(m) => m,
-            Err(e) => {
-                if trace {
-                    eprintln!("rlx-cuda: a state set's executables keep their own arenas: {e}");
-                }
-                None
-            }
-        };
-        SharedArena { mem: mem.map(Mutex::new), last: Mutex::new(LastCall(None)), blas: Mutex::new(None) }
-    }
-    /// The set's cuBLASLt handle with the full workspace, made on first use.
-    fn blas(&self, dev: &Device) -> Result<Arc<Blas>> {
-        let mut b = self.blas.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(blas) = &*b {
-            return Ok(blas.clone());
-        }
-        let blas = Arc::new(Blas::new(dev, true)?);
-        *b = Some(blas.clone());
-        Ok(blas)
-    }
-    /// The arena's address, grown to `bytes`; None without a shared arena.
-    fn grow_to(&self, dev: &Device, bytes: u64) -> Result<Option<u64>> {
-        let Some(mem) = &self.mem else { return Ok(None) };
-        let mut m = mem.lock().unwrap_or_else(|p| p.into_inner());
-        m.grow_to(dev, bytes)?;
-        Ok(Some(m.ptr))
-    }
-    fn last(&self) -> MutexGuard<'_, LastCall> {
-        self.last.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
 
 pub struct CudaExecutable {
     dev: Arc<Device>,
@@ -293,10 +236,7 @@ impl CudaExecutable {
         let quiet = match &set {
             Some(sa) => {
                 let last = sa.last();
-                if let Some((_, ev)) = last.0 {
-                    // SAFETY: the event's executable clears `last` before it drops it.
-                    driver::check(unsafe { driver_sys::cuEventSynchronize(ev) }, "cuEventSynchronize")?;
-                }
+                last.synchronize()?;
                 Some(last)
             }
             None => None,
@@ -376,6 +316,9 @@ impl CudaExecutable {
         let (in_layout, in_bytes) = layout(schedule.inputs.iter().map(|s| s.buf.bytes as usize));
         let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
         let stream = Stream::new(&dev)?;
+        // Whatever way this returns, the state set is let go of only after
+        // this stream's work (matmul timing) has finished.
+        let _settled = quiet.as_ref().map(|_| StreamSyncGuard(stream.0));
         let mut slots = Vec::with_capacity(nslots);
         let mut matmul_choices = Vec::new();
         let mut fused_ffns = 0;
@@ -866,10 +809,7 @@ impl Executable for CudaExecutable {
         // call submitted before it to another of them.
         let set = self.set.clone();
         let mut last = set.as_ref().map(|sa| sa.last());
-        let ordered = match last.as_ref().and_then(|l| l.0) {
-            Some((uid, ev)) if uid != self.uid => self.stream.wait_raw(ev),
-            _ => Ok(()),
-        };
+        let ordered = last.as_ref().map_or(Ok(()), |l| l.order_after(self.uid, &self.stream));
         let launched = ordered.and_then(|_| self.launch(&self.slots[si])).and_then(|_| {
             t_record = Instant::now();
             self.slots[si].done.record(&self.stream)
@@ -959,10 +899,19 @@ impl Executable for CudaExecutable {
         driver::check_context()?;
         self.dev.bind()?;
         self.stream.synchronize()?;
+        // A state set's other executables: their calls so far finish first,
+        // and none starts until the zeros are in.
+        let set = self.set.clone();
+        let last = set.as_ref().map(|sa| sa.last());
+        if let Some(l) = &last {
+            l.synchronize()?;
+        }
         for ((b, at), s) in self.states.iter().zip(&self.state_at).zip(&self.schedule.states) {
             b.zero_range(*at, s.buf.bytes)?;
         }
-        Ok(())
+        // The memsets run on the null stream, which this executable's
+        // non-blocking stream does not wait for.
+        self.dev.synchronize()
     }
 
     fn read_state(&mut self, name: &str) -> Result<Tensor> {
@@ -973,6 +922,12 @@ impl Executable for CudaExecutable {
             err(format!("no state named '{name}' (states: {})", known.join(", ")))
         })?;
         self.stream.synchronize()?;
+        // A state set's other executables: their calls so far finish first.
+        let set = self.set.clone();
+        let last = set.as_ref().map(|sa| sa.last());
+        if let Some(l) = &last {
+            l.synchronize()?;
+        }
         let slot = &self.schedule.states[i];
         let mut data = vec![0u8; slot.buf.bytes as usize];
         self.states[i].download(self.state_at[i], &mut data)?;

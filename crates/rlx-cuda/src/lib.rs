@@ -16,6 +16,7 @@
 //! `hostops` (TopK on the host), `weights` (shared device weights), `exec`
 //! (slots, replay, submit/wait).
 
+mod arena;
 mod blas;
 mod decode;
 mod driver;
