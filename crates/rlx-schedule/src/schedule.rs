@@ -7,7 +7,10 @@ use serde::{Deserialize, Serialize};
 /// Which memory a buffer lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Space {
-    /// The activation arena (one per pipeline slot); inputs and outputs too.
+    /// The activation arena: inputs, outputs and every intermediate of one
+    /// call (nothing in it outlives the call). The CPU backend has one per
+    /// pipeline slot; the CUDA backend one per executable, or one for all
+    /// the executables of a state set.
     Arena,
     /// `Schedule::weights[i]`, owned by the weight store, shared.
     Weight(u32),
