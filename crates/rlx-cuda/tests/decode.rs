@@ -762,6 +762,9 @@ fn attention_one_valid_length_per_row() {
         attention_per_row(&g, &mut r, (DType::F32, kvt), (20, 4, 2, 96, 40, 90), false);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (24, 6, 2, 32, 64, 100), true);
         attention_per_row(&g, &mut r, (DType::F32, kvt), (12, 12, 4, 128, 70, 160), true);
+        // Head dims below their compiled width (80 in 96, 112 in 128).
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (20, 8, 4, 80, 64, 120), true);
+        attention_per_row(&g, &mut r, (DType::F32, kvt), (12, 12, 4, 112, 70, 160), false);
     }
     // Shapes that take the tensor-core kernels (f16/bf16, 16-row blocks or
     // 64-row blocks filling the GPU; short and streaming key ranges).
