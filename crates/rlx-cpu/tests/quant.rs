@@ -435,9 +435,8 @@ fn every_kernel_against_oracle_and_scalar() {
     }
 }
 
-/// Several activation rows share each unpacked weight block (four at a
-/// time), but every row's result has the bits of that row run alone, on
-/// every kernel: batched decode equals single runs.
+/// Every row of a call over several activation rows has the bits of that
+/// row run alone, on every kernel: batched decode equals single runs.
 #[test]
 fn rows_of_a_batch_equal_single_rows_bit_for_bit() {
     let mut r = StdRng::seed_from_u64(9);
