@@ -34,6 +34,7 @@ mod launch;
 mod nvrtc;
 mod options;
 mod params;
+mod record;
 mod weights;
 
 use std::collections::HashMap;
