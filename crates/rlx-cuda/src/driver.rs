@@ -223,13 +223,13 @@ impl DeviceBuffer {
         check(unsafe { sys::cuMemsetD8_v2(self.ptr, 0, self.bytes as usize) }, "cuMemsetD8")
     }
 
-    /// Zeroes bytes `offset..offset + len`.
-    pub fn zero_range(&self, offset: u64, len: u64) -> Result<()> {
+    /// Zeroes bytes `offset..offset + len`, in order on `stream`.
+    pub fn zero_range_on(&self, stream: &Stream, offset: u64, len: u64) -> Result<()> {
         if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
             return Err(err(format!("zeroing {len} bytes at {offset} overruns a {}-byte buffer", self.bytes)));
         }
-        // SAFETY: range checked above.
-        check(unsafe { sys::cuMemsetD8_v2(self.ptr + offset, 0, len as usize) }, "cuMemsetD8")
+        // SAFETY: range checked above; the stream outlives the call.
+        check(unsafe { sys::cuMemsetD8Async(self.ptr + offset, 0, len as usize, stream.0) }, "cuMemsetD8Async")
     }
 }
 

@@ -12,13 +12,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rlx_runtime::{check_inputs, ExecStats, Executable, PrepareOptions, Result, RuntimeError, StateSet, Tensor, Ticket, WeightStore};
 use rlx_schedule::{Schedule, Space, Thunk};
 
-use crate::arena::{SharedArena, StreamSyncGuard};
+use crate::arena::{LastCall, SharedArena, StreamSyncGuard};
 use crate::blas::{Blas, MatMulPlan};
 use crate::driver::{self, err, Device, DeviceBuffer, Event, GraphExec, PinnedBuffer, Stream};
 use crate::ffn;
@@ -137,6 +137,7 @@ impl CudaExecutable {
         opts: &PrepareOptions,
         cuda: &CudaOptions,
     ) -> Result<CudaExecutable> {
+        let begun = Instant::now();
         dev.bind()?;
         let replay = opts.replay && cuda.replay;
         let (trace, profile) = (cuda.trace, cuda.profile);
@@ -308,6 +309,7 @@ impl CudaExecutable {
         // this stream's work (matmul timing) has finished.
         let _settled = quiet.as_ref().map(|_| StreamSyncGuard(stream.0));
         let mut slots = Vec::with_capacity(nslots);
+        let mut recording = Duration::ZERO;
         let mut matmul_choices = Vec::new();
         let mut fused_ffns = 0;
         // Opt-in (`CudaOptions::l2_persist`; replay, sm_80+): the arena's
@@ -405,7 +407,9 @@ impl CudaExecutable {
             } else {
                 None
             };
+            let t_rec = Instant::now();
             let segments = if replay { record(&stream, &steps, fill, window, cuda.graph_dump, prefetch.as_ref())? } else { Vec::new() };
+            recording += t_rec.elapsed();
             let prof = if profile { (0..=steps.len()).map(|_| Event::new(true)).collect::<Result<_>>()? } else { Vec::new() };
             slots.push(Slot { _err: errbuf, pin_in, pin_out, steps, segments, done: Event::new(false)?, prof, pending: None });
         }
@@ -453,6 +457,8 @@ impl CudaExecutable {
             phases: [Duration::ZERO; 4],
         };
         if trace {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            eprintln!("rlx-cuda: prepared in {:.1} ms ({:.1} ms recording graphs)", ms(begun.elapsed()), ms(recording));
             eprintln!("{}", exec.segment_map());
         }
         Ok(exec)
@@ -555,6 +561,20 @@ impl CudaExecutable {
     /// event record.
     pub fn last_submit_phases(&self) -> [Duration; 4] {
         self.phases
+    }
+
+    /// Waits for this executable's calls and, in a state set, for the
+    /// set's last call; the guard holds the set's calls off until dropped,
+    /// so the host can read or write the states meanwhile.
+    fn quiesce(&self) -> Result<Option<MutexGuard<'_, LastCall>>> {
+        driver::check_context()?;
+        self.dev.bind()?;
+        self.stream.synchronize()?;
+        let last = self.set.as_ref().map(|sa| sa.last());
+        if let Some(l) = &last {
+            l.synchronize()?;
+        }
+        Ok(last)
     }
 
     /// The fault-injection hook (`CudaBackend::inject_trap_for_test`):
@@ -810,38 +830,23 @@ impl Executable for CudaExecutable {
     }
 
     fn reset_state(&mut self) -> Result<()> {
-        driver::check_context()?;
-        self.dev.bind()?;
-        self.stream.synchronize()?;
-        // A state set's other executables: their calls so far finish first,
-        // and none starts until the zeros are in.
-        let set = self.set.clone();
-        let last = set.as_ref().map(|sa| sa.last());
-        if let Some(l) = &last {
-            l.synchronize()?;
-        }
+        // The zeros go in on this executable's stream, after its calls and
+        // with the set held, so no call of the set runs until they are in.
+        let quiet = self.quiesce()?;
         for ((b, at), s) in self.states.iter().zip(&self.state_at).zip(&self.schedule.states) {
-            b.zero_range(*at, s.buf.bytes)?;
+            b.zero_range_on(&self.stream, *at, s.buf.bytes)?;
         }
-        // The memsets run on the null stream, which this executable's
-        // non-blocking stream does not wait for.
-        self.dev.synchronize()
+        self.stream.synchronize()?;
+        drop(quiet);
+        Ok(())
     }
 
     fn read_state(&mut self, name: &str) -> Result<Tensor> {
-        driver::check_context()?;
-        self.dev.bind()?;
         let i = self.schedule.states.iter().position(|s| s.name == name).ok_or_else(|| {
             let known: Vec<&str> = self.schedule.states.iter().map(|s| s.name.as_str()).collect();
             err(format!("no state named '{name}' (states: {})", known.join(", ")))
         })?;
-        self.stream.synchronize()?;
-        // A state set's other executables: their calls so far finish first.
-        let set = self.set.clone();
-        let last = set.as_ref().map(|sa| sa.last());
-        if let Some(l) = &last {
-            l.synchronize()?;
-        }
+        let _quiet = self.quiesce()?;
         let slot = &self.schedule.states[i];
         let mut data = vec![0u8; slot.buf.bytes as usize];
         self.states[i].download(self.state_at[i], &mut data)?;

@@ -110,8 +110,15 @@ fn open(ordinal: usize, opts: &CudaOptions) -> Result<Opened> {
     if let Some(v) = g.get(&ordinal) {
         return Ok(v.clone());
     }
+    let t0 = std::time::Instant::now();
     let dev = Device::open(ordinal)?;
+    let t1 = std::time::Instant::now();
     let funcs = launch::load_modules(&dev, &nvrtc::sources_for(dev.cc), opts)?;
+    if opts.trace {
+        let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
+        let now = std::time::Instant::now();
+        eprintln!("rlx-cuda: device {ordinal} opened in {:.1} ms, its kernels loaded in {:.1} ms", ms(t0, t1), ms(t1, now));
+    }
     let kernels = Arc::new(Kernels::new(dev.clone(), funcs, opts.clone()));
     g.insert(ordinal, (dev.clone(), kernels.clone()));
     Ok((dev, kernels))
