@@ -184,20 +184,12 @@ impl MatMulPlan {
         let compute =
             if tf32 { lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 } else { lt::cublasComputeType_t::CUBLAS_COMPUTE_32F };
         let c_off = t.residual.filter(|_| residual_in_c).map(|r| r.offset).unwrap_or(t.out.offset);
-        // SAFETY: descriptors are created here and destroyed by Drop (also on error).
+        let aligns = [align_of(t.b.offset), align_of(t.a.offset), align_of(c_off), align_of(t.out.offset)];
+        let mut plan = MatMulPlan::blank(compute, aligns, residual_in_c)?;
+        (plan.tf32, plan.has_bias, plan.epilogue) = (tf32, t.bias.is_some(), epilogue);
+        let desc = plan.desc;
+        // SAFETY: the descriptors belong to `plan`, whose Drop destroys them (also on error).
         unsafe {
-            let mut desc = std::ptr::null_mut();
-            lt_check(lt::cublasLtMatmulDescCreate(&mut desc, compute, lt::cudaDataType::CUDA_R_32F), "cublasLtMatmulDescCreate")?;
-            let mut plan = MatMulPlan {
-                desc,
-                layouts: [std::ptr::null_mut(); 4],
-                algo: LtAlgo::describe(std::mem::zeroed()),
-                aligns: [align_of(t.b.offset), align_of(t.a.offset), align_of(c_off), align_of(t.out.offset)],
-                tf32,
-                has_bias: t.bias.is_some(),
-                beta: if residual_in_c { 1.0 } else { 0.0 },
-                epilogue,
-            };
             let op_a: i32 = if t.b_trans { 1 } else { 0 };
             let op_b: i32 = 0;
             set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a)?;
@@ -218,14 +210,8 @@ impl MatMulPlan {
             plan.layouts[1] = layout(dt, k, rows as u64, t.lda, batch, t.a_batch_stride)?;
             plan.layouts[2] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
             plan.layouts[3] = layout(dt, n, rows as u64, n, batch, n * t.m as u64)?;
-            let what = || format!("matmul m={rows} n={} k={} {} batch {batch}", t.n, t.k, t.dtype);
-            let first = plan.heuristics(blas, 1, SAFE_REDUCTIONS).map_err(|e| err(format!("{}: {e}", what())))?;
-            let Some(first) = first.first() else {
-                return Err(err(format!("cuBLASLt has no algorithm for {}", what())));
-            };
-            plan.algo = *first;
-            Ok(plan)
         }
+        plan.with_first_algo(blas, || format!("matmul m={rows} n={} k={} {} batch {batch}", t.n, t.k, t.dtype))
     }
 
     /// The plan of a quantized matmul run through the library
@@ -247,21 +233,11 @@ impl MatMulPlan {
     ) -> Result<MatMulPlan> {
         let (a_off, w_off, d_off) = offsets;
         let (dt_in, dt_out) = (data_type(input)?, data_type(output)?);
-        // SAFETY: descriptors are created here and destroyed by Drop (also on error).
+        let aligns = [align_of(w_off), align_of(a_off), align_of(residual_at.unwrap_or(d_off)), align_of(d_off)];
+        let mut plan = MatMulPlan::blank(lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, aligns, residual_at.is_some())?;
+        let desc = plan.desc;
+        // SAFETY: the descriptors belong to `plan`, whose Drop destroys them (also on error).
         unsafe {
-            let mut desc = std::ptr::null_mut();
-            let compute = lt::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-            lt_check(lt::cublasLtMatmulDescCreate(&mut desc, compute, lt::cudaDataType::CUDA_R_32F), "cublasLtMatmulDescCreate")?;
-            let mut plan = MatMulPlan {
-                desc,
-                layouts: [std::ptr::null_mut(); 4],
-                algo: LtAlgo::describe(std::mem::zeroed()),
-                aligns: [align_of(w_off), align_of(a_off), align_of(residual_at.unwrap_or(d_off)), align_of(d_off)],
-                tf32: false,
-                has_bias: false,
-                beta: if residual_at.is_some() { 1.0 } else { 0.0 },
-                epilogue: None,
-            };
             set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?;
             set_desc(desc, lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?;
             let (rows, n, k) = (rows as u64, n as u64, k as u64);
@@ -269,14 +245,37 @@ impl MatMulPlan {
             plan.layouts[1] = layout(dt_in, k, rows, k, 1, 0)?;
             plan.layouts[2] = layout(dt_out, n, rows, n, 1, 0)?;
             plan.layouts[3] = layout(dt_out, n, rows, n, 1, 0)?;
-            let what = || format!("quantized matmul through cuBLASLt, m={rows} n={n} k={k} {input} -> {output}");
-            let first = plan.heuristics(blas, 1, SAFE_REDUCTIONS).map_err(|e| err(format!("{}: {e}", what())))?;
-            let Some(first) = first.first() else {
-                return Err(err(format!("cuBLASLt has no algorithm for {}", what())));
-            };
-            plan.algo = *first;
-            Ok(plan)
         }
+        plan.with_first_algo(blas, || format!("quantized matmul through cuBLASLt, m={rows} n={n} k={k} {input} -> {output}"))
+    }
+
+    /// A plan with its descriptor made (f32 scale type), no layouts yet, no
+    /// bias or epilogue; `beta_one`: C is added (a residual through beta).
+    fn blank(compute: lt::cublasComputeType_t, aligns: [u32; 4], beta_one: bool) -> Result<MatMulPlan> {
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: creates a descriptor; on success the plan owns it.
+        lt_check(unsafe { lt::cublasLtMatmulDescCreate(&mut desc, compute, lt::cudaDataType::CUDA_R_32F) }, "cublasLtMatmulDescCreate")?;
+        Ok(MatMulPlan {
+            desc,
+            layouts: [std::ptr::null_mut(); 4],
+            // SAFETY: an all-zero algorithm is a valid placeholder until the heuristic's answer replaces it.
+            algo: LtAlgo::describe(unsafe { std::mem::zeroed() }),
+            aligns,
+            tf32: false,
+            has_bias: false,
+            beta: if beta_one { 1.0 } else { 0.0 },
+            epilogue: None,
+        })
+    }
+
+    /// The plan with cuBLASLt's first heuristic answer as its algorithm.
+    fn with_first_algo(mut self, blas: &Blas, what: impl Fn() -> String) -> Result<MatMulPlan> {
+        let first = self.heuristics(blas, 1, SAFE_REDUCTIONS).map_err(|e| err(format!("{}: {e}", what())))?;
+        let Some(first) = first.first() else {
+            return Err(err(format!("cuBLASLt has no algorithm for {}", what())));
+        };
+        self.algo = *first;
+        Ok(self)
     }
 
     /// Minimum alignment (bytes) of A, B, C, D assumed by the algorithms.
