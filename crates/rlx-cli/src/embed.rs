@@ -354,12 +354,10 @@ fn pipeline(
                 }
             };
             for vectors in vec_rx {
-                for v in &vectors {
-                    if let Err(e) = writer.write(v) {
-                        return (n, fail(e));
-                    }
-                    n += 1;
+                if let Err(e) = writer.write_rows(&vectors) {
+                    return (n, fail(e));
                 }
+                n += vectors.len() as u64;
                 if let Err(e) = writer.flush() {
                     return (n, fail(e));
                 }

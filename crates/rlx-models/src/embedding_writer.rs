@@ -324,39 +324,44 @@ impl EmbeddingWriter {
 
     /// Appends one embedding (the next text's).
     pub fn write(&mut self, v: &[f32]) -> Result<()> {
-        if v.len() != self.dim {
-            return Err(ModelError::Input(format!("embedding of length {} written to an output of width {}", v.len(), self.dim)));
+        self.write_rows(std::slice::from_ref(&v))
+    }
+
+    /// Appends embeddings in order (the next texts'). JSON lines are
+    /// formatted on all cores, then written in order; nothing is written
+    /// when a row is refused (wrong width, or a non-finite value in JSON).
+    pub fn write_rows<V: AsRef<[f32]> + Sync>(&mut self, rows: &[V]) -> Result<()> {
+        if let Some(v) = rows.iter().find(|v| v.as_ref().len() != self.dim) {
+            let n = v.as_ref().len();
+            return Err(ModelError::Input(format!("embedding of length {n} written to an output of width {}", self.dim)));
         }
-        let name = self.name.clone();
-        let index = self.rows;
-        let format = self.format;
-        let out = self.out()?;
-        let r = match format {
+        let first = self.rows;
+        let bytes: Vec<u8> = match self.format {
             OutputFormat::Jsonl => {
-                let mut line = String::with_capacity(16 + v.len() * 12);
-                line.push_str(&format!("{{\"index\":{index},\"embedding\":["));
-                for (i, x) in v.iter().enumerate() {
-                    if i > 0 {
-                        line.push(',');
-                    }
-                    // JSON has no NaN/inf: refuse rather than write `null`.
-                    if !x.is_finite() {
-                        return Err(ModelError::Input(format!(
-                            "embedding {index} has a non-finite value ({x}) at element {i}: JSON cannot hold it"
-                        )));
-                    }
-                    line.push_str(&format!("{x}"));
+                use rayon::prelude::*;
+                // Rows in chunks, so a chunk's formatting is worth a task.
+                let parts: Vec<Result<String>> = rows
+                    .par_chunks(64)
+                    .enumerate()
+                    .map(|(c, chunk)| {
+                        let mut text = String::with_capacity(chunk.len() * (40 + self.dim * 12));
+                        for (j, v) in chunk.iter().enumerate() {
+                            json_line(&mut text, first + (c * 64 + j) as u64, v.as_ref())?;
+                        }
+                        Ok(text)
+                    })
+                    .collect();
+                let mut all = Vec::with_capacity(parts.iter().map(|p| p.as_ref().map_or(0, String::len)).sum());
+                for p in parts {
+                    all.extend_from_slice(p?.as_bytes());
                 }
-                line.push_str("]}\n");
-                out.write_all(line.as_bytes())
+                all
             }
-            OutputFormat::Npy => {
-                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                out.write_all(&bytes)
-            }
+            OutputFormat::Npy => rows.iter().flat_map(|v| v.as_ref().iter().flat_map(|x| x.to_le_bytes())).collect(),
         };
-        r.map_err(|e| ModelError::io(&name, e))?;
-        self.rows += 1;
+        let name = self.name.clone();
+        self.out()?.write_all(&bytes).map_err(|e| ModelError::io(&name, e))?;
+        self.rows += rows.len() as u64;
         Ok(())
     }
 
@@ -395,6 +400,27 @@ impl EmbeddingWriter {
     }
 }
 
+/// One JSON line `{"index":I,"embedding":[...]}` onto `text`: each value
+/// in the shortest form that reads back to the same f32 (ryu's: `1e-7`,
+/// not `0.0000001`).
+fn json_line(text: &mut String, index: u64, v: &[f32]) -> Result<()> {
+    use std::fmt::Write as _;
+    let _ = write!(text, "{{\"index\":{index},\"embedding\":[");
+    let mut num = ryu::Buffer::new();
+    for (i, x) in v.iter().enumerate() {
+        // JSON has no NaN/inf: refuse rather than write `null`.
+        if !x.is_finite() {
+            return Err(ModelError::Input(format!("embedding {index} has a non-finite value ({x}) at element {i}: JSON cannot hold it")));
+        }
+        if i > 0 {
+            text.push(',');
+        }
+        text.push_str(num.format_finite(*x));
+    }
+    text.push_str("]}\n");
+    Ok(())
+}
+
 fn rewrite_npy_header(file: &mut File, rows: u64, dim: usize) -> std::io::Result<()> {
     file.seek(SeekFrom::Start(0))?;
     file.write_all(&npy_header(rows, dim))?;
@@ -416,4 +442,71 @@ fn npy_header(rows: u64, dim: usize) -> Vec<u8> {
     }
     h.push(b'\n');
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// A stream whose bytes the test can read afterwards.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Rows written in uneven batches (across the formatting chunks) come
+    /// out in order, numbered from 0, each value reading back to the same
+    /// f32 bit for bit; a row with a NaN is refused and nothing of its
+    /// batch is written.
+    #[test]
+    fn json_rows_in_order_and_exact() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let bits = (seed >> 32) as u32;
+            let x = f32::from_bits(bits);
+            if x.is_finite() {
+                x
+            } else {
+                (bits % 1000) as f32 * 1e-3
+            }
+        };
+        let dim = 5;
+        let rows: Vec<Vec<f32>> = (0..300).map(|_| (0..dim).map(|_| next()).collect()).collect();
+        let sink = Shared::default();
+        let mut w = EmbeddingWriter::to_stream(Box::new(sink.clone()), "test", OutputFormat::Jsonl, dim).unwrap();
+        let mut at = 0;
+        for n in [1, 63, 130, 0, 106] {
+            w.write_rows(&rows[at..at + n]).unwrap();
+            at += n;
+        }
+        let mut bad = rows[0].clone();
+        bad[3] = f32::NAN;
+        let e = w.write_rows(&[rows[1].clone(), bad]).unwrap_err().to_string();
+        assert!(e.contains("embedding 301 has a non-finite value (NaN) at element 3"), "{e}");
+        assert_eq!(w.finish().unwrap(), 300);
+        let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 300);
+        for (i, line) in lines.iter().enumerate() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["index"], i as u64);
+            let got: Vec<f32> = v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().map_or_else(|| x.to_string(), String::from).parse().unwrap())
+                .collect();
+            let want_bits: Vec<u32> = rows[i].iter().map(|x| x.to_bits()).collect();
+            assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want_bits, "row {i}: {line}");
+        }
+    }
 }
