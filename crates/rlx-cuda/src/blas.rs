@@ -402,6 +402,9 @@ pub(crate) struct LtAlgo {
     pub tile: u32,
     pub split: u32,
     pub reduction: u32,
+    /// The rest of its configuration, for traces: CTA swizzling, custom
+    /// option, stages id, inner shape id, cluster shape id.
+    pub rest: [u32; 5],
 }
 
 unsafe fn algo_attr(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
@@ -410,6 +413,18 @@ unsafe fn algo_attr(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlg
     let s = lt::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u32 as *mut c_void, 4, &mut written);
     if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
         v
+    } else {
+        0
+    }
+}
+
+/// A 16-bit configuration attribute (inner and cluster shape ids).
+unsafe fn algo_attr16(algo: &lt::cublasLtMatmulAlgo_t, attr: lt::cublasLtMatmulAlgoConfigAttributes_t) -> u32 {
+    let mut v: u16 = 0;
+    let mut written = 0usize;
+    let s = lt::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, &mut v as *mut u16 as *mut c_void, 2, &mut written);
+    if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        v as u32
     } else {
         0
     }
@@ -426,6 +441,13 @@ impl LtAlgo {
                 tile: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_TILE_ID),
                 split: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM),
                 reduction: algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                rest: [
+                    algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+                    algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+                    algo_attr(&algo, C::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                    algo_attr16(&algo, C::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID),
+                    algo_attr16(&algo, C::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+                ],
             }
         }
     }
@@ -447,9 +469,11 @@ impl LtAlgo {
         Some(LtAlgo::describe(a))
     }
 
-    /// Short form for traces: algorithm id, tile id, split, reduction.
+    /// Short form for traces: algorithm id, tile id, split, reduction;
+    /// then swizzling, custom option, stages, inner and cluster shape.
     pub fn label(&self) -> String {
-        format!("a{}t{}s{}r{}", self.id, self.tile, self.split, self.reduction)
+        let [w, c, g, i, k] = self.rest;
+        format!("a{}t{}s{}r{}-w{w}c{c}g{g}i{i}k{k}", self.id, self.tile, self.split, self.reduction)
     }
 }
 

@@ -163,8 +163,10 @@ impl CudaExecutable {
             return Err(RuntimeError::OutOfMemory { requested: schedule.arena_bytes, free });
         }
 
+        let t_weights = Instant::now();
         let weights = DeviceWeights::for_store(&dev, &store)?;
         let weight_bufs = weights.bind(&store, &schedule.weights)?;
+        let weights_took = t_weights.elapsed();
         let mut states = Vec::new();
         let mut state_at = Vec::new();
         if opts.state_block > 0 && shared.is_none() {
@@ -279,6 +281,7 @@ impl CudaExecutable {
         // (their calls, and their prepares' matmul timing, never overlap).
         let through_lt = |t: &Thunk| matches!(t, Thunk::MatMul(_)) || crate::decode::runs_library(t);
         let lt_matmuls = schedule.thunks.iter().any(through_lt);
+        let t_plans = Instant::now();
         let blas = match &set {
             Some(sa) if lt_matmuls => sa.blas(&dev)?,
             _ => Arc::new(Blas::new(&dev, lt_matmuls)?),
@@ -309,7 +312,8 @@ impl CudaExecutable {
         // this stream's work (matmul timing) has finished.
         let _settled = quiet.as_ref().map(|_| StreamSyncGuard(stream.0));
         let mut slots = Vec::with_capacity(nslots);
-        let mut recording = Duration::ZERO;
+        let plans_took = t_plans.elapsed();
+        let (mut recording, mut choosing) = (Duration::ZERO, Duration::ZERO);
         let mut matmul_choices = Vec::new();
         let mut fused_ffns = 0;
         // Opt-in (`CudaOptions::l2_persist`; replay, sm_80+): the arena's
@@ -368,7 +372,9 @@ impl CudaExecutable {
                 let host = HostTask::for_thunk(&dev, t)?;
                 let mut lowered = launch::lower(t, &bases, kernels, &blas, plans[ti].as_ref(), host)?;
                 if let (Thunk::MatMul(m), Some(plan)) = (t, &plans[ti]) {
+                    let t_choose = Instant::now();
                     let (algo, n_lt) = gemm::choose(dev.ordinal, &stream, kernels, m, &blas, plan, &lowered, cuda)?;
+                    choosing += t_choose.elapsed();
                     if slots.is_empty() {
                         matmul_choices.push((format!("cublasLt {}", algo.label()), n_lt));
                     }
@@ -458,7 +464,14 @@ impl CudaExecutable {
         };
         if trace {
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            eprintln!("rlx-cuda: prepared in {:.1} ms ({:.1} ms recording graphs)", ms(begun.elapsed()), ms(recording));
+            eprintln!(
+                "rlx-cuda: prepared in {:.1} ms: weights {:.1}, cuBLASLt handle and plans {:.1}, matmul choices {:.1}, recording {:.1}",
+                ms(begun.elapsed()),
+                ms(weights_took),
+                ms(plans_took),
+                ms(choosing),
+                ms(recording)
+            );
             eprintln!("{}", exec.segment_map());
         }
         Ok(exec)

@@ -102,8 +102,16 @@ impl SentenceEmbedder {
         check_options(&options)?;
         let EmbedderParts { dir, config, sentence, tokenizer } = parts;
         let store = Arc::new(WeightStore::new());
-        load_bert_weights(&dir.join("model.safetensors"), &config, options.dtype, &store)?;
-        Self::from_weights(config, sentence, Some(tokenizer), store, device, options)
+        // The device opens (on a GPU: the driver, the kernels) while the
+        // weights are read; they reach the device when the first graph is
+        // prepared.
+        let (session, loaded) = std::thread::scope(|s| {
+            let opening = s.spawn(|| Session::with_weights(device, store.clone()));
+            let loaded = load_bert_weights(&dir.join("model.safetensors"), &config, options.dtype, &store);
+            (opening.join().unwrap_or_else(|_| Err(rlx::Error::Device(device.to_string(), "opening the device panicked".into()))), loaded)
+        });
+        loaded?;
+        Self::with_session(config, sentence, Some(tokenizer), session?, options)
     }
 
     /// An embedder over weights already in a store (e.g. [`random_weights`]);
@@ -119,7 +127,16 @@ impl SentenceEmbedder {
         options: EmbedderOptions,
     ) -> Result<SentenceEmbedder> {
         check_options(&options)?;
-        let mut session = Session::with_weights(device, weights)?;
+        Self::with_session(config, sentence, tokenizer, Session::with_weights(device, weights)?, options)
+    }
+
+    fn with_session(
+        config: BertConfig,
+        sentence: SentenceConfig,
+        tokenizer: Option<TextTokenizer>,
+        mut session: Session,
+        options: EmbedderOptions,
+    ) -> Result<SentenceEmbedder> {
         // Two slots: embed() submits batch k + 1 before it collects batch
         // k, so the host pads the next batch and unpacks the last while the
         // device runs (one bucket's two calls then need two arenas).
