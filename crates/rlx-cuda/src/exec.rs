@@ -197,8 +197,15 @@ impl CudaExecutable {
         }
         let arena_bytes = schedule.arena_bytes;
         for (i, t) in schedule.thunks.iter().enumerate() {
-            for b in thunk_bufs(t) {
-                check_buf(&format!("thunk {i} ({})", t.kind()), b, arena_bytes, &weight_bufs, &state_caps, &consts)?;
+            for op in rlx_schedule::operands::operands(t) {
+                check_buf(
+                    &format!("thunk {i} ({}) operand {}", t.kind(), op.what),
+                    &op.buf,
+                    arena_bytes,
+                    &weight_bufs,
+                    &state_caps,
+                    &consts,
+                )?;
             }
             // Stride lists, alignment, and dims × strides of every operand
             // inside its BufRef (the CPU backend runs the same checks).
@@ -674,58 +681,6 @@ impl CudaExecutable {
         let list: Vec<String> = per.iter().map(|(k, (us, n))| format!("{k} {us:.1}us/{n}")).collect();
         eprintln!("rlx-cuda profile (eager, CUDA events): total {total:.1}us: {}", list.join(", "));
         Ok(())
-    }
-}
-
-fn thunk_bufs(t: &Thunk) -> Vec<&rlx_schedule::BufRef> {
-    match t {
-        Thunk::MatMul(m) => [Some(&m.a), Some(&m.b), m.bias.as_ref(), m.residual.as_ref(), Some(&m.out)].into_iter().flatten().collect(),
-        Thunk::Binary { a, b, out, .. } => vec![a, b, out],
-        Thunk::Activation { x, out, .. } | Thunk::Softmax { x, out, .. } | Thunk::Reduce { x, out, .. } | Thunk::ArgMax { x, out, .. } => {
-            vec![x, out]
-        }
-        Thunk::Norm { x, residual, gamma, beta, out, .. } => {
-            [Some(x), residual.as_ref(), Some(gamma), beta.as_ref(), Some(out)].into_iter().flatten().collect()
-        }
-        Thunk::TopK { x, values, indices, .. } => [Some(x), values.as_ref(), indices.as_ref()].into_iter().flatten().collect(),
-        Thunk::Gather { table, ids, out, .. } => vec![table, ids, out],
-        Thunk::Copy { src, dst, .. } | Thunk::Cast { src, dst, .. } => vec![src, dst],
-        Thunk::Attention(a) => [Some(&a.q.buf), Some(&a.k.buf), Some(&a.v.buf), a.mask.as_ref(), a.valid_len.as_ref(), Some(&a.out)]
-            .into_iter()
-            .flatten()
-            .collect(),
-        Thunk::AttentionAppend(t) => {
-            let a = &t.attn;
-            let mut v = vec![&t.q.buf, &t.k_new.buf, &t.v_new.buf, &t.position, &a.k.buf, &a.v.buf, &a.out];
-            v.extend(a.mask.as_ref());
-            v.extend(a.valid_len.as_ref());
-            if let Some(r) = &t.rope {
-                v.push(&r.positions);
-                v.extend(r.freq_factors.as_ref());
-            }
-            v
-        }
-        Thunk::Rope { x, positions, out, freq_factors, .. } => {
-            let mut v = vec![&x.buf, positions, out];
-            v.extend(freq_factors.as_ref());
-            v
-        }
-        Thunk::SwiGlu { gate, up, out, .. } => vec![&gate.buf, &up.buf, out],
-        Thunk::MaskedMean { x, mask, out, .. } => vec![x, mask, out],
-        Thunk::EmbedNorm { table, ids, addends, gamma, beta, out, .. } => {
-            [table, ids].into_iter().chain(addends.iter().map(|(a, _)| a)).chain([gamma, beta, out]).collect()
-        }
-        Thunk::WriteState { state, value, position, .. } => vec![state, value, position],
-        Thunk::QMatMul { a, w, out, norm, residual, scratch, .. } => {
-            let mut v = vec![a, w, out];
-            v.extend(norm.as_ref().map(|nm| &nm.gamma));
-            v.extend(residual.as_ref());
-            v.extend(scratch.as_ref());
-            v
-        }
-        Thunk::QGather { table, ids, out, .. } => vec![table, ids, out],
-        Thunk::FeedForward(f) => f.parts.iter().flat_map(thunk_bufs).collect(),
-        Thunk::Sample { logits, fparams, iparams, history, position, out, .. } => vec![logits, fparams, iparams, history, position, out],
     }
 }
 
