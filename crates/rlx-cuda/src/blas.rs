@@ -367,8 +367,13 @@ impl MatMulPlan {
     pub fn candidates(&self, blas: &Blas, count: usize) -> Vec<LtAlgo> {
         let mut out = vec![self.algo];
         let heur = self.heuristics(blas, count, SAFE_REDUCTIONS).unwrap_or_default();
+        // One candidate per configuration: answers whose configurations
+        // read the same (every attribute) count as one, the first kept.
+        // (On an H100, cuBLASLt 13 gave a second answer with the default's
+        // configuration for a small f32 matmul whose results changed from
+        // call to call.)
         let push = |a: LtAlgo, out: &mut Vec<LtAlgo>| {
-            if !out.iter().any(|o| o.algo == a.algo) {
+            if !out.iter().any(|o| o.algo == a.algo || o.same_config(&a)) {
                 out.push(a);
             }
         };
@@ -467,6 +472,11 @@ impl LtAlgo {
             }
         }
         Some(LtAlgo::describe(a))
+    }
+
+    /// Whether every readable configuration attribute is the same.
+    fn same_config(&self, o: &LtAlgo) -> bool {
+        (self.id, self.tile, self.split, self.reduction, self.rest) == (o.id, o.tile, o.split, o.reduction, o.rest)
     }
 
     /// Short form for traces: algorithm id, tile id, split, reduction;
