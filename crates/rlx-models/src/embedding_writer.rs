@@ -336,11 +336,11 @@ impl EmbeddingWriter {
             return Err(ModelError::Input(format!("embedding of length {n} written to an output of width {}", self.dim)));
         }
         let first = self.rows;
-        let bytes: Vec<u8> = match self.format {
+        let parts: Vec<Vec<u8>> = match self.format {
             OutputFormat::Jsonl => {
                 use rayon::prelude::*;
                 // Rows in chunks, so a chunk's formatting is worth a task.
-                let parts: Vec<Result<String>> = rows
+                let parts: Vec<Result<Vec<u8>>> = rows
                     .par_chunks(64)
                     .enumerate()
                     .map(|(c, chunk)| {
@@ -348,19 +348,18 @@ impl EmbeddingWriter {
                         for (j, v) in chunk.iter().enumerate() {
                             json_line(&mut text, first + (c * 64 + j) as u64, v.as_ref())?;
                         }
-                        Ok(text)
+                        Ok(text.into_bytes())
                     })
                     .collect();
-                let mut all = Vec::with_capacity(parts.iter().map(|p| p.as_ref().map_or(0, String::len)).sum());
-                for p in parts {
-                    all.extend_from_slice(p?.as_bytes());
-                }
-                all
+                parts.into_iter().collect::<Result<_>>()?
             }
-            OutputFormat::Npy => rows.iter().flat_map(|v| v.as_ref().iter().flat_map(|x| x.to_le_bytes())).collect(),
+            OutputFormat::Npy => vec![rows.iter().flat_map(|v| v.as_ref().iter().flat_map(|x| x.to_le_bytes())).collect()],
         };
         let name = self.name.clone();
-        self.out()?.write_all(&bytes).map_err(|e| ModelError::io(&name, e))?;
+        let out = self.out()?;
+        for p in &parts {
+            out.write_all(p).map_err(|e| ModelError::io(&name, e))?;
+        }
         self.rows += rows.len() as u64;
         Ok(())
     }
