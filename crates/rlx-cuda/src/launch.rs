@@ -225,12 +225,15 @@ impl Kernels {
         self.funcs.get(name).copied().ok_or_else(|| err(format!("kernel {name} is not in the loaded modules")))
     }
     /// What a timed matmul choice depends on beyond its shape (src/gemm_cache.rs):
-    /// the device model and the driver and cuBLASLt versions.
+    /// the device model, the driver and cuBLASLt versions, and the
+    /// revision of the candidate list (2: answers of one configuration
+    /// count once, so choices stored from an older list, which could hold
+    /// an answer whose results change from call to call, are not used).
     pub(crate) fn timing_context(&self) -> String {
         let d = &self.dev;
         let driver = crate::driver::driver_version().unwrap_or(0);
         let lt = crate::blas::cublaslt_version().unwrap_or(0);
-        format!("{} cc {}.{} sms {} driver {driver} cublasLt {lt}", d.name, d.cc.0, d.cc.1, d.sm_count)
+        format!("{} cc {}.{} sms {} driver {driver} cublasLt {lt} candidates 2", d.name, d.cc.0, d.cc.1, d.sm_count)
     }
     /// The fused feed-forward kernels at widths (H, I), compiled (or read
     /// from the disk cache) and loaded the first time a block of those
