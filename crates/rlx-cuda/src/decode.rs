@@ -15,7 +15,8 @@ use std::sync::Arc;
 
 use crate::blas::{Blas, MatMulCall, MatMulPlan};
 use crate::driver::err;
-use crate::launch::{collapse, suffix, Bases, Kernels, Op, Step};
+use crate::launch::{collapse, suffix, Bases, Op, Step};
+use crate::modules::Kernels;
 use crate::params::{self, arr, i};
 
 /// Threads per block of the quantized matvec: one warp per output column.

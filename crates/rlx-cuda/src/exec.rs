@@ -24,7 +24,8 @@ use crate::driver::{self, err, Device, DeviceBuffer, Event, GraphExec, PinnedBuf
 use crate::ffn;
 use crate::gemm;
 use crate::hostops::{self, HostTask};
-use crate::launch::{self, Bases, Kernels, Op, Step};
+use crate::launch::{self, Bases, Op, Step};
+use crate::modules::Kernels;
 use crate::options::CudaOptions;
 use crate::record::{record, Prefetcher, Segment, PREFETCH_MAX_ROWS};
 use crate::weights::DeviceWeights;

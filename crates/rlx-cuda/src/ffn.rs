@@ -29,7 +29,8 @@ use rlx_ir::{Activation, DType};
 use rlx_runtime::Result;
 use rlx_schedule::{BufRef, FeedForwardParts, FeedForwardThunk, MatMulThunk, Thunk};
 
-use crate::launch::{suffix, Bases, Kernels, Op, Step};
+use crate::launch::{suffix, Bases, Op, Step};
+use crate::modules::Kernels;
 use crate::params::{i, FfnRowsP};
 
 /// Rows one fused block handles.

@@ -16,7 +16,8 @@ use rlx_schedule::{MatMulThunk, Space};
 use crate::blas::{folded, Blas, LtAlgo, MatMulPlan};
 use crate::driver::{err, Event, Func, GraphExec, Stream};
 use crate::gemm_cache::{self, Stored};
-use crate::launch::{Kernels, Op, Step};
+use crate::launch::{Op, Step};
+use crate::modules::Kernels;
 use crate::options::{CudaOptions, MatmulChoice};
 
 /// cuBLASLt heuristic answers to time per shape, and the cap on all

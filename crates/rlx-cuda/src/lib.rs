@@ -31,6 +31,7 @@ mod hostops;
 #[doc(hidden)]
 pub mod kernel_cache;
 mod launch;
+mod modules;
 mod nvrtc;
 mod options;
 mod params;
@@ -48,7 +49,7 @@ pub use nvrtc::SOURCES as KERNEL_SOURCES;
 pub use options::{CudaOptions, MatmulChoice};
 
 use driver::{err, Device};
-use launch::Kernels;
+use modules::Kernels;
 
 /// The CUDA backend for one device, with the options every executable it
 /// prepares runs under.
@@ -113,7 +114,7 @@ fn open(ordinal: usize, opts: &CudaOptions) -> Result<Opened> {
     let t0 = std::time::Instant::now();
     let dev = Device::open(ordinal)?;
     let t1 = std::time::Instant::now();
-    let funcs = launch::load_modules(&dev, &nvrtc::sources_for(dev.cc), opts)?;
+    let funcs = modules::load_modules(&dev, &nvrtc::sources_for(dev.cc), opts)?;
     if opts.trace {
         let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
         let now = std::time::Instant::now();

@@ -5,7 +5,8 @@
 use rlx_runtime::Result;
 
 use crate::driver::{Event, Func, GraphExec, Stream};
-use crate::launch::{Kernels, Step};
+use crate::launch::Step;
+use crate::modules::Kernels;
 
 /// A maximal run of steps: recorded once (replay) or a host-side run.
 pub(crate) enum Segment {
