@@ -940,12 +940,67 @@ macro_rules! row_fns {
             hsum(_mm256_add_ps(acc0, acc1)) + (m0 + m1)
         }
 
+        /// `row32` for two activation rows at once: each weight block is
+        /// unpacked once for both. Each row's sums run in `row32`'s order
+        /// (even and odd blocks apart, then together), so a row gets the
+        /// same bits whichever of the two computes it.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn row32x2<const F: u8>(w: &[u8], a: ActRow<'_>, b: ActRow<'_>, t: &[f32; 65536]) -> (f32, f32) {
+            let bb = block_bytes(F);
+            let (mut a0, mut a1, mut b0, mut b1) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+            let (mut ma0, mut ma1, mut mb0, mut mb1) = (0f32, 0f32, 0f32, 0f32);
+            /// One block of both rows.
+            #[inline]
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            fn one<const F: u8>(
+                wb: &[u8],
+                t: &[f32; 65536],
+                (qa, ca, da, sa): (&[i8], &[i32], &[f32], f32),
+                (qb, cb, db, sb): (&[i8], &[i32], &[f32], f32),
+                acc_a: &mut __m256,
+                acc_b: &mut __m256,
+                m_a: &mut f32,
+                m_b: &mut f32,
+            ) {
+                let u = unpack::<F>(wb);
+                let wd = _mm256_set1_ps(t[u16_at(wb, 0) as usize]);
+                *acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u::<F>(u, qa, ca)), _mm256_mul_ps(wd, ld256f(da)), *acc_a);
+                *acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u::<F>(u, qb, cb)), _mm256_mul_ps(wd, ld256f(db)), *acc_b);
+                if has_min(F) {
+                    let m = t[u16_at(wb, 2) as usize];
+                    *m_a += m * sa;
+                    *m_b += m * sb;
+                }
+            }
+            let ra = a.q.chunks_exact(32).zip(a.corr.chunks_exact(8)).zip(a.db.chunks_exact(8)).zip(a.s.iter().copied());
+            let rb = b.q.chunks_exact(32).zip(b.corr.chunks_exact(8)).zip(b.db.chunks_exact(8)).zip(b.s.iter().copied());
+            for (i, (wb, ((((qa, ca), da), sa), (((qb, cb), db), sb)))) in w.chunks_exact(bb).zip(ra.zip(rb)).enumerate() {
+                if i % 2 == 0 {
+                    one::<F>(wb, t, (qa, ca, da, sa), (qb, cb, db, sb), &mut a0, &mut b0, &mut ma0, &mut mb0);
+                } else {
+                    one::<F>(wb, t, (qa, ca, da, sa), (qb, cb, db, sb), &mut a1, &mut b1, &mut ma1, &mut mb1);
+                }
+            }
+            (hsum(_mm256_add_ps(a0, a1)) + (ma0 + ma1), hsum(_mm256_add_ps(b0, b1)) + (mb0 + mb1))
+        }
+
         #[inline]
         #[target_feature(enable = $features)]
         fn chunk_f<const F: u8>(w: &[u8], rb: usize, act: &Act, dst: &mut [&mut [f32]]) {
             let t = f16_table();
             for (j, wr) in w.chunks_exact(rb).enumerate() {
-                for (i, d) in dst.iter_mut().enumerate() {
+                let mut i = 0;
+                if F != Q4K && F != Q6K {
+                    while i + 1 < dst.len() {
+                        let (x, y) = row32x2::<F>(wr, act.row(i), act.row(i + 1), t);
+                        dst[i][j] = x;
+                        dst[i + 1][j] = y;
+                        i += 2;
+                    }
+                }
+                for (i, d) in dst.iter_mut().enumerate().skip(i) {
                     let a = act.row(i);
                     d[j] = match F {
                         Q4K => row_q4k(wr, a, t),
@@ -1031,17 +1086,35 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn block_dot<const F: u8>(w: &[u8], q: &[i8], corr: &[i32]) -> __m256i {
+        dot_u::<F>(unpack::<F>(w), q, corr)
+    }
+
+    /// A block's 32 weights as bytes: the unsigned levels of the 4/5-bit
+    /// formats, Q8_0's signed values as stored.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpack<const F: u8>(w: &[u8]) -> __m256i {
+        if F == Q8_0 {
+            return ld256(w, 2);
+        }
+        let x = ld128(w, qs_offset(F));
+        let u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(x), x), _mm256_set1_epi8(15));
+        if is_q5(F) {
+            _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(u32_at(w, qh_offset(F))), _mm256_set1_epi8(16)))
+        } else {
+            u
+        }
+    }
+
+    /// Unpacked weights (`unpack`) · a block's activations, int32 in 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot_u<const F: u8>(u: __m256i, q: &[i8], corr: &[i32]) -> __m256i {
         let qa = ld256q(q, 0);
         let ones = _mm256_set1_epi16(1);
         if F == Q8_0 {
             // |w| × (a with w's sign): maddubs needs one unsigned side.
-            let wv = ld256(w, 2);
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qa, wv)), ones);
-        }
-        let x = ld128(w, qs_offset(F));
-        let mut u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(x), x), _mm256_set1_epi8(15));
-        if is_q5(F) {
-            u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(u32_at(w, qh_offset(F))), _mm256_set1_epi8(16)));
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(qa, u)), ones);
         }
         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, qa), ones);
         if has_min(F) {
@@ -1166,8 +1239,15 @@ mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     fn block_dot<const F: u8>(w: &[u8], q: &[i8], corr: &[i32]) -> __m256i {
-        let u = if F == Q8_0 {
-            // Read as w + 128 (unsigned); corr removes 128·Σa.
+        dot_u::<F>(unpack::<F>(w), q, corr)
+    }
+
+    /// A block's 32 weights as unsigned bytes (Q8_0 read as w + 128;
+    /// `corr` removes 128·Σa).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn unpack<const F: u8>(w: &[u8]) -> __m256i {
+        if F == Q8_0 {
             _mm256_xor_si256(ld256(w, 2), _mm256_set1_epi8(-128))
         } else {
             let x = ld128(w, qs_offset(F));
@@ -1177,7 +1257,13 @@ mod avx512 {
             } else {
                 u
             }
-        };
+        }
+    }
+
+    /// Unpacked weights (`unpack`) · a block's activations, int32 in 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn dot_u<const F: u8>(u: __m256i, q: &[i8], corr: &[i32]) -> __m256i {
         let c = if has_min(F) { _mm256_setzero_si256() } else { ld256i(corr, 0) };
         _mm256_dpbusd_epi32(c, u, ld256q(q, 0))
     }
