@@ -97,12 +97,6 @@ pub fn run(args: EmbedArgs) -> Result<(), String> {
         return Err("give texts as arguments or --input FILE, not both".into());
     }
     let (dir, device, options) = resolve(&args.model)?;
-    // A GPU starts opening now (driver, kernels: a few hundred ms), beside
-    // reading the model's files; the embedder's own open then finds it
-    // open, or reports the error this one met.
-    if device != Device::Cpu {
-        std::thread::spawn(move || drop(rlx::Session::new(device)));
-    }
     // The tokenizer first: texts are read and tokenised while the pipeline's
     // device thread opens the device and loads the weights.
     let parts = SentenceEmbedder::read_parts(&dir).map_err(|e| e.to_string())?;

@@ -104,21 +104,27 @@ impl Kernels {
     /// The generation step's kernels (src/decode.rs), compiled (or read from
     /// the disk cache) and loaded the first time a schedule needs them.
     pub(crate) fn decode(&self) -> Result<&LazyModule> {
-        let loaded = self.decode.get_or_init(|| {
-            let files = crate::nvrtc::decode_sources_for(self.dev.cc);
-            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs, file: "decode.cu, qmma.cu, qlib.cu or sample.cu" })
-        });
-        loaded.as_ref().map_err(|e| err(format!("loading the generation kernels: {e}")))
+        let files = || crate::nvrtc::decode_sources_for(self.dev.cc);
+        self.lazy(&self.decode, files, "decode.cu, qmma.cu, qlib.cu or sample.cu", "the generation kernels")
     }
     /// The fault-injection kernel's module (kernels/fault.cu), compiled
     /// and loaded on first use.
     pub(crate) fn fault_module(&self) -> Result<&LazyModule> {
-        let loaded = self.fault.get_or_init(|| {
-            let files = crate::nvrtc::fault_sources_for(self.dev.cc);
-            let funcs = load_modules(&self.dev, &files, &self.compile).map_err(|e| e.to_string())?;
-            Ok(LazyModule { funcs, file: "fault.cu" })
+        self.lazy(&self.fault, || crate::nvrtc::fault_sources_for(self.dev.cc), "fault.cu", "the fault-injection kernel")
+    }
+    /// The module in `cell`, compiled from `files` and loaded on first use;
+    /// a failure is kept and repeated to every caller.
+    fn lazy<'a>(
+        &self,
+        cell: &'a OnceLock<std::result::Result<LazyModule, String>>,
+        files: impl FnOnce() -> Vec<crate::nvrtc::Source>,
+        file: &'static str,
+        what: &str,
+    ) -> Result<&'a LazyModule> {
+        let loaded = cell.get_or_init(|| {
+            let funcs = load_modules(&self.dev, &files(), &self.compile).map_err(|e| e.to_string())?;
+            Ok(LazyModule { funcs, file })
         });
-        loaded.as_ref().map_err(|e| err(format!("loading the fault-injection kernel: {e}")))
+        loaded.as_ref().map_err(|e| err(format!("loading {what}: {e}")))
     }
 }
