@@ -29,8 +29,7 @@ fn lt_check(s: lt::cublasStatus_t, what: &str) -> Result<()> {
 }
 
 pub fn cublaslt_present() -> bool {
-    // SAFETY: only tries to dlopen candidate names.
-    unsafe { lt::is_culib_present() }
+    crate::libs::present(crate::libs::Lib::CublasLt)
 }
 
 pub fn cublaslt_version() -> Option<usize> {

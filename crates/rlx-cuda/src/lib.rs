@@ -31,6 +31,7 @@ mod hostops;
 #[doc(hidden)]
 pub mod kernel_cache;
 mod launch;
+mod libs;
 mod modules;
 mod nvrtc;
 mod options;
@@ -49,6 +50,7 @@ pub use nvrtc::SOURCES as KERNEL_SOURCES;
 pub use options::{CudaOptions, MatmulChoice};
 
 use driver::{err, Device};
+use libs::Lib;
 use modules::Kernels;
 
 /// The CUDA backend for one device, with the options every executable it
@@ -64,11 +66,11 @@ fn missing_lib(lib: &str, file: &str, hint: &str) -> RuntimeError {
     err(format!("{lib} ({file}) was not found: {hint}; check LD_LIBRARY_PATH"))
 }
 
-/// Fails unless the driver, NVRTC and cuBLASLt can all be loaded. cudarc
-/// panics on first use of an absent library, so this runs before any call.
+/// Fails unless the driver and NVRTC can be loaded. cudarc panics on first
+/// use of an absent library, so this runs before any call; cuBLASLt is
+/// checked by `with_options` (it loads while the device opens).
 fn probe_libraries() -> Result<()> {
-    // SAFETY: only tries to dlopen candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !libs::present(Lib::Driver) {
         return Err(missing_lib(
             "the CUDA driver",
             "libcuda.so.1",
@@ -82,14 +84,11 @@ fn probe_libraries() -> Result<()> {
             "install the CUDA 13 toolkit or the pip wheel nvidia-cuda-nvrtc (e.g. /usr/local/cuda/lib64)",
         ));
     }
-    if !blas::cublaslt_present() {
-        return Err(missing_lib(
-            "cuBLASLt",
-            "libcublasLt.so.13",
-            "install the CUDA 13 toolkit or the pip wheel nvidia-cublas (e.g. /usr/local/cuda/lib64)",
-        ));
-    }
     Ok(())
+}
+
+fn missing_cublaslt() -> RuntimeError {
+    missing_lib("cuBLASLt", "libcublasLt.so.13", "install the CUDA 13 toolkit or the pip wheel nvidia-cublas (e.g. /usr/local/cuda/lib64)")
 }
 
 /// Runs a closure that calls into cudarc, turning a panic (a symbol missing
@@ -136,9 +135,16 @@ impl CudaBackend {
 
     /// As `new`, with these options.
     pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
+        // cuBLASLt (hundreds of megabytes to map) loads on a thread while
+        // the driver starts and the kernels load.
+        let cublaslt = std::thread::spawn(|| libs::present(Lib::CublasLt));
         probe_libraries()?;
         driver::check_context()?;
-        let (dev, kernels) = guarded("opening the CUDA device", || open(ordinal, &opts))?;
+        let opened = guarded("opening the CUDA device", || open(ordinal, &opts));
+        if !cublaslt.join().unwrap_or(false) {
+            return Err(missing_cublaslt());
+        }
+        let (dev, kernels) = opened?;
         Ok(CudaBackend { dev, kernels, opts })
     }
 
@@ -244,8 +250,7 @@ pub fn check_kernels(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'stat
 /// library versions, or what is missing.
 pub fn doctor() -> String {
     let mut lines = Vec::new();
-    // SAFETY: only tries to dlopen candidate names.
-    let have_driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    let have_driver = libs::present(Lib::Driver);
     if !have_driver {
         lines.push("CUDA driver: libcuda.so.1 not found (install the NVIDIA driver; check LD_LIBRARY_PATH)".to_string());
     } else {

@@ -107,8 +107,7 @@ pub fn compile_many(files: &[Source], opts: &CudaOptions) -> Result<Vec<Vec<u8>>
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen candidate names.
-    unsafe { nv::is_culib_present() }
+    crate::libs::present(crate::libs::Lib::Nvrtc)
 }
 
 pub fn nvrtc_version() -> Result<(i32, i32)> {
