@@ -239,11 +239,14 @@ template <> struct Vec16<__nv_bfloat16> {
 
 // 16 bytes global -> shared without passing through registers; `full`
 // false writes 16 zero bytes (src-size 0: nothing is read).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+// The first `n` (0..=16) bytes at gmem (both addresses 16-byte aligned);
+// the rest of the 16 in shared memory are zeros and nothing past gmem + n
+// is read.
+__device__ __forceinline__ void cp_async_bytes(void* smem, const void* gmem, int n) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    int n = full ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
 }
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) { cp_async_bytes(smem, gmem, full ? 16 : 0); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -234,26 +234,11 @@ __device__ void qmatvec_body(const QMatMulP& p) {
 // issued before the wait, and reads each activation chunk once for all of
 // them; so a lane keeps CPW times as many loads in flight. Each column's
 // sums run in qmatvec_body's order, so both give the same bits.
+// `qmatvec_wide_sums` is everything after the weights are in registers.
 template <typename T, int F, int MC, int CPW>
-__device__ void qmatvec_wide_body(const QMatMulP& p) {
-    static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
-    constexpr int BB = QFmt<F>::BB;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const i64 col0 = ((i64)blockIdx.x * nw + warp) * CPW;
-    const bool norm = p.gamma != nullptr;
+__device__ __forceinline__ void qmatvec_wide_sums(const QMatMulP& p, const QRaw (&rw)[CPW][MC], i64 col0, int lane) {
     const int chunks = (int)(p.k / 8);
-    const u8* w0 = (const u8*)p.w + col0 * p.row_bytes;
-    QRaw rw[CPW][MC];
-#pragma unroll
-    for (int j = 0; j < CPW; ++j) {
-#pragma unroll
-        for (int m = 0; m < MC; ++m) {
-            const int c = lane + 32 * m;
-            if (col0 + j < p.n && c < chunks) rw[j][m] = qraw<F>(w0 + j * p.row_bytes + (c >> 2) * BB, c & 3);
-        }
-    }
-    pdl_enter();
-    if (col0 >= p.n) return;
+    const bool norm = p.gamma != nullptr;
     const T* x = (const T*)p.a;
     const T* gamma = (const T*)p.gamma;
     const int run1 = F == QF_Q8_0 ? 4 : 16;
@@ -300,6 +285,64 @@ __device__ void qmatvec_wide_body(const QMatMulP& p) {
     }
 }
 
+// A lane's chunks of CPW neighbouring weight rows starting at `w0`.
+template <int F, int MC, int CPW>
+__device__ __forceinline__ void qmatvec_wide_raw(const QMatMulP& p, const u8* w0, i64 col0, int lane, QRaw (&rw)[CPW][MC]) {
+    constexpr int BB = QFmt<F>::BB;
+    const int chunks = (int)(p.k / 8);
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) {
+#pragma unroll
+        for (int m = 0; m < MC; ++m) {
+            const int c = lane + 32 * m;
+            if (col0 + j < p.n && c < chunks) rw[j][m] = qraw<F>(w0 + j * p.row_bytes + (c >> 2) * BB, c & 3);
+        }
+    }
+}
+
+template <typename T, int F, int MC, int CPW>
+__device__ void qmatvec_wide_body(const QMatMulP& p) {
+    static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 col0 = ((i64)blockIdx.x * nw + warp) * CPW;
+    QRaw rw[CPW][MC];
+    qmatvec_wide_raw<F, MC, CPW>(p, (const u8*)p.w + col0 * p.row_bytes, col0, lane, rw);
+    pdl_enter();
+    if (col0 >= p.n) return;
+    qmatvec_wide_sums<T, F, MC, CPW>(p, rw, col0, lane);
+}
+
+// The same sums with the block's weight rows (contiguous: its columns are
+// neighbours) first copied to shared memory by 16-byte asynchronous copies,
+// issued before the wait on the previous kernel. Rows of a 34-byte block
+// format (Q8_0: the output head of many GGUF files) are only 2-byte aligned,
+// so reading them in place takes five 16-bit loads per chunk per column; the
+// copy reads the same bytes in whole 16-byte pieces. The host launches it
+// where the weight starts 16-byte aligned, with 32·CPW·row_bytes bytes of
+// dynamic shared memory. The same bits as qmatvec_wide_body.
+template <typename T, int F, int MC, int CPW>
+__device__ void qmatvec_staged_body(const QMatMulP& p) {
+    static_assert(QFmt<F>::BE == 32, "qmatvec reads 32-element formats");
+    extern __shared__ __align__(16) u8 s_w[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const i64 bcol0 = (i64)blockIdx.x * nw * CPW;
+    const i64 bcols = p.n - bcol0 < (i64)nw * CPW ? p.n - bcol0 : (i64)nw * CPW;
+    const i64 bytes = bcols * p.row_bytes;
+    const u8* src = (const u8*)p.w + bcol0 * p.row_bytes;
+    for (i64 o = (i64)threadIdx.x * 16; o < bytes; o += (i64)blockDim.x * 16) {
+        cp_async_bytes(s_w + o, src + o, bytes - o < 16 ? (int)(bytes - o) : 16);
+    }
+    cp_async_commit();
+    pdl_enter();
+    cp_async_wait<0>();
+    __syncthreads();
+    const i64 col0 = bcol0 + (i64)warp * CPW;
+    if (col0 >= p.n) return;
+    QRaw rw[CPW][MC];
+    qmatvec_wide_raw<F, MC, CPW>(p, s_w + (i64)warp * CPW * p.row_bytes, col0, lane, rw);
+    qmatvec_wide_sums<T, F, MC, CPW>(p, rw, col0, lane);
+}
+
 // qmatvec_<format>_c<MC>_<dtype>: rows == 1, k ≤ 256·MC.
 #define RLX_QMV(FN, F, MC)                                                                                                      \
     extern "C" __global__ void qmatvec_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_body<float, F, MC>(p); }                  \
@@ -310,7 +353,12 @@ __device__ void qmatvec_wide_body(const QMatMulP& p) {
     extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_wide_body<float, F, MC, 4>(p); }            \
     extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_wide_body<__half, F, MC, 4>(p); }           \
     extern "C" __global__ void qmatvec_w4_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_wide_body<__nv_bfloat16, F, MC, 4>(p); }
-#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8) RLX_QMVW(FN, F, 2) RLX_QMVW(FN, F, 4)
+// qmatvec_s4_<format>_c<MC>_<dtype>: the same, the weights staged in shared memory.
+#define RLX_QMVS(FN, F, MC)                                                                                                            \
+    extern "C" __global__ void qmatvec_s4_##FN##_c##MC##_f32(const QMatMulP p) { qmatvec_staged_body<float, F, MC, 4>(p); }            \
+    extern "C" __global__ void qmatvec_s4_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_staged_body<__half, F, MC, 4>(p); }           \
+    extern "C" __global__ void qmatvec_s4_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_staged_body<__nv_bfloat16, F, MC, 4>(p); }
+#define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8) RLX_QMVW(FN, F, 2) RLX_QMVW(FN, F, 4) RLX_QMVS(FN, F, 2) RLX_QMVS(FN, F, 4)
 RLX_QMV_FMT(q4_0, QF_Q4_0)
 RLX_QMV_FMT(q4_1, QF_Q4_1)
 RLX_QMV_FMT(q5_0, QF_Q5_0)

@@ -248,6 +248,7 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels, blas: &Arc<Blas>, plan: O
                 .into_iter()
                 .find(|&mc| chunks_per_lane <= mc)
                 .filter(|_| *rows == 1 && fixed && aligned && format.block_elems() == 32);
+            let mut smem = 0u32;
             let (name, grid, threads) = if *rows >= 2 {
                 // Two and more rows on tensor cores (kernels/qmma.cu; from
                 // LIB_MIN_ROWS with scratch, the library form above): 16
@@ -265,15 +266,24 @@ pub(crate) fn lower(t: &Thunk, b: &Bases, k: &Kernels, blas: &Arc<Blas>, plan: O
                     Some(mc) if mc <= 4 && !*glu && *n >= WIDE_MIN => 4,
                     _ => 1,
                 };
+                let cols_per_block = (QMM_THREADS / 32) as u64 * cols_per_warp;
+                // Four columns a warp with the weights 16-byte aligned: the
+                // block's rows (contiguous) are first copied to shared
+                // memory in 16-byte pieces (kernels/decode.cu
+                // `qmatvec_staged_body`).
+                let staged = cols_per_warp == 4 && wp.is_multiple_of(16);
+                if staged {
+                    smem = (cols_per_block * row_bytes as u64) as u32;
+                }
                 let name = match matvec {
+                    Some(mc) if staged => format!("qmatvec_s4_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                     Some(mc) if cols_per_warp == 4 => format!("qmatvec_w4_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                     Some(mc) => format!("qmatvec_{}_c{mc}_{}", format.name(), suffix(*dtype)),
                     None => format!("qmatmul_{}_r1_{}", format.name(), suffix(*dtype)),
                 };
-                let cols_per_block = (QMM_THREADS / 32) as u64 * cols_per_warp;
                 (name, [(*n as u64).div_ceil(cols_per_block).max(1) as u32, 1, 1], QMM_THREADS)
             };
-            Step::new(Op::kernel(k.decode()?.get(&name)?, grid, threads, 0, [1, 1, 1], &p)?, kind)
+            Step::new(Op::kernel(k.decode()?.get(&name)?, grid, threads, smem, [1, 1, 1], &p)?, kind)
         }
         Thunk::QGather { format, id_dtype, n, dim, vocab, table, ids, out } => {
             let row_bytes =
