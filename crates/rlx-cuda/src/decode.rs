@@ -22,7 +22,8 @@ use crate::params::{self, arr, i};
 /// Threads per block of the quantized matvec: one warp per output column.
 const QMM_THREADS: u32 = 256;
 /// Columns from which a one-row matvec without a gate takes four columns
-/// a warp (`qmatvec_w4_*`): the output head's tens of thousands.
+/// a warp (`qmatvec_s4_*`, or `qmatvec_w4_*` for weights not 16-byte
+/// aligned): the output head's tens of thousands.
 const WIDE_MIN: usize = 8192;
 /// Threads per block of the tensor-core quantized matmul (`QMMA_WARPS` in
 /// kernels/qmma.cu): its warps split k.
