@@ -136,12 +136,17 @@ impl CudaBackend {
     /// As `new`, with these options.
     pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
         // cuBLASLt (hundreds of megabytes to map) loads on a thread while
-        // the driver starts and the kernels load.
-        let cublaslt = std::thread::spawn(|| libs::present(Lib::CublasLt));
+        // the driver starts and the kernels load (where no thread can be
+        // started, here after them).
+        let cublaslt = std::thread::Builder::new().name("rlx-cublaslt-load".into()).spawn(|| libs::present(Lib::CublasLt)).ok();
         probe_libraries()?;
         driver::check_context()?;
         let opened = guarded("opening the CUDA device", || open(ordinal, &opts));
-        if !cublaslt.join().unwrap_or(false) {
+        let loaded = match cublaslt {
+            Some(t) => t.join().unwrap_or(false),
+            None => libs::present(Lib::CublasLt),
+        };
+        if !loaded {
             return Err(missing_cublaslt());
         }
         let (dev, kernels) = opened?;
