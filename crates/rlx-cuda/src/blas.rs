@@ -406,8 +406,9 @@ pub(crate) struct LtAlgo {
     pub tile: u32,
     pub split: u32,
     pub reduction: u32,
-    /// The rest of its configuration, for traces: CTA swizzling, custom
-    /// option, stages id, inner shape id, cluster shape id.
+    /// The rest of its configuration (traces, and `same_config` when
+    /// candidates are deduplicated): CTA swizzling, custom option, stages
+    /// id, inner shape id, cluster shape id.
     pub rest: [u32; 5],
 }
 

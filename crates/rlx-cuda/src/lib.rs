@@ -135,9 +135,9 @@ impl CudaBackend {
 
     /// As `new`, with these options.
     pub fn with_options(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
-        // cuBLASLt (hundreds of megabytes to map) loads on a thread while
-        // the driver starts and the kernels load (where no thread can be
-        // started, here after them).
+        // cuBLASLt, by far the slowest of the three libraries to load,
+        // loads on a thread while the driver starts and the kernels load
+        // (where no thread can be started, here after them).
         let cublaslt = std::thread::Builder::new().name("rlx-cublaslt-load".into()).spawn(|| libs::present(Lib::CublasLt)).ok();
         probe_libraries()?;
         driver::check_context()?;
