@@ -6,19 +6,22 @@
 #include "attention.cuh"
 
 // One query row (decode: q_len 1) per (batch, head). A round gives each
-// lane of each of the W warps one key: the lane issues the loads of its
-// key's whole K row (16-byte loads where the rows allow them) and the V
-// rows of the warp's first keys before any use, scores its key against the
-// query in shared memory, and the warp folds its 32 scores into its online
+// of the W warps 32 keys. Where the rows are whole (hd = HDP) and 16-byte
+// aligned (`dec_core_quad`), four lanes share a key's K row, each scoring
+// a quarter of its dims, so a warp load covers 8 rows; otherwise
+// (`dec_core_rows`) each lane scores one key, reading its whole row. The
+// loads of a round's K rows and of the V rows of the warp's first keys are
+// issued before any use; the warp folds its 32 scores into its online
 // softmax at once; then for each of the warp's keys (its probability
-// broadcast from the lane that scored it) every lane adds the V values of
+// broadcast from a lane that scored it) every lane adds the V values of
 // its own NC = HDP/32 neighbouring dims. W·32 keys a round: one round up to
 // 512 keys with 16 warps. The partial (max, sum, output) triples of the
-// warps are merged through shared memory at the end. A masked key, or one
-// past the valid end, scores -inf (its rows are read but weigh 0). With one
-// query row the causal rule admits exactly the valid keys.
+// warps are merged through shared memory at the end (`dec_merge`). A
+// masked key, or one past the valid end, scores -inf (its rows are read
+// but weigh 0). With one query row the causal rule admits exactly the
+// valid keys.
 //
-// `dec_core` is that loop for the scaled query `sq` in shared memory (0
+// `dec_core` runs that loop for the scaled query `sq` in shared memory (0
 // past hd); key `own` (or none: -1) is read from `own_k` / `own_v` in
 // shared memory instead of kb / vb (the row an append is writing).
 // Rows are held as packed 32-bit words (two 16-bit elements a word), so a
@@ -58,8 +61,45 @@ __device__ __forceinline__ void ld_words(const TK* p, bool vec, int off, int lim
     for (int i = 0; i < N; ++i) w[i / PW] |= tk_bits(p[off + i < lim ? off + i : lim - 1]) << (32 / PW * (i % PW));
 }
 
+// The end of a decode attention: the W warps' partial (max, sum, output)
+// triples merged through shared memory, the row stored.
+template <typename T, int HDP, int W>
+__device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[HDP / 32], i64 hd, T* o) {
+    constexpr int NC = HDP / 32;
+    __shared__ float sm_m[W], sm_l[W];
+    __shared__ float sm_o[W][HDP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, d0 = lane * NC;
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int c = 0; c < NC; ++c) sm_o[warp][d0 + c] = acc[c];
+    __syncthreads();
+    float mt = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mt = fmaxf(mt, sm_m[w]);
+    float lt = 0.0f;
+    float f[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - mt);
+        lt += sm_l[w] * f[w];
+    }
+    // A row that sees no key at all (fully masked) yields zeros.
+    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) s += sm_o[w][d] * f[w];
+        st(o, d, s * inv);
+    }
+}
+
+// The decode attention loop for rows read in place (see above): the
+// fallback for rows that are not whole and 16-byte aligned.
 template <typename T, typename TK, int HDP, int W>
-__device__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
+__device__ __noinline__ void dec_core_rows(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
                          i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
     constexpr int NC = HDP / 32;
     // A key's K row is read in chunks of at most 128 bytes (32 registers),
@@ -68,8 +108,6 @@ __device__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i
     constexpr int KC = HDP % KC0 == 0 ? KC0 : 32, KL = 16 / (int)sizeof(TK);
     constexpr int VB = NC * (int)sizeof(TK), VG = VB <= 4 ? 32 : VB <= 8 ? 16 : 8, VW = (VB + 3) / 4;
     static_assert(HDP % KC == 0 && KC % KL == 0, "K chunks of whole 16-byte loads");
-    __shared__ float sm_m[W], sm_l[W];
-    __shared__ float sm_o[W][HDP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Uniform over the block: whole rows of hd = HDP with 16-byte aligned
     // starts take vector loads; others (odd head dims, strided views) read
@@ -140,31 +178,169 @@ __device__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i
             }
         }
     }
-    if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
+    dec_merge<T, HDP, W>(m, l, acc, hd, o);
+}
+
+// dec_core over whole, 16-byte aligned rows with each K row read by four
+// lanes: in a round of 32 keys, lane l scores keys base + 8p + l/4 (p < 4)
+// over dims (l%4)·HDP/4 onward, and two shuffles sum the four partial dots.
+// One warp load then covers pieces of 8 rows instead of 32 (a row a lane,
+// as dec_core_rows reads them), so it touches a quarter of the cache lines.
+// The V half is dec_core_rows'. `QuadRegs` holds a round's loads: K pieces
+// of PC keys at once (at most 32 registers) and V rows of VG keys.
+template <typename TK, int HDP>
+struct QuadRegs {
+    static constexpr int NC = HDP / 32, KD = HDP / 4, KL = 16 / (int)sizeof(TK), KW = KD * (int)sizeof(TK) / 4;
+    static constexpr int PC = KW >= 32 ? 1 : 32 / KW < 4 ? 32 / KW : 4;
+    static constexpr int VB = NC * (int)sizeof(TK), VG = VB <= 4 ? 32 : VB <= 8 ? 16 : 8, VW = (VB + 3) / 4;
+    static_assert(KD % KL == 0 && 4 % PC == 0, "a lane's piece of a row is whole 16-byte loads");
+    // A round's loads are one batch (all its K pieces and V rows), so they
+    // can be issued before the wait on the previous kernel.
+    static constexpr bool ONE = PC == 4 && VG == 32;
+    unsigned kw[PC][KW];
+    unsigned vw[VG][VW];
+    // The K pieces of keys base + 8(p0 + pp) + quad, pp < PC; a key at or
+    // past `lim` reads key base's row instead (in bounds, weighed 0 later).
+    __device__ __forceinline__ void load_k(const TK* kb, i64 krs, i64 base, i64 lim, int p0) {
+        const int lane = threadIdx.x & 31, quad = lane >> 2, ql = lane & 3;
+#pragma unroll
+        for (int pp = 0; pp < PC; ++pp) {
+            const i64 key = base + 8 * (p0 + pp) + quad;
+            const TK* kr = kb + (key < lim ? key : base) * krs + ql * KD;
+#pragma unroll
+            for (int i = 0; i < KD; i += KL) {
+                const uint4 u = *(const uint4*)(kr + i);
+                unsigned* w = kw[pp] + i / KL * 4;
+                w[0] = u.x;
+                w[1] = u.y;
+                w[2] = u.z;
+                w[3] = u.w;
+            }
+        }
     }
+    // This lane's NC dims of the V rows of keys base + g·VG + j, j < VG.
+    __device__ __forceinline__ void load_v(const TK* vb, i64 vrs, i64 base, i64 lim, int g) {
+        const int d0 = (threadIdx.x & 31) * NC;
 #pragma unroll
-    for (int c = 0; c < NC; ++c) sm_o[warp][d0 + c] = acc[c];
-    __syncthreads();
-    float mt = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) mt = fmaxf(mt, sm_m[w]);
-    float lt = 0.0f;
-    float f[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-        f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - mt);
-        lt += sm_l[w] * f[w];
+        for (int j = 0; j < VG; ++j) {
+            const i64 vk = base + g * VG + j < lim ? base + g * VG + j : base;
+            ld_words<TK, NC>(vb + vk * vrs, true, d0, HDP, vw[j]);
+        }
     }
-    // A row that sees no key at all (fully masked) yields zeros.
-    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float s = 0.0f;
+};
+
+// `pre`: r already holds the warp's first round (keys from warp·32), loaded
+// for keys below kv_end at least (QuadRegs::ONE only).
+template <typename T, typename TK, int HDP, int W>
+__device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, bool pre, const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs,
+                                              i64 kv_end, const void* mask, i64 mask_dt, i64 mask_row, i64 own, const float* own_k,
+                                              const float* own_v, T* o) {
+    using R = QuadRegs<TK, HDP>;
+    constexpr int NC = R::NC, KD = R::KD, PC = R::PC, VG = R::VG;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, ql = lane & 3;
+    const int d0 = lane * NC;
+    const float* qv = sq + ql * KD;
+    float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
-        for (int w = 0; w < W; ++w) s += sm_o[w][d] * f[w];
-        st(o, d, s * inv);
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+    for (i64 base = (i64)warp * 32; base < kv_end; base += 32 * W) {
+        const bool loaded = R::ONE && pre && base < 32 * W;
+        float sc[4];
+#pragma unroll
+        for (int p0 = 0; p0 < 4; p0 += PC) {
+            if (!loaded) {
+                r.load_k(kb, krs, base, kv_end, p0);
+                if (p0 == 0) r.load_v(vb, vrs, base, kv_end, 0);
+            }
+#pragma unroll
+            for (int pp = 0; pp < PC; ++pp) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < KD; i += 4) {
+                    const float4 q4 = *(const float4*)(qv + i);
+                    s = fmaf(q4.x, word_get<TK>(r.kw[pp], i), s);
+                    s = fmaf(q4.y, word_get<TK>(r.kw[pp], i + 1), s);
+                    s = fmaf(q4.z, word_get<TK>(r.kw[pp], i + 2), s);
+                    s = fmaf(q4.w, word_get<TK>(r.kw[pp], i + 3), s);
+                }
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                sc[p0 + pp] = s;
+            }
+        }
+        float mr = -INFINITY;
+        bool ok[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const i64 key = base + 8 * p + quad;
+            if (key == own) {
+                float s = 0.0f;
+                for (int d = 0; d < HDP; ++d) s = fmaf(sq[d], own_k[d], s);
+                sc[p] = s;
+            }
+            ok[p] = key < kv_end;
+            if (ok[p] && mask) ok[p] = ld_any(mask, mask_row + key, mask_dt) != 0.0;
+            mr = fmaxf(mr, ok[p] ? sc[p] : -INFINITY);
+        }
+        mr = warp_max(mr);
+        if (mr == -INFINITY) continue;  // no key of the round counts (uniform across the warp)
+        const float mn = fmaxf(m, mr), corr = expf(m - mn);
+        float ps = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            sc[p] = ok[p] ? expf(sc[p] - mn) : 0.0f;
+            ps += sc[p];
+        }
+        // A quad's four lanes hold the same probabilities: one counts them.
+        l = l * corr + warp_sum(ql == 0 ? ps : 0.0f);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] *= corr;
+        m = mn;
+#pragma unroll
+        for (int g = 0; g < 32 / VG; ++g) {
+            if (base + g * VG >= kv_end) break;  // uniform
+            if (g > 0) r.load_v(vb, vrs, base, kv_end, g);
+#pragma unroll
+            for (int j = 0; j < VG; ++j) {
+                const int jj = g * VG + j;  // key base + jj: probability sc[jj / 8] of quad jj % 8
+                const float pj = __shfl_sync(0xffffffffu, sc[jj >> 3], (jj & 7) * 4);
+                if (base + jj == own) {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) acc[c] = fmaf(pj, own_v[d0 + c], acc[c]);
+                } else {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) acc[c] = fmaf(pj, word_get<TK>(r.vw[j], c), acc[c]);
+                }
+            }
+        }
     }
+    dec_merge<T, HDP, W>(m, l, acc, HDP, o);
+}
+
+// Whether the cache rows can be read by dec_core_quad: whole rows of
+// hd = HDP with 16-byte aligned starts.
+template <typename TK, int HDP>
+__device__ __forceinline__ bool dec_vec(const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 hd) {
+    return hd == HDP && ((unsigned long long)kb | (unsigned long long)vb | (unsigned long long)(krs * sizeof(TK)) | (unsigned long long)(vrs * sizeof(TK))) % 16 == 0;
+}
+
+template <typename T, typename TK, int HDP, int W>
+__device__ __noinline__ void dec_core_quad_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
+                                                i64 mask_dt, i64 mask_row, i64 own, const float* own_k, const float* own_v, T* o) {
+    QuadRegs<TK, HDP> r;
+    dec_core_quad<T, TK, HDP, W>(r, false, sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+}
+
+// Decode attention over the cache rows: dec_core_quad where whole rows of
+// hd = HDP start 16-byte aligned, else dec_core_rows (element loads).
+// Each is a function of its own so neither's registers weigh on the other.
+template <typename T, typename TK, int HDP, int W>
+__device__ __forceinline__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
+                                         i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
+    if (dec_vec<TK, HDP>(kb, vb, krs, vrs, hd))
+        dec_core_quad_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+    else
+        dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
 }
 
 // The number of valid keys of batch row b (clamped to 0..=kv_len; a bad
@@ -213,37 +389,69 @@ template <typename T> __device__ __forceinline__ float round_to(float v) { T t; 
 template <typename T, typename TK, int HDP, int W>
 __device__ void attention_app_body(const AttnAppP& p) {
     static_assert(W * 32 >= HDP, "a thread per dim");
+    using R = QuadRegs<TK, HDP>;
     __shared__ __align__(16) float s_q[HDP];
     __shared__ float s_k[HDP], s_v[HDP];
     const i64 b = blockIdx.y, h = blockIdx.x;
     const i64 group = p.heads / p.kv_heads, kvh = h / group;
     const int t = threadIdx.x, hd = (int)p.hd, half = hd / 2;
-    // Before the wait: this thread's rotation frequency (no memory read).
+    TK* kc = (TK*)p.kc + b * p.kbs + kvh * hd;
+    TK* vc = (TK*)p.vc + b * p.vbs + kvh * hd;
+    const bool quad = dec_vec<TK, HDP>(kc, vc, p.krs, p.vrs, hd);
+    // Before the wait: work on values the kernels before may still be
+    // writing, checked after the wait and redone where they changed. In a
+    // decode step the positions and the valid count come from the step
+    // before or from its first kernels, so the guesses hold.
+    // - The warp's first round of cache rows (keys below the valid count
+    //   read here). Rows before the write position were written by earlier
+    //   steps; the row this step adds is read from shared memory.
+    R r;
+    i64 spec = 0;
+    if constexpr (R::ONE) {
+        const i64 n = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
+        spec = n < 0 ? 0 : (n < p.kv_len ? n : p.kv_len);
+        const i64 base = (i64)(t >> 5) * 32;
+        if (quad && base < spec) {
+            r.load_k(kc, p.krs, base, spec, 0);
+            r.load_v(vc, p.vrs, base, spec, 0);
+        }
+    }
+    // - This thread's rotation (angles as the rope kernel's).
     double invd = 0.0;
-    if (p.rope && t < half) invd = pow(p.theta, -2.0 * (double)t / (double)hd);
+    i64 pos = 0;
+    float c = 1.0f, sn = 0.0f;
+    if (p.rope && t < half) {
+        invd = pow(p.theta, -2.0 * (double)t / (double)hd);
+        if (p.factors) invd /= (double)p.factors[t];
+        pos = (i64)p.rpos[p.rpos_pb ? b : 0];
+        const float ang = (float)pos * (float)invd;
+        c = cosf(ang);
+        sn = sinf(ang);
+    }
     pdl_enter();
     // Every read that depends on the kernels before, issued together.
     const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
-    const i64 pos = p.rope ? (i64)p.rpos[p.rpos_pb ? b : 0] : 0;
+    const i64 pos_now = p.rope ? (i64)p.rpos[p.rpos_pb ? b : 0] : 0;
     const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
     const T* qb = (const T*)p.q + b * p.qbs + h * hd;
     const T* knb = (const T*)p.kn + b * p.knbs + kvh * hd;
     const T* vnb = (const T*)p.vn + b * p.vnbs + kvh * hd;
-    TK* kc = (TK*)p.kc + b * p.kbs + kvh * hd;
-    TK* vc = (TK*)p.vc + b * p.vbs + kvh * hd;
     const bool wok = wpos >= 0 && wpos < p.kv_len, writer = wok && h % group == 0;
     if (!wok && h == 0 && (p.wpos_pb || b == 0) && t == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
     const float scale = (float)p.scale;
-    // q and the new key (turned by RoPE, angles as the rope kernel's) and
-    // value, rounded as the separate kernels' stores would (q and the key to
-    // T, key and value to the cache's TK); the group's first head writes the
-    // key and value into the caches at row `wpos`.
+    // q and the new key (turned by RoPE) and value, rounded as the separate
+    // kernels' stores would (q and the key to T, key and value to the
+    // cache's TK); the group's first head writes the key and value into the
+    // caches at row `wpos`.
     if (p.rope) {
         if (t < half) {
+            if (pos_now != pos) {
+                const float ang = (float)pos_now * (float)invd;
+                c = cosf(ang);
+                sn = sinf(ang);
+            }
             const int i0 = p.rope == 1 ? t : 2 * t, i1 = p.rope == 1 ? t + half : 2 * t + 1;
             const float qa = ld(qb, i0), qz = ld(qb, i1), ka = ld(knb, i0), kz = ld(knb, i1);
-            if (p.factors) invd /= (double)p.factors[t];
-            const float ang = (float)pos * (float)invd, c = cosf(ang), sn = sinf(ang);
             s_q[i0] = round_to<T>(qa * c - qz * sn) * scale;
             s_q[i1] = round_to<T>(qz * c + qa * sn) * scale;
             const float k0 = round_to<TK>(round_to<T>(ka * c - kz * sn)), k1 = round_to<TK>(round_to<T>(kz * c + ka * sn));
@@ -269,7 +477,13 @@ __device__ void attention_app_body(const AttnAppP& p) {
     }
     __syncthreads();
     T* o = (T*)p.out + b * (p.heads * hd) + h * hd;
-    dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, wok ? wpos : -1, s_k, s_v, o);
+    const i64 own = wok ? wpos : -1;
+    if (R::ONE && quad) {
+        // The loads before the wait covered every valid key of the round.
+        dec_core_quad<T, TK, HDP, W>(r, spec >= kv_end, s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, own, s_k, s_v, o);
+    } else {
+        dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, own, s_k, s_v, o);
+    }
 }
 
 // Before the wait on the previous kernel: an L2 prefetch of the cache rows

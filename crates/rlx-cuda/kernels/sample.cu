@@ -31,6 +31,8 @@
 #define SAMPLE_THREADS 512
 #define SAMPLE_CAP 2048
 #define NT 16
+// 16-byte loads of logits in flight a thread in the first pass.
+#define SAMPLE_INFLIGHT 12
 
 struct SampleP {
     const void* logits; const void* fparams; const void* iparams; const void* history; const void* pos; void* out; int* err;
@@ -463,7 +465,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
     // The largest non-NaN logit (lowest index on ties) and the candidates.
     // A thread visits its elements in index order, so the first of equal
     // logits it sees is its lowest; the logits come in runs of 4 (one
-    // 16-byte load where the row is aligned), 4 runs in flight a thread.
+    // 16-byte load where the row is aligned), SAMPLE_INFLIGHT runs in
+    // flight a thread (the logits just written are read from L2, so the
+    // pass is a few round trips: a 49,152-id vocabulary takes two).
     float best = -INFINITY;
     int bi = -1;
     long long nvalid = 0;
@@ -478,15 +482,15 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample(const Sample
     };
     const int runs = ((unsigned long long)row.l & 15) == 0 ? V / 4 : 0;
     const float4* l4 = (const float4*)row.l;
-    for (int r0 = threadIdx.x; r0 < runs; r0 += 4 * blockDim.x) {
-        float4 q[4];
+    for (int r0 = threadIdx.x; r0 < runs; r0 += SAMPLE_INFLIGHT * blockDim.x) {
+        float4 q[SAMPLE_INFLIGHT];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < SAMPLE_INFLIGHT; ++u) {
             const int r = r0 + u * (int)blockDim.x;
             q[u] = r < runs ? l4[r] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < SAMPLE_INFLIGHT; ++u) {
             const int r = r0 + u * (int)blockDim.x;
             if (r < runs) {
                 visit(4 * r, q[u].x);
