@@ -99,7 +99,7 @@ __device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[H
 // The decode attention loop for rows read in place (see above): the
 // fallback for rows that are not whole and 16-byte aligned.
 template <typename T, typename TK, int HDP, int W>
-__device__ __noinline__ void dec_core_rows(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
+__device__ __forceinline__ void dec_core_rows(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
                          i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
     constexpr int NC = HDP / 32;
     // A key's K row is read in chunks of at most 128 bytes (32 registers),
@@ -229,10 +229,12 @@ struct QuadRegs {
     }
 };
 
-// `pre`: r already holds the warp's first round (keys from warp·32), loaded
-// for keys below kv_end at least (QuadRegs::ONE only).
+// `pre`: r already holds the warp's first round (keys from warp·32) as
+// loaded with limit `pre` (QuadRegs::ONE only; -1: nothing loaded). A warp
+// uses it where that limit cuts its round where kv_end does (so it holds
+// the rows this loop would load), else loads again.
 template <typename T, typename TK, int HDP, int W>
-__device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, bool pre, const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs,
+__device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, i64 pre, const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs,
                                               i64 kv_end, const void* mask, i64 mask_dt, i64 mask_row, i64 own, const float* own_k,
                                               const float* own_v, T* o) {
     using R = QuadRegs<TK, HDP>;
@@ -244,7 +246,8 @@ __device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, bool pre, co
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
     for (i64 base = (i64)warp * 32; base < kv_end; base += 32 * W) {
-        const bool loaded = R::ONE && pre && base < 32 * W;
+        const i64 end = base + 32;
+        const bool loaded = R::ONE && base < 32 * W && base < pre && (pre < end ? pre : end) == (kv_end < end ? kv_end : end);
         float sc[4];
 #pragma unroll
         for (int p0 = 0; p0 < 4; p0 += PC) {
@@ -328,19 +331,34 @@ template <typename T, typename TK, int HDP, int W>
 __device__ __noinline__ void dec_core_quad_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
                                                 i64 mask_dt, i64 mask_row, i64 own, const float* own_k, const float* own_v, T* o) {
     QuadRegs<TK, HDP> r;
-    dec_core_quad<T, TK, HDP, W>(r, false, sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+    dec_core_quad<T, TK, HDP, W>(r, -1, sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
 }
 
+template <typename T, typename TK, int HDP, int W>
+__device__ __noinline__ void dec_core_rows_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
+                                                i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
+    dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+}
+
+// Whether a head dim takes dec_core_quad: not 96, whose V rows (3 dims a
+// lane) are element loads that, beside the four-lane K read, spill.
+template <int HDP> constexpr bool quad_dims() { return HDP != 96; }
+
 // Decode attention over the cache rows: dec_core_quad where whole rows of
-// hd = HDP start 16-byte aligned, else dec_core_rows (element loads).
-// Each is a function of its own so neither's registers weigh on the other.
+// hd = HDP start 16-byte aligned, else dec_core_rows (element loads). Where
+// both are built each is a function of its own, so neither's registers
+// weigh on the other.
 template <typename T, typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
                                          i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
-    if (dec_vec<TK, HDP>(kb, vb, krs, vrs, hd))
-        dec_core_quad_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
-    else
+    if constexpr (quad_dims<HDP>()) {
+        if (dec_vec<TK, HDP>(kb, vb, krs, vrs, hd))
+            dec_core_quad_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+        else
+            dec_core_rows_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+    } else {
         dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+    }
 }
 
 // The number of valid keys of batch row b (clamped to 0..=kv_len; a bad
@@ -407,7 +425,7 @@ __device__ void attention_app_body(const AttnAppP& p) {
     //   steps; the row this step adds is read from shared memory.
     R r;
     i64 spec = 0;
-    if constexpr (R::ONE) {
+    if constexpr (R::ONE && quad_dims<HDP>()) {
         const i64 n = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
         spec = n < 0 ? 0 : (n < p.kv_len ? n : p.kv_len);
         const i64 base = (i64)(t >> 5) * 32;
@@ -416,13 +434,15 @@ __device__ void attention_app_body(const AttnAppP& p) {
             r.load_v(vc, p.vrs, base, spec, 0);
         }
     }
-    // - This thread's rotation (angles as the rope kernel's).
-    double invd = 0.0;
+    // - This thread's rotation (angles as the rope kernel's; its frequency
+    //   factor is read again after the wait too).
+    double invb = 0.0, invd = 0.0;
     i64 pos = 0;
-    float c = 1.0f, sn = 0.0f;
+    float fac = 1.0f, c = 1.0f, sn = 0.0f;
     if (p.rope && t < half) {
-        invd = pow(p.theta, -2.0 * (double)t / (double)hd);
-        if (p.factors) invd /= (double)p.factors[t];
+        invb = pow(p.theta, -2.0 * (double)t / (double)hd);
+        if (p.factors) fac = p.factors[t];
+        invd = p.factors ? invb / (double)fac : invb;
         pos = (i64)p.rpos[p.rpos_pb ? b : 0];
         const float ang = (float)pos * (float)invd;
         c = cosf(ang);
@@ -445,7 +465,9 @@ __device__ void attention_app_body(const AttnAppP& p) {
     // caches at row `wpos`.
     if (p.rope) {
         if (t < half) {
-            if (pos_now != pos) {
+            const float fac_now = p.factors ? p.factors[t] : 1.0f;
+            if (pos_now != pos || !(fac_now == fac)) {
+                invd = p.factors ? invb / (double)fac_now : invb;
                 const float ang = (float)pos_now * (float)invd;
                 c = cosf(ang);
                 sn = sinf(ang);
@@ -478,9 +500,8 @@ __device__ void attention_app_body(const AttnAppP& p) {
     __syncthreads();
     T* o = (T*)p.out + b * (p.heads * hd) + h * hd;
     const i64 own = wok ? wpos : -1;
-    if (R::ONE && quad) {
-        // The loads before the wait covered every valid key of the round.
-        dec_core_quad<T, TK, HDP, W>(r, spec >= kv_end, s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, own, s_k, s_v, o);
+    if (R::ONE && quad_dims<HDP>() && quad) {
+        dec_core_quad<T, TK, HDP, W>(r, spec, s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, own, s_k, s_v, o);
     } else {
         dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, own, s_k, s_v, o);
     }
