@@ -342,7 +342,7 @@ __device__ __noinline__ void dec_core_rows_call(const float* sq, const TK* kb, c
 
 // Whether a head dim takes dec_core_quad: not 96, whose V rows (3 dims a
 // lane) are element loads that, beside the four-lane K read, spill.
-template <int HDP> constexpr bool quad_dims() { return HDP != 96; }
+template <int HDP> __host__ __device__ constexpr bool quad_dims() { return HDP != 96; }
 
 // Decode attention over the cache rows: dec_core_quad where whole rows of
 // hd = HDP start 16-byte aligned, else dec_core_rows (element loads). Where
