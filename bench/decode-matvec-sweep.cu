@@ -12,43 +12,13 @@
 #include <vector>
 #include <cuda_runtime.h>
 #include "decode.cu"
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+#include "decode-bench.cuh"
 
 extern "C" __global__ void empty_pdl(const QMatMulP p) { pdl_enter(); }
 
-typedef void (*QK)(const QMatMulP);
 struct Shape { const char* name; int n, k, glu, norm, res; };
 // A way to launch one projection: kernel, columns a warp, threads, staged.
 struct Cfg { const char* name; QK k; int cpw, threads, staged; };
-
-static unsigned char* make_weights(size_t rows, int k) {
-    size_t blocks = rows * (k / 32), bytes = blocks * 20;
-    std::vector<unsigned char> h(bytes);
-    unsigned s = 12345;
-    for (size_t i = 0; i < bytes; i++) { s = s * 1664525u + 1013904223u; h[i] = s >> 24; }
-    for (size_t b = 0; b < blocks; b++) { unsigned char* p = h.data() + b * 20; p[0] = 0x00; p[1] = 0x2C; p[2] = 0x00; p[3] = 0xAC; }
-    unsigned char* d; CK(cudaMalloc(&d, bytes)); CK(cudaMemcpy(d, h.data(), bytes, cudaMemcpyHostToDevice));
-    return d;
-}
-
-static void launch(cudaStream_t st, const void* fn, dim3 grid, int threads, int smem, void** args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid; cfg.blockDim = dim3(threads); cfg.dynamicSmemBytes = smem; cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at; cfg.numAttrs = 1;
-    CK(cudaLaunchKernelExC(&cfg, fn, args));
-}
-
-static float time_graph(cudaStream_t st, cudaGraphExec_t ge, int reps) {
-    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    for (int i = 0; i < 5; i++) CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(e0, st));
-    for (int i = 0; i < reps; i++) CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-    return ms * 1000.0f / reps;
-}
 
 static float *xa, *xb, *gamma_;
 static std::vector<unsigned char*> W[4];
@@ -76,7 +46,7 @@ int main() {
     CK(cudaMalloc(&xa, 1 << 20)); CK(cudaMalloc(&xb, 1 << 20)); CK(cudaMalloc(&gamma_, 1 << 16));
     std::vector<float> hx(1 << 18); for (size_t i = 0; i < hx.size(); i++) hx[i] = ((i * 7919) % 1000) / 1000.0f - 0.5f;
     CK(cudaMemcpy(gamma_, hx.data(), 1 << 16, cudaMemcpyHostToDevice));
-    for (int l = 0; l < 30; l++) for (int j = 0; j < 4; j++) W[j].push_back(make_weights((size_t)S[j].n * (S[j].glu ? 2 : 1), S[j].k));
+    for (int l = 0; l < 30; l++) for (int j = 0; j < 4; j++) W[j].push_back(make_weights((size_t)S[j].n * (S[j].glu ? 2 : 1), S[j].k, 20, 0));
     // The configurations each shape may take (w4/s4: no gate, k <= 1024).
     std::vector<Cfg> c576 = {
         {"qmatvec  64 thr", qmatvec_q4_1_c4_f32, 1, 64, 0}, {"qmatvec 128 thr", qmatvec_q4_1_c4_f32, 1, 128, 0},
