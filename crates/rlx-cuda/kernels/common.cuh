@@ -8,6 +8,16 @@
 
 typedef long long i64;
 
+// Parts of a kernel file: the runtime compiles some files as several NVRTC
+// programs on parallel threads (src/nvrtc.rs `PARTS`), each with RLX_PART
+// defined to its number; RLX_IN_PART(n) keeps part n's instantiations, and
+// every one where RLX_PART is not defined (the whole file).
+#ifdef RLX_PART
+#define RLX_IN_PART(n) (RLX_PART == (n))
+#else
+#define RLX_IN_PART(n) 1
+#endif
+
 // NVRTC has no <math.h>; __int_as_float(0x7f800000) is +inf.
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)

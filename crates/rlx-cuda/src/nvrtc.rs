@@ -72,32 +72,55 @@ pub const DECODE_SOURCES: &[(&str, &str)] = &[
 /// loaded only when the hook is used.
 pub const FAULT_SOURCES: &[(&str, &str)] = &[("fault.cu", include_str!("../kernels/fault.cu"))];
 
-/// A file to compile: (file name, text, architecture to compile it for).
-pub type Source = (&'static str, &'static str, String);
+/// Kernel files compiled as several NVRTC programs, one per part of their
+/// instantiations (`RLX_PART` defined to the part's number; `RLX_IN_PART`
+/// in kernels/common.cuh), on parallel threads: a cold start waits for the
+/// slowest part instead of the slowest file. (file name, parts.)
+pub const PARTS: &[(&str, usize)] =
+    &[("attention.cu", 4), ("attention_dec.cu", 8), ("attention_mma.cu", 4), ("decode.cu", 3), ("qmma.cu", 3)];
 
-/// The files a device of compute capability `cc` loads when it opens.
+/// A program to compile: (file name, text, architecture to compile it
+/// for, and which part of the file it is: `None` for the whole file).
+pub type Source = (&'static str, String, String, Option<usize>);
+
+/// One program per part of each file (one for a file not in [`PARTS`]),
+/// for architecture `sm_<cc>`.
+fn programs(files: &[(&'static str, &'static str)], cc: (i32, i32)) -> Vec<Source> {
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    let mut out = Vec::new();
+    for (f, text) in files {
+        match PARTS.iter().find(|(name, _)| name == f) {
+            // `#line 1`: NVRTC's messages give the file's own line numbers.
+            Some((_, parts)) => {
+                out.extend((0..*parts).map(|p| (*f, format!("#define RLX_PART {p}\n#line 1\n{text}"), arch.clone(), Some(p))))
+            }
+            None => out.push((*f, text.to_string(), arch.clone(), None)),
+        }
+    }
+    out
+}
+
+/// The programs of the files a device of compute capability `cc` loads when it opens.
 pub fn sources_for(cc: (i32, i32)) -> Vec<Source> {
-    let plain = format!("sm_{}{}", cc.0, cc.1);
-    SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+    programs(SOURCES, cc)
 }
 
-/// The generation step's files for a device of compute capability `cc`.
+/// The generation step's programs for a device of compute capability `cc`.
 pub fn decode_sources_for(cc: (i32, i32)) -> Vec<Source> {
-    let plain = format!("sm_{}{}", cc.0, cc.1);
-    DECODE_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+    programs(DECODE_SOURCES, cc)
 }
 
-/// The fault-injection kernel's file for a device of compute capability `cc`.
+/// The fault-injection kernel's program for a device of compute capability `cc`.
 pub fn fault_sources_for(cc: (i32, i32)) -> Vec<Source> {
-    let plain = format!("sm_{}{}", cc.0, cc.1);
-    FAULT_SOURCES.iter().map(|(f, s)| (*f, *s, plain.clone())).collect()
+    programs(FAULT_SOURCES, cc)
 }
 
-/// `compile_cubin` for every file at once, one thread each (NVRTC programs
-/// are independent): the CUBINs in input order, or the first file's error.
+/// `compile_cubin` for every program at once, one thread each (NVRTC
+/// programs are independent): the CUBINs in input order, or the first
+/// program's error.
 pub fn compile_many(files: &[Source], opts: &CudaOptions) -> Result<Vec<Vec<u8>>> {
     std::thread::scope(|scope| {
-        let jobs: Vec<_> = files.iter().map(|(f, src, arch)| scope.spawn(move || compile_cubin(f, src, arch, opts))).collect();
+        let jobs: Vec<_> = files.iter().map(|(f, src, arch, _)| scope.spawn(move || compile_cubin(f, src, arch, opts))).collect();
         jobs.into_iter()
             .zip(files)
             .map(|(j, (f, ..))| j.join().unwrap_or_else(|_| Err(err(format!("{f}: the compile thread panicked")))))
@@ -285,12 +308,45 @@ fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>
 pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static str, String, usize)>> {
     let files: Vec<Source> = sources_for(arch).into_iter().chain(decode_sources_for(arch)).chain(fault_sources_for(arch)).collect();
     let bins = compile_many(&files, opts)?;
-    let mut out: Vec<(&'static str, String, usize)> =
-        files.into_iter().zip(bins).map(|((file, _, arch), bin)| (file, arch, bin.len())).collect();
+    let mut out: Vec<(&'static str, String, usize)> = files
+        .into_iter()
+        .zip(bins)
+        .map(|((file, _, arch, part), bin)| (file, part.map_or(arch.clone(), |p| format!("{arch} part {p}")), bin.len()))
+        .collect();
     let sm = format!("sm_{}{}", arch.0, arch.1);
     for (h, i) in FFN_CHECK_WIDTHS {
         let bin = compile_cubin("ffn.cu", &ffn_source(h, i), &sm, opts)?;
         out.push(("ffn.cu", format!("{sm} H {h} I {i}"), bin.len()));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The part numbers a kernel file's text selects with `RLX_IN_PART(n)`.
+    fn parts_in(text: &str) -> std::collections::BTreeSet<usize> {
+        text.split("RLX_IN_PART(").skip(1).filter_map(|rest| rest.split(')').next()?.trim().parse().ok()).collect()
+    }
+
+    /// Each split file selects exactly parts 0..n (a part the list misses
+    /// would leave its kernels out of every program), and no other file
+    /// selects any.
+    #[test]
+    fn parts_cover_every_instantiation() {
+        let files: Vec<&(&str, &str)> = SOURCES.iter().chain(DECODE_SOURCES).chain(FAULT_SOURCES).collect();
+        for (name, n) in PARTS {
+            let text = files.iter().find(|(f, _)| f == name).unwrap_or_else(|| panic!("{name} is in PARTS but not a kernel file")).1;
+            assert_eq!(parts_in(text), (0..*n).collect(), "{name}: RLX_IN_PART numbers against PARTS");
+        }
+        for (name, text) in &files {
+            if !PARTS.iter().any(|(f, _)| f == name) {
+                assert!(parts_in(text).is_empty(), "{name} selects parts but is not in PARTS");
+            }
+        }
+        let progs = sources_for((9, 0));
+        assert_eq!(progs.iter().filter(|(f, ..)| *f == "attention_dec.cu").count(), 8);
+        assert!(progs.iter().all(|(_, text, arch, part)| arch == "sm_90" && (part.is_none() || text.starts_with("#define RLX_PART "))));
+    }
 }
