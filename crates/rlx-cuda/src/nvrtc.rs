@@ -118,15 +118,26 @@ pub fn fault_sources_for(cc: (i32, i32)) -> Vec<Source> {
 /// `compile_cubin` for every program at once, one thread each (NVRTC
 /// programs are independent): the CUBINs in input order, or the first
 /// program's error.
+/// Where some had to be compiled (not in the disk cache), says how many and
+/// how long it took on stderr.
 pub fn compile_many(files: &[Source], opts: &CudaOptions) -> Result<Vec<Vec<u8>>> {
-    std::thread::scope(|scope| {
-        let jobs: Vec<_> = files.iter().map(|(f, src, arch, _)| scope.spawn(move || compile_cubin(f, src, arch, opts))).collect();
+    let t0 = std::time::Instant::now();
+    let done: Vec<(Vec<u8>, bool)> = std::thread::scope(|scope| {
+        let jobs: Vec<_> = files.iter().map(|(f, src, arch, _)| scope.spawn(move || cubin_or_cached(f, src, arch, opts))).collect();
         jobs.into_iter()
             .zip(files)
             .map(|(j, (f, ..))| j.join().unwrap_or_else(|_| Err(err(format!("{f}: the compile thread panicked")))))
-            .collect()
-    })
+            .collect::<Result<_>>()
+    })?;
+    let compiled = done.iter().filter(|(_, c)| *c).count();
+    if compiled > 0 {
+        eprintln!("rlx-cuda: compiled {compiled} kernel programs in {:.1} s", t0.elapsed().as_secs_f64());
+    }
+    Ok(done.into_iter().map(|(cubin, _)| cubin).collect())
 }
+
+/// Whether this process has said that it compiles kernels (once).
+static ANNOUNCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_present() -> bool {
@@ -217,6 +228,13 @@ fn nvrtc_options(arch: &str, include: &Path, ptxas_verbose: bool) -> Vec<String>
 /// Compiles (or loads from the disk cache in `cfg.kernel_cache`) one source
 /// file to a CUBIN for `arch` (`sm_90`, `sm_89`, ...).
 pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) -> Result<Vec<u8>> {
+    cubin_or_cached(file, source, arch, cfg).map(|(cubin, _)| cubin)
+}
+
+/// `compile_cubin`, and whether it compiled (the cache had no good copy).
+/// The first compile of the process says so on stderr: a cold cache costs
+/// seconds to tens of seconds, once per machine.
+fn cubin_or_cached(file: &str, source: &str, arch: &str, cfg: &CudaOptions) -> Result<(Vec<u8>, bool)> {
     let version = nvrtc_version()?;
     let include = find_include_dir(cfg.cuda_include.as_deref())?;
     let opts = nvrtc_options(arch, &include, cfg.ptxas_verbose);
@@ -238,8 +256,14 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
     // format) is compiled again and replaced, never handed to the driver.
     if let Ok(bytes) = std::fs::read(&path) {
         if let Ok(cubin) = kernel_cache::decode(&bytes) {
-            return Ok(cubin.to_vec());
+            return Ok((cubin.to_vec(), false));
         }
+    }
+    if !ANNOUNCED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "rlx-cuda: compiling CUDA kernels for {arch} with NVRTC (once per machine and version; kept in {})",
+            cfg.kernel_cache.display()
+        );
     }
     let cubin = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| compile_uncached(file, source, &opts)))
         .map_err(|_| err(missing_nvrtc()))??;
@@ -251,7 +275,7 @@ pub fn compile_cubin(file: &str, source: &str, arch: &str, cfg: &CudaOptions) ->
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(cubin)
+    Ok((cubin, true))
 }
 
 fn compile_uncached(file: &str, source: &str, opts: &[String]) -> Result<Vec<u8>> {
