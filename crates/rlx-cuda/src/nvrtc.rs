@@ -117,9 +117,8 @@ pub fn fault_sources_for(cc: (i32, i32)) -> Vec<Source> {
 
 /// `compile_cubin` for every program at once, one thread each (NVRTC
 /// programs are independent): the CUBINs in input order, or the first
-/// program's error.
-/// Where some had to be compiled (not in the disk cache), says how many and
-/// how long it took on stderr.
+/// program's error. Where some were not in the disk cache, says on stderr
+/// how many were compiled and how long it took.
 pub fn compile_many(files: &[Source], opts: &CudaOptions) -> Result<Vec<Vec<u8>>> {
     let t0 = std::time::Instant::now();
     let done: Vec<(Vec<u8>, bool)> = std::thread::scope(|scope| {
