@@ -150,20 +150,20 @@ __device__ void attention_body(const AttnP& p) {
         pdl_enter();                                                                                                             \
         attention_body<float, __nv_bfloat16, HDP, RPW>(p);                                                                       \
     }
-// Parts (RLX_IN_PART): one per head dim.
-#if RLX_IN_PART(0)
+// Parts (IN_PART): one per head dim.
+#if IN_PART(0)
 RLX_ATTN(32, 1)
 RLX_ATTN(32, 4)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_ATTN(64, 1)
 RLX_ATTN(64, 4)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_ATTN(96, 1)
 RLX_ATTN(96, 4)
 #endif
-#if RLX_IN_PART(3)
+#if IN_PART(3)
 RLX_ATTN(128, 1)
 RLX_ATTN(128, 4)
 #endif

@@ -551,28 +551,28 @@ __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
 #define RLX_DEC_ALL(W, HDP)                                                          \
     RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, W, HDP)                  \
     RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, W, HDP)
-// Parts (RLX_IN_PART): one per head dim and width.
-#if RLX_IN_PART(0)
+// Parts (IN_PART): one per head dim and width.
+#if IN_PART(0)
 RLX_DEC_ALL(16, 32)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_DEC_ALL(4, 32)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_DEC_ALL(16, 64)
 #endif
-#if RLX_IN_PART(3)
+#if IN_PART(3)
 RLX_DEC_ALL(4, 64)
 #endif
-#if RLX_IN_PART(4)
+#if IN_PART(4)
 RLX_DEC_ALL(16, 96)
 #endif
-#if RLX_IN_PART(5)
+#if IN_PART(5)
 RLX_DEC_ALL(4, 96)
 #endif
-#if RLX_IN_PART(6)
+#if IN_PART(6)
 RLX_DEC_ALL(16, 128)
 #endif
-#if RLX_IN_PART(7)
+#if IN_PART(7)
 RLX_DEC_ALL(4, 128)
 #endif

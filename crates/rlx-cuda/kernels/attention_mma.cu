@@ -945,20 +945,20 @@ __device__ void attention_split_body(const AttnP& p) {
 #define RLX_FOUR_PER_SM __launch_bounds__(128, 4)
 #define RLX_TWO_PER_SM __launch_bounds__(256, 2)
 #define RLX_NO_BOUNDS
-// Parts (RLX_IN_PART), here and below: one per head dim (32, 64, 96, 128).
-#if RLX_IN_PART(0)
+// Parts (IN_PART), here and below: one per head dim (32, 64, 96, 128).
+#if IN_PART(0)
 RLX_ATTN_MMA(32, 4, attention_mma, RLX_FOUR_PER_SM)
 RLX_ATTN_MMA(32, 8, attention_mma_w8, RLX_TWO_PER_SM)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_ATTN_MMA(64, 4, attention_mma, RLX_FOUR_PER_SM)
 RLX_ATTN_MMA(64, 8, attention_mma_w8, RLX_TWO_PER_SM)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_ATTN_MMA(96, 4, attention_mma, RLX_NO_BOUNDS)
 RLX_ATTN_MMA(96, 8, attention_mma_w8, RLX_NO_BOUNDS)
 #endif
-#if RLX_IN_PART(3)
+#if IN_PART(3)
 RLX_ATTN_MMA(128, 4, attention_mma, RLX_NO_BOUNDS)
 RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
 #endif
@@ -970,11 +970,11 @@ RLX_ATTN_MMA(128, 8, attention_mma_w8, RLX_NO_BOUNDS)
 #define RLX_ATTN_SHORT(HDP, W, NAME, BOUNDS)                                  \
     RLX_ATTN_BLOCKS(attention_short_plain, HDP, W, NAME, BOUNDS)              \
     RLX_ATTN_BLOCKS(attention_short_causal, HDP, W, NAME##_causal, BOUNDS)
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 RLX_ATTN_SHORT(32, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(32, 8, attention_short_w8, __launch_bounds__(256, 3))
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_ATTN_SHORT(64, 4, attention_short, __launch_bounds__(128, 6))
 RLX_ATTN_SHORT(64, 8, attention_short_w8, __launch_bounds__(256, 3))
 #endif
@@ -991,15 +991,15 @@ RLX_ATTN_SHORT(64, 8, attention_short_w8, __launch_bounds__(256, 3))
         pdl_enter();                                                                                                              \
         attention_split_body<__nv_bfloat16, HDP, float>(p);                                                                       \
     }
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 RLX_ATTN_SPLIT(32)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_ATTN_SPLIT(64)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_ATTN_SPLIT(96)
 #endif
-#if RLX_IN_PART(3)
+#if IN_PART(3)
 RLX_ATTN_SPLIT(128)
 #endif

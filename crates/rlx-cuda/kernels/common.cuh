@@ -9,13 +9,13 @@
 typedef long long i64;
 
 // Parts of a kernel file: the runtime compiles some files as several NVRTC
-// programs on parallel threads (src/nvrtc.rs `PARTS`), each with RLX_PART
-// defined to its number; RLX_IN_PART(n) keeps part n's instantiations, and
-// every one where RLX_PART is not defined (the whole file).
-#ifdef RLX_PART
-#define RLX_IN_PART(n) (RLX_PART == (n))
+// programs on parallel threads (src/nvrtc.rs `PARTS`), each with KERNEL_PART
+// defined to its number; IN_PART(n) keeps part n's instantiations, and
+// every one where KERNEL_PART is not defined (the whole file).
+#ifdef KERNEL_PART
+#define IN_PART(n) (KERNEL_PART == (n))
 #else
-#define RLX_IN_PART(n) 1
+#define IN_PART(n) 1
 #endif
 
 // NVRTC has no <math.h>; __int_as_float(0x7f800000) is +inf.

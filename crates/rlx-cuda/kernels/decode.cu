@@ -359,17 +359,17 @@ __device__ void qmatvec_staged_body(const QMatMulP& p) {
     extern "C" __global__ void qmatvec_s4_##FN##_c##MC##_f16(const QMatMulP p) { qmatvec_staged_body<__half, F, MC, 4>(p); }           \
     extern "C" __global__ void qmatvec_s4_##FN##_c##MC##_bf16(const QMatMulP p) { qmatvec_staged_body<__nv_bfloat16, F, MC, 4>(p); }
 #define RLX_QMV_FMT(FN, F) RLX_QMV(FN, F, 2) RLX_QMV(FN, F, 4) RLX_QMV(FN, F, 8) RLX_QMVW(FN, F, 2) RLX_QMVW(FN, F, 4) RLX_QMVS(FN, F, 2) RLX_QMVS(FN, F, 4)
-// Parts (RLX_IN_PART), here and below: Q4_0 and Q4_1 (with the gather and
+// Parts (IN_PART), here and below: Q4_0 and Q4_1 (with the gather and
 // the integer ops); Q5_0 and Q5_1; Q8_0, Q4_K and Q6_K.
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 RLX_QMV_FMT(q4_0, QF_Q4_0)
 RLX_QMV_FMT(q4_1, QF_Q4_1)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_QMV_FMT(q5_0, QF_Q5_0)
 RLX_QMV_FMT(q5_1, QF_Q5_1)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_QMV_FMT(q8_0, QF_Q8_0)
 #endif
 
@@ -379,15 +379,15 @@ RLX_QMV_FMT(q8_0, QF_Q8_0)
     extern "C" __global__ void qmatmul_##FN##_r##RB##_f16(const QMatMulP p) { pdl_enter(); qmatmul_body<__half, F, RB>(p); } \
     extern "C" __global__ void qmatmul_##FN##_r##RB##_bf16(const QMatMulP p) { pdl_enter(); qmatmul_body<__nv_bfloat16, F, RB>(p); }
 #define RLX_QMM_FMT(FN, F) RLX_QMM(FN, F, 1)
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 RLX_QMM_FMT(q4_0, QF_Q4_0)
 RLX_QMM_FMT(q4_1, QF_Q4_1)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_QMM_FMT(q5_0, QF_Q5_0)
 RLX_QMM_FMT(q5_1, QF_Q5_1)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_QMM_FMT(q8_0, QF_Q8_0)
 RLX_QMM_FMT(q4_k, QF_Q4K)
 RLX_QMM_FMT(q6_k, QF_Q6K)
@@ -397,7 +397,7 @@ RLX_QMM_FMT(q6_k, QF_Q6K)
 // gives a row of zeros and raises ERR_GATHER_ID.
 struct QGatherP { const void* table; const void* ids; void* out; int* err; i64 n; i64 dim; i64 vocab; i64 id64; i64 row_bytes; i64 fmt; };
 
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 extern "C" __global__ void qgather(const QGatherP p) {
     pdl_enter();
     float* out = (float*)p.out;
@@ -425,7 +425,7 @@ struct IntBinaryP {
     i64 shape[MAX_RANK]; i64 sa[MAX_RANK]; i64 sb[MAX_RANK];
 };
 
-#if RLX_IN_PART(0)
+#if IN_PART(0)
 extern "C" __global__ void binary_int(const IntBinaryP p) {
     pdl_enter();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < p.n; i += (i64)gridDim.x * blockDim.x) {

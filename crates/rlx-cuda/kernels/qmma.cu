@@ -262,16 +262,16 @@ __device__ void qmma_body(const QMatMulP& p) {
         qmma_body<__nv_bfloat16, F, NF>(p);                                                                                           \
     }
 #define RLX_QMMA_FMT(FN, F) RLX_QMMA(FN, F, 1, 8) RLX_QMMA(FN, F, 4, 32)
-// Parts (RLX_IN_PART): Q4_0 and Q4_1; Q5_0 and Q5_1; Q8_0, Q4_K and Q6_K.
-#if RLX_IN_PART(0)
+// Parts (IN_PART): Q4_0 and Q4_1; Q5_0 and Q5_1; Q8_0, Q4_K and Q6_K.
+#if IN_PART(0)
 RLX_QMMA_FMT(q4_0, QF_Q4_0)
 RLX_QMMA_FMT(q4_1, QF_Q4_1)
 #endif
-#if RLX_IN_PART(1)
+#if IN_PART(1)
 RLX_QMMA_FMT(q5_0, QF_Q5_0)
 RLX_QMMA_FMT(q5_1, QF_Q5_1)
 #endif
-#if RLX_IN_PART(2)
+#if IN_PART(2)
 RLX_QMMA_FMT(q8_0, QF_Q8_0)
 RLX_QMMA_FMT(q4_k, QF_Q4K)
 RLX_QMMA_FMT(q6_k, QF_Q6K)

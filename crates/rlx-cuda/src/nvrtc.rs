@@ -73,7 +73,7 @@ pub const DECODE_SOURCES: &[(&str, &str)] = &[
 pub const FAULT_SOURCES: &[(&str, &str)] = &[("fault.cu", include_str!("../kernels/fault.cu"))];
 
 /// Kernel files compiled as several NVRTC programs, one per part of their
-/// instantiations (`RLX_PART` defined to the part's number; `RLX_IN_PART`
+/// instantiations (`KERNEL_PART` defined to the part's number; `IN_PART`
 /// in kernels/common.cuh), on parallel threads: a cold start waits for the
 /// slowest part instead of the slowest file. (file name, parts.)
 pub const PARTS: &[(&str, usize)] =
@@ -92,7 +92,7 @@ fn programs(files: &[(&'static str, &'static str)], cc: (i32, i32)) -> Vec<Sourc
         match PARTS.iter().find(|(name, _)| name == f) {
             // `#line 1`: NVRTC's messages give the file's own line numbers.
             Some((_, parts)) => {
-                out.extend((0..*parts).map(|p| (*f, format!("#define RLX_PART {p}\n#line 1\n{text}"), arch.clone(), Some(p))))
+                out.extend((0..*parts).map(|p| (*f, format!("#define KERNEL_PART {p}\n#line 1\n{text}"), arch.clone(), Some(p))))
             }
             None => out.push((*f, text.to_string(), arch.clone(), None)),
         }
@@ -348,9 +348,9 @@ pub fn compile_all(arch: (i32, i32), opts: &CudaOptions) -> Result<Vec<(&'static
 mod tests {
     use super::*;
 
-    /// The part numbers a kernel file's text selects with `RLX_IN_PART(n)`.
+    /// The part numbers a kernel file's text selects with `IN_PART(n)`.
     fn parts_in(text: &str) -> std::collections::BTreeSet<usize> {
-        text.split("RLX_IN_PART(").skip(1).filter_map(|rest| rest.split(')').next()?.trim().parse().ok()).collect()
+        text.split("IN_PART(").skip(1).filter_map(|rest| rest.split(')').next()?.trim().parse().ok()).collect()
     }
 
     /// Each split file selects exactly parts 0..n (a part the list misses
@@ -361,7 +361,7 @@ mod tests {
         let files: Vec<&(&str, &str)> = SOURCES.iter().chain(DECODE_SOURCES).chain(FAULT_SOURCES).collect();
         for (name, n) in PARTS {
             let text = files.iter().find(|(f, _)| f == name).unwrap_or_else(|| panic!("{name} is in PARTS but not a kernel file")).1;
-            assert_eq!(parts_in(text), (0..*n).collect(), "{name}: RLX_IN_PART numbers against PARTS");
+            assert_eq!(parts_in(text), (0..*n).collect(), "{name}: IN_PART numbers against PARTS");
         }
         for (name, text) in &files {
             if !PARTS.iter().any(|(f, _)| f == name) {
@@ -370,6 +370,6 @@ mod tests {
         }
         let progs = sources_for((9, 0));
         assert_eq!(progs.iter().filter(|(f, ..)| *f == "attention_dec.cu").count(), 8);
-        assert!(progs.iter().all(|(_, text, arch, part)| arch == "sm_90" && (part.is_none() || text.starts_with("#define RLX_PART "))));
+        assert!(progs.iter().all(|(_, text, arch, part)| arch == "sm_90" && (part.is_none() || text.starts_with("#define KERNEL_PART "))));
     }
 }
