@@ -112,6 +112,7 @@ pub fn gguf_file(data: &[u8]) {
                 let _ = t.render(&[Message::new("user", "hi")], true);
             }
         }
+        let _ = std::fs::remove_file(&path);
     }
 }
 

@@ -288,7 +288,7 @@ impl Worker {
         let threads = self.pool.as_ref().map(|p| p.current_num_threads()).unwrap_or_else(rayon::current_num_threads);
         let (schedule, scratch, cache) = (&self.schedule, &mut self.scratch, &self.b_cache);
         let profile = self.profile;
-        let mut body = || -> Result<()> {
+        let body = || -> Result<()> {
             let mut per: std::collections::BTreeMap<&str, (Duration, usize)> = Default::default();
             let start = Instant::now();
             for (i, t) in schedule.thunks.iter().enumerate() {
@@ -316,8 +316,8 @@ impl Worker {
         // Run the whole call on a pool thread, so every parallel loop in it
         // forks locally instead of waking the pool once per thunk.
         match &self.pool {
-            Some(p) => p.install(body)?,
-            None => rayon::scope(|_| body())?,
+            Some(p) => p.install(|| crate::pool::with_hot_workers(body))?,
+            None => rayon::scope(|_| crate::pool::with_hot_workers(body))?,
         }
         self.schedule
             .outputs

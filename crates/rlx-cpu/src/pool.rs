@@ -12,7 +12,9 @@
 //! Workers are spread over the CPUs the process may run on (its affinity
 //! mask), so `taskset` and container limits are respected.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
@@ -49,6 +51,49 @@ pub fn build(n: usize, pin: bool) -> Result<ThreadPool, String> {
 pub fn shared(pin: bool) -> Result<Arc<ThreadPool>, String> {
     static POOL: OnceLock<Result<Arc<ThreadPool>, String>> = OnceLock::new();
     POOL.get_or_init(|| build(default_threads(), pin).map(Arc::new)).clone()
+}
+
+/// How long a kept-awake worker spins with nothing to run before it lets
+/// itself sleep: a decode step's gaps between parallel kernels are tens of
+/// microseconds.
+const MAX_SPIN: Duration = Duration::from_micros(200);
+
+/// Runs `f` on the current rayon pool with its other workers kept awake
+/// until `f` returns: each spins, running any job the pool has (the
+/// halves of `f`'s parallel loops) as soon as it appears. A worker left
+/// idle falls asleep within microseconds, and waking it costs tens of
+/// microseconds on a VM: more than a decode step's small matvecs take.
+/// With every worker asleep between kernels, a step's parallel loops ran on
+/// one thread. A worker that finds nothing to run for `MAX_SPIN` stops
+/// spinning (a long one-thread stretch, e.g. a big attention, would only
+/// burn its CPU). Called off a pool thread, or with one worker, it just
+/// runs `f`.
+pub fn with_hot_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let me = rayon::current_thread_index();
+    if me.is_none() || rayon::current_num_threads() < 2 {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    rayon::scope(|s| {
+        s.spawn_broadcast(|_, ctx| {
+            if Some(ctx.index()) == me {
+                return;
+            }
+            let mut idle_since = Instant::now();
+            while !done.load(Ordering::Acquire) {
+                if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                    idle_since = Instant::now();
+                } else if idle_since.elapsed() > MAX_SPIN {
+                    return;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let r = f();
+        done.store(true, Ordering::Release);
+        r
+    })
 }
 
 /// CPUs in this process's affinity mask, ascending (empty if unknown).
@@ -103,5 +148,33 @@ mod tests {
         }
         // The building thread itself stays unpinned.
         assert_eq!(allowed_cpus(), cpus);
+    }
+
+    /// Calls that keep the workers awake, from many threads at once on one
+    /// pool (each call's spinners run the others' jobs), nested inside a
+    /// parallel loop, and off any pool: all finish with the right sums.
+    #[test]
+    fn hot_worker_calls_finish_concurrently_and_nested() {
+        use rayon::prelude::*;
+        let pool = Arc::new(build(3, false).unwrap_or_else(|e| panic!("{e}")));
+        let want: u64 = (0..10_000u64).sum();
+        let sum = || with_hot_workers(|| (0..10_000u64).into_par_iter().sum::<u64>());
+        let callers: Vec<_> = (0..6)
+            .map(|_| {
+                let pool = Arc::clone(&pool);
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        assert_eq!(pool.install(sum), want);
+                        let nested: Vec<u64> = pool.install(|| (0..4).into_par_iter().map(|_| sum()).collect());
+                        assert_eq!(nested, vec![want; 4]);
+                    }
+                })
+            })
+            .collect();
+        for c in callers {
+            c.join().unwrap_or_else(|_| panic!("a caller panicked"));
+        }
+        assert_eq!(sum(), want);
+        assert_eq!(with_hot_workers(|| 7), 7);
     }
 }

@@ -162,11 +162,15 @@ fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64, bool), String> {
 }
 
 /// llama-bench's prefill and decode tok/s on the same file: the faster of
-/// flash attention off and on (CUDA graphs are on by default).
+/// flash attention off and on (CUDA graphs are on by default). Its decode
+/// runs at a depth of the prompt's length (`-d`), as RLX's decode follows
+/// its prompt: by default llama-bench decodes from an empty context, with
+/// less attention work a token.
 fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
     let exe = dir.join("llama-bench");
     let mut cmd = Command::new(&exe);
     cmd.arg("-m").arg(&b.gguf).args(["-p", &b.prompt_tokens.to_string(), "-n", &b.new_tokens.to_string()]);
+    cmd.args(["-d", &format!("0,{}", b.prompt_tokens)]);
     cmd.args(["-r", &b.runs.max(2).to_string(), "-fa", "0,1", "-o", "json"]);
     match b.device {
         Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
@@ -182,9 +186,10 @@ fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
     let (mut pp, mut tg, mut build) = (0f64, 0f64, String::new());
     for r in rows {
         let ts = r["avg_ts"].as_f64().unwrap_or(0.0);
-        if r["n_prompt"].as_u64().unwrap_or(0) > 0 && r["n_gen"].as_u64() == Some(0) {
+        let depth = r["n_depth"].as_u64().unwrap_or(0);
+        if r["n_prompt"].as_u64().unwrap_or(0) > 0 && r["n_gen"].as_u64() == Some(0) && depth == 0 {
             pp = pp.max(ts);
-        } else if r["n_gen"].as_u64().unwrap_or(0) > 0 {
+        } else if r["n_gen"].as_u64().unwrap_or(0) > 0 && depth == b.prompt_tokens as u64 {
             tg = tg.max(ts);
         }
         if let Some(c) = r["build_commit"].as_str() {

@@ -267,7 +267,9 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
             let (rows, stride) = head_rows(&k, first(&t.k, j0), t.k.row_stride as usize, hd, &keep[j0..j0 + n], &mut buf.tile);
-            tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
+            if !avx512::scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0) {
+                tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
+            }
             j0 += n;
         }
         let all = keep[..keys].iter().all(|&x| x != 0.0);
@@ -680,6 +682,56 @@ mod avx512 {
         }
     }
 
+    /// `super::tile_scores` for a head dim that is a whole number of
+    /// 16-lane vectors: the query row stays in registers and each key's
+    /// dot product runs lanes::dot's order (16 lane-wise FMA chains, then
+    /// halves added down to one lane), so the same bits; the portable form
+    /// compiled to scalar moves and stack traffic (a decode step's scores
+    /// took 1.6–1.8× as long). Returns false, touching nothing, without
+    /// AVX-512, for another head dim or for operands too short.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
+        if !available() || hd == 0 || !hd.is_multiple_of(16) || hd > 256 {
+            return false;
+        }
+        let rows = q.len() / hd;
+        if n == 0 || rows == 0 {
+            return true;
+        }
+        if tile.len() < (n - 1) * stride + hd || s.len() < (rows - 1) * vp + j0 + n || stride < hd {
+            return false;
+        }
+        // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and
+        // every store in `s` (the lengths checked just above).
+        unsafe { scores_imp(tile, stride, n, hd, q, s, vp, j0) };
+        true
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_imp(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
+        let chunks = hd / 16;
+        for (i, qr) in q.chunks_exact(hd).enumerate() {
+            let mut qv = [_mm512_setzero_ps(); 16];
+            for (c, v) in qv.iter_mut().enumerate().take(chunks) {
+                *v = _mm512_loadu_ps(qr.as_ptr().add(16 * c));
+            }
+            let out = s.as_mut_ptr().add(i * vp + j0);
+            for jj in 0..n {
+                let kr = tile.as_ptr().add(jj * stride);
+                let mut acc = _mm512_setzero_ps();
+                for (c, &v) in qv.iter().enumerate().take(chunks) {
+                    acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(kr.add(16 * c)), acc);
+                }
+                let a8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc))));
+                let a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps::<1>(a8));
+                let a2 = _mm_add_ps(a4, _mm_movehl_ps(a4, a4));
+                let a1 = _mm_add_ss(a2, _mm_movehdup_ps(a2));
+                *out.add(jj) = _mm_cvtss_f32(a1) + 0.0;
+            }
+        }
+    }
+
     /// Every row's softmax (as `super::softmax_row`) with AVX-512 when the
     /// CPU has it: e^x from a Cody-Waite reduction, the same Taylor
     /// polynomial to r⁷ and `vscalefps` for 2^n (12 instructions a vector
@@ -794,6 +846,10 @@ mod avx512 {
         false
     }
     pub unsafe fn transpose16(_: *const f32, _: usize, _: usize, _: *mut f32) {}
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores(_: &[f32], _: usize, _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: usize) -> bool {
+        false
+    }
     pub fn softmax_rows(_: &mut [f32], _: usize, _: &[f32], _: &[usize], _: bool, _: &mut [f32]) -> bool {
         false
     }
@@ -826,6 +882,51 @@ mod tests {
                     assert_eq!(kt[d * rows + j].to_bits(), k[j * hd + d].to_bits(), "rows {rows} hd {hd} at key {j} dim {d}");
                 }
             }
+        }
+    }
+
+    /// The AVX-512 decode scores give the portable kernel's bits (and both
+    /// lie within f32 rounding of an f64 dot product): head dims 16-128,
+    /// rows strided past the head dim, 1-4 query rows, tiles of 1-32 keys
+    /// at an offset into the score rows.
+    #[test]
+    fn decode_scores_match_portable_bits() {
+        for (case, &(hd, stride, rows, n, j0)) in [
+            (64usize, 64usize, 1usize, 32usize, 0usize),
+            (64, 192, 1, 7, 32),
+            (128, 384, 2, 17, 16),
+            (16, 48, 4, 1, 5),
+            (32, 32, 3, 32, 64),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let vp = (j0 + n).div_ceil(16) * 16;
+            let tile = seeded((n - 1) * stride + hd, 10 + case as u32);
+            let mut q = seeded(rows * hd, 20 + case as u32);
+            q[0] = -0.0;
+            let (mut want, mut got) = (vec![f32::NAN; rows * vp], vec![f32::NAN; rows * vp]);
+            tile_scores(&tile, stride, n, hd, &q, &mut want, vp, j0);
+            if !avx512::scores(&tile, stride, n, hd, &q, &mut got, vp, j0) {
+                eprintln!("SKIPPED decode_scores_match_portable_bits: no AVX-512");
+                return;
+            }
+            for i in 0..rows {
+                for jj in 0..n {
+                    let at = i * vp + j0 + jj;
+                    assert_eq!(got[at].to_bits(), want[at].to_bits(), "case {case}: row {i} key {jj}");
+                    let (qr, kr) = (&q[i * hd..(i + 1) * hd], &tile[jj * stride..jj * stride + hd]);
+                    let exact: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let scale: f64 = qr.iter().zip(kr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    assert!(
+                        (got[at] as f64 - exact).abs() <= scale * 1e-6 + 1e-30,
+                        "case {case}: row {i} key {jj}: {} vs {exact}",
+                        got[at]
+                    );
+                }
+            }
+            // Nothing outside the tile's columns was written.
+            assert!(got.iter().enumerate().all(|(at, v)| (at % vp >= j0 && at % vp < j0 + n) || v.is_nan()), "case {case}");
         }
     }
 
