@@ -51,30 +51,58 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
 
 /// The sampled id for one row of logits. `recent` are the tokens the
 /// repetition penalty applies to. Ties go to the lower id.
-pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position: u64) -> usize {
+/// Whether `p` changes the logits before choosing (a repeat penalty).
+fn penalises(p: &SampleParams) -> bool {
+    p.repeat_penalty != 1.0 && p.repeat_penalty > 0.0
+}
+
+/// The repeat penalty on the logits of the `recent` tokens, once each.
+fn penalise(logits: &mut [f32], recent: &[i32], p: &SampleParams) {
     let v = logits.len();
-    if p.repeat_penalty != 1.0 && p.repeat_penalty > 0.0 {
-        let mut seen = std::collections::HashSet::new();
-        for &t in recent {
-            if t >= 0 && (t as usize) < v && seen.insert(t) {
-                let l = &mut logits[t as usize];
-                *l = if *l > 0.0 { *l / p.repeat_penalty } else { *l * p.repeat_penalty };
-            }
+    let mut seen = std::collections::HashSet::new();
+    for &t in recent {
+        if t >= 0 && (t as usize) < v && seen.insert(t) {
+            let l = &mut logits[t as usize];
+            *l = if *l > 0.0 { *l / p.repeat_penalty } else { *l * p.repeat_penalty };
         }
     }
-    let argmax = || {
-        let mut best = 0;
-        for (i, &l) in logits.iter().enumerate() {
-            // NaN never wins; a NaN first entry is replaced by any number.
-            if l > logits[best] || (logits[best].is_nan() && !l.is_nan()) {
-                best = i;
+}
+
+crate::simd::multiversion! {
+    /// The first index of the largest logit; NaN never wins, and an
+    /// all-NaN row gives 0. Two passes that vectorise (the maximum in
+    /// lanes, then its first position) rather than one that compares
+    /// each logit with the best so far.
+    fn argmax(logits: &[f32]) -> usize {
+        let mut lanes = [f32::NEG_INFINITY; 16];
+        let (chunks, rest) = logits.as_chunks::<16>();
+        for c in chunks {
+            for l in 0..16 {
+                // f32::max ignores a NaN operand.
+                lanes[l] = lanes[l].max(c[l]);
             }
         }
-        best
-    };
+        let m = rest.iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        // The first chunk holding it, tested whole (no early exit inside).
+        let hit = chunks.iter().position(|c| c.iter().fold(false, |a, &x| a | (x == m)));
+        let from = hit.map_or(chunks.len() * 16, |c| c * 16);
+        logits[from..].iter().position(|&x| x == m).map_or(0, |i| from + i)
+    }
+}
+
+pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position: u64) -> usize {
+    if penalises(p) {
+        penalise(logits, recent, p);
+    }
+    choose(logits, p, position)
+}
+
+/// A token from logits the penalty has been applied to.
+fn choose(logits: &[f32], p: &SampleParams, position: u64) -> usize {
+    let v = logits.len();
     // Greedy at temperature <= 0, and for NaN.
     if p.temperature.is_nan() || p.temperature <= 0.0 {
-        return argmax();
+        return argmax(logits);
     }
     let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
     let mut cand: Vec<usize> = (0..v).filter(|&i| !logits[i].is_nan()).collect();
@@ -131,7 +159,7 @@ pub fn run(a: &SampleArgs<'_>, mem: &Mem) -> Result<()> {
     let hist = mem.src::<i32>(a.history).map_err(exec_err)?;
     let pos = mem.src::<i32>(a.position).map_err(exec_err)?;
     let out = mem.dst::<i32>(a.out).map_err(exec_err)?;
-    let mut row = vec![0f32; a.vocab];
+    let mut row = Vec::new();
     for b in 0..a.batch {
         let p = SampleParams {
             temperature: fp.get(b * 4),
@@ -148,9 +176,65 @@ pub fn run(a: &SampleArgs<'_>, mem: &Mem) -> Result<()> {
         }
         let first = (at as i64 - p.repeat_last_n.max(0) as i64 + 1).max(0) as usize;
         let recent: Vec<i32> = (first..=at as usize).map(|j| hist.get(b * a.history_len + j)).collect();
-        row.copy_from_slice(logits.row(b * a.vocab, a.vocab));
-        let id = sample_row(&mut row, &recent, &p, at as u64);
+        let src = logits.row(b * a.vocab, a.vocab);
+        // A copy only where the penalty changes logits: the row is the
+        // vocabulary's size (196 KB for 49,152 tokens).
+        let id = if penalises(&p) {
+            row.clear();
+            row.extend_from_slice(src);
+            sample_row(&mut row, &recent, &p, at as u64)
+        } else {
+            choose(src, &p, at as u64)
+        };
         out.set(b, id as i32);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// argmax against the one-pass form it replaced: NaN anywhere (first
+    /// too), ties (the first wins), signed zeros, infinities, all-NaN and
+    /// lengths that are not whole chunks.
+    #[test]
+    fn argmax_matches_the_one_pass_form() {
+        let plain = |logits: &[f32]| {
+            let mut best = 0;
+            for (i, &l) in logits.iter().enumerate() {
+                if l > logits[best] || (logits[best].is_nan() && !l.is_nan()) {
+                    best = i;
+                }
+            }
+            best
+        };
+        let mut x = 0x2545_F491u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for case in 0..400 {
+            let n = 1 + (next() % 300) as usize;
+            let mut row: Vec<f32> = (0..n).map(|_| (next() % 41) as f32 - 20.0).collect();
+            match case % 6 {
+                1 => row[0] = f32::NAN,
+                2 => row.iter_mut().for_each(|v| *v = f32::NAN),
+                3 => row.iter_mut().for_each(|v| *v = if next() % 2 == 0 { 0.0 } else { -0.0 }),
+                4 => {
+                    row.iter_mut().for_each(|v| *v = if next() % 3 == 0 { f32::NAN } else { f32::NEG_INFINITY });
+                }
+                5 => {
+                    let at = (next() as usize) % n;
+                    row[at] = f32::INFINITY;
+                    row[(at + 7) % n] = f32::NAN;
+                }
+                _ => {}
+            }
+            assert_eq!(argmax(&row), plain(&row), "case {case}: {row:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
+    }
 }
