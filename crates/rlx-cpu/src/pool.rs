@@ -12,7 +12,7 @@
 //! Workers are spread over the CPUs the process may run on (its affinity
 //! mask), so `taskset` and container limits are respected.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -58,19 +58,57 @@ pub fn shared(pin: bool) -> Result<Arc<ThreadPool>, String> {
 /// microseconds.
 const MAX_SPIN: Duration = Duration::from_micros(200);
 
+/// Calls of `with_hot_workers` in flight in this process, with or
+/// without spinners of their own.
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// One call on `CALLS` for as long as it lives (a panicking call too).
+struct Counted;
+
+impl Counted {
+    /// Counts a call in; true if it is the only one.
+    fn enter() -> (Counted, bool) {
+        (Counted, CALLS.fetch_add(1, Ordering::AcqRel) == 0)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        CALLS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Sets the flag on drop (a call's end, a panic too: its spinners stop).
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// Runs `f` on the current rayon pool with its other workers kept awake
 /// until `f` returns: each spins, running any job the pool has (the
 /// halves of `f`'s parallel loops) as soon as it appears. A worker left
 /// idle falls asleep within microseconds, and waking it costs tens of
 /// microseconds on a VM: more than a decode step's small matvecs take.
 /// With every worker asleep between kernels, a step's parallel loops ran on
-/// one thread. A worker that finds nothing to run for `MAX_SPIN` stops
-/// spinning (a long one-thread stretch, e.g. a big attention, would only
-/// burn its CPU). Called off a pool thread, or with one worker, it just
-/// runs `f`.
+/// one thread.
+///
+/// Only a call alone in the process gets spinners, and they stop as soon
+/// as another call starts: a spinner waits for its call to end, so two
+/// calls' spinners, each stacked on a worker above a frame of the other
+/// call, would wait on each other. A worker that finds nothing to run for
+/// `MAX_SPIN` stops too (a long one-thread stretch, e.g. a big attention,
+/// would only burn its CPU). Called off a pool thread, or with one worker,
+/// it just runs `f`.
 pub fn with_hot_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let me = rayon::current_thread_index();
     if me.is_none() || rayon::current_num_threads() < 2 {
+        return f();
+    }
+    let (_counted, alone) = Counted::enter();
+    if !alone {
         return f();
     }
     let done = AtomicBool::new(false);
@@ -80,7 +118,7 @@ pub fn with_hot_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                 return;
             }
             let mut idle_since = Instant::now();
-            while !done.load(Ordering::Acquire) {
+            while !done.load(Ordering::Acquire) && CALLS.load(Ordering::Acquire) == 1 {
                 if rayon::yield_now() == Some(rayon::Yield::Executed) {
                     idle_since = Instant::now();
                 } else if idle_since.elapsed() > MAX_SPIN {
@@ -90,9 +128,9 @@ pub fn with_hot_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
                 }
             }
         });
-        let r = f();
-        done.store(true, Ordering::Release);
-        r
+        // The call is done before the scope waits for its spinners.
+        let _done = SetOnDrop(&done);
+        f()
     })
 }
 
@@ -151,22 +189,37 @@ mod tests {
     }
 
     /// Calls that keep the workers awake, from many threads at once on one
-    /// pool (each call's spinners run the others' jobs), nested inside a
-    /// parallel loop, and off any pool: all finish with the right sums.
+    /// pool, nested inside a parallel loop, off any pool and after a call
+    /// that panicked: all finish with the right sums. Each call runs long
+    /// enough (a few ms) for calls to overlap. A call left waiting on
+    /// another (or a spinner never told to stop) would hang: a watchdog
+    /// fails the test after two minutes instead.
     #[test]
-    fn hot_worker_calls_finish_concurrently_and_nested() {
+    fn hot_worker_calls_finish_concurrently_nested_and_after_a_panic() {
         use rayon::prelude::*;
+        let finished = Arc::new(AtomicBool::new(false));
+        let watch = Arc::clone(&finished);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(120));
+            if !watch.load(Ordering::Acquire) {
+                eprintln!("hot-worker calls still running after 120 s: a call is waiting on another");
+                std::process::abort();
+            }
+        });
         let pool = Arc::new(build(3, false).unwrap_or_else(|e| panic!("{e}")));
-        let want: u64 = (0..10_000u64).sum();
-        let sum = || with_hot_workers(|| (0..10_000u64).into_par_iter().sum::<u64>());
+        let n = 400_000u64;
+        let want: u64 = (0..n).map(|i| i % 7).sum();
+        let sum = move || with_hot_workers(|| (0..n).into_par_iter().map(|i| i % 7).sum::<u64>());
         let callers: Vec<_> = (0..6)
-            .map(|_| {
+            .map(|c| {
                 let pool = Arc::clone(&pool);
                 std::thread::spawn(move || {
-                    for _ in 0..50 {
+                    for i in 0..20 {
                         assert_eq!(pool.install(sum), want);
-                        let nested: Vec<u64> = pool.install(|| (0..4).into_par_iter().map(|_| sum()).collect());
-                        assert_eq!(nested, vec![want; 4]);
+                        if (c + i) % 3 == 0 {
+                            let nested: Vec<u64> = pool.install(|| (0..4).into_par_iter().map(|_| sum()).collect());
+                            assert_eq!(nested, vec![want; 4]);
+                        }
                     }
                 })
             })
@@ -174,7 +227,13 @@ mod tests {
         for c in callers {
             c.join().unwrap_or_else(|_| panic!("a caller panicked"));
         }
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| with_hot_workers(|| -> u64 { panic!("inside the call") }))
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(pool.install(sum), want);
         assert_eq!(sum(), want);
         assert_eq!(with_hot_workers(|| 7), 7);
+        finished.store(true, Ordering::Release);
     }
 }

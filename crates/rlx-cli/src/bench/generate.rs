@@ -162,40 +162,35 @@ fn batched(b: &GenBench, batch: usize) -> Result<(f64, f64, bool), String> {
 }
 
 /// llama-bench's prefill and decode tok/s on the same file: the faster of
-/// flash attention off and on (CUDA graphs are on by default). Its decode
-/// runs at a depth of the prompt's length (`-d`), as RLX's decode follows
-/// its prompt: by default llama-bench decodes from an empty context, with
-/// less attention work a token.
+/// flash attention off and on (CUDA graphs are on by default). Two runs:
+/// the prompt's prefill from an empty context, then decode at a depth of
+/// the prompt's length (`-d`), as RLX's decode follows its prompt (by
+/// default llama-bench decodes from an empty context, with less attention
+/// work a token).
 fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
     let exe = dir.join("llama-bench");
-    let mut cmd = Command::new(&exe);
-    cmd.arg("-m").arg(&b.gguf).args(["-p", &b.prompt_tokens.to_string(), "-n", &b.new_tokens.to_string()]);
-    cmd.args(["-d", &format!("0,{}", b.prompt_tokens)]);
-    cmd.args(["-r", &b.runs.max(2).to_string(), "-fa", "0,1", "-o", "json"]);
-    match b.device {
-        Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
-        _ => cmd.args(["-ngl", "99"]),
+    let run = |args: &[String]| -> Result<Vec<serde_json::Value>, String> {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("-m").arg(&b.gguf).args(args);
+        cmd.args(["-r", &b.runs.max(2).to_string(), "-fa", "0,1", "-o", "json"]);
+        match b.device {
+            Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
+            _ => cmd.args(["-ngl", "99"]),
+        };
+        let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+        if !out.status.success() {
+            return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).map_err(|e| format!("llama-bench output is not the JSON expected: {e}"))?;
+        v.as_array().cloned().ok_or_else(|| "llama-bench JSON: expected an array of results".to_string())
     };
-    let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
-    }
-    let v: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| format!("llama-bench output is not the JSON expected: {e}"))?;
-    let rows = v.as_array().ok_or("llama-bench JSON: expected an array of results")?;
-    let (mut pp, mut tg, mut build) = (0f64, 0f64, String::new());
-    for r in rows {
-        let ts = r["avg_ts"].as_f64().unwrap_or(0.0);
-        let depth = r["n_depth"].as_u64().unwrap_or(0);
-        if r["n_prompt"].as_u64().unwrap_or(0) > 0 && r["n_gen"].as_u64() == Some(0) && depth == 0 {
-            pp = pp.max(ts);
-        } else if r["n_gen"].as_u64().unwrap_or(0) > 0 && depth == b.prompt_tokens as u64 {
-            tg = tg.max(ts);
-        }
-        if let Some(c) = r["build_commit"].as_str() {
-            build = c.to_string();
-        }
-    }
+    let s = |n: usize| n.to_string();
+    let pre = run(&["-p".into(), s(b.prompt_tokens), "-n".into(), "0".into()])?;
+    let dec = run(&["-p".into(), "0".into(), "-n".into(), s(b.new_tokens), "-d".into(), s(b.prompt_tokens)])?;
+    let best = |rows: &[serde_json::Value]| rows.iter().map(|r| r["avg_ts"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
+    let (pp, tg) = (best(&pre), best(&dec));
+    let build = pre.iter().chain(&dec).find_map(|r| r["build_commit"].as_str()).unwrap_or_default().to_string();
     if pp == 0.0 || tg == 0.0 {
         return Err("llama-bench reported no prefill or no decode result".into());
     }

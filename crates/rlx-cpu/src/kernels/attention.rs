@@ -698,7 +698,9 @@ mod avx512 {
         if n == 0 || rows == 0 {
             return true;
         }
-        if tile.len() < (n - 1) * stride + hd || s.len() < (rows - 1) * vp + j0 + n || stride < hd {
+        let tile_end = (n - 1).checked_mul(stride).and_then(|x| x.checked_add(hd));
+        let s_end = (rows - 1).checked_mul(vp).and_then(|x| x.checked_add(j0)).and_then(|x| x.checked_add(n));
+        if tile_end.is_none_or(|e| tile.len() < e) || s_end.is_none_or(|e| s.len() < e) || stride < hd {
             return false;
         }
         // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and

@@ -669,6 +669,8 @@ crate::simd::multiversion! {
         corr: &mut [i32],
     ) {
         let be = f.block_elems();
+        // The lanes below cover whole blocks only if they are whole 16s.
+        debug_assert!(be.is_multiple_of(16));
         for (((xb, qb), dv), sv) in x.chunks_exact(be).zip(q.chunks_exact_mut(be)).zip(d.iter_mut()).zip(s.iter_mut()) {
             // max |x| in 16 lanes (blocks are 32 or 256 long). A NaN makes the
             // scale NaN, so it reaches the outputs it touches.

@@ -49,8 +49,6 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
     (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// The sampled id for one row of logits. `recent` are the tokens the
-/// repetition penalty applies to. Ties go to the lower id.
 /// Whether `p` changes the logits before choosing (a repeat penalty).
 fn penalises(p: &SampleParams) -> bool {
     p.repeat_penalty != 1.0 && p.repeat_penalty > 0.0
@@ -90,6 +88,8 @@ crate::simd::multiversion! {
     }
 }
 
+/// The sampled id for one row of logits. `recent` are the tokens the
+/// repetition penalty applies to. Ties go to the lower id.
 pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position: u64) -> usize {
     if penalises(p) {
         penalise(logits, recent, p);
