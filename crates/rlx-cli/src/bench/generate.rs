@@ -173,14 +173,7 @@ fn llama_bench(b: &GenBench, dir: &Path) -> Result<(f64, f64, String), String> {
         let mut cmd = Command::new(&exe);
         cmd.arg("-m").arg(&b.gguf).args(args);
         cmd.args(["-r", &b.runs.max(2).to_string(), "-fa", "0,1", "-o", "json"]);
-        match b.device {
-            Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
-            _ => cmd.args(["-ngl", "99"]),
-        };
-        let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
-        if !out.status.success() {
-            return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
-        }
+        let out = run_peer(b, &exe, cmd)?;
         let v: serde_json::Value =
             serde_json::from_slice(&out.stdout).map_err(|e| format!("llama-bench output is not the JSON expected: {e}"))?;
         v.as_array().cloned().ok_or_else(|| "llama-bench JSON: expected an array of results".to_string())
@@ -207,14 +200,7 @@ fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64, f64)>, Str
     let mut cmd = Command::new(&exe);
     cmd.arg("-m").arg(&b.gguf).args(["-c", &ctx.to_string(), "-npp", &b.prompt_tokens.to_string()]);
     cmd.args(["-ntg", &b.batch_tokens.to_string(), "-npl", &pl.join(","), "-fa", "on", "--output-format", "jsonl"]);
-    match b.device {
-        Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
-        _ => cmd.args(["-ngl", "99"]),
-    };
-    let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
-    if !out.status.success() {
-        return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
-    }
+    let out = run_peer(b, &exe, cmd)?;
     let text = String::from_utf8_lossy(&out.stdout);
     let mut res = vec![];
     for line in text.lines().filter(|l| l.trim_start().starts_with('{')) {
@@ -227,6 +213,20 @@ fn llama_batched(b: &GenBench, dir: &Path) -> Result<Vec<(usize, f64, f64)>, Str
         return Err(format!("llama-batched-bench printed no results: {}", tail(&out.stderr)));
     }
     Ok(res)
+}
+
+/// Runs a llama.cpp tool on the benchmark's device (all layers on the GPU,
+/// or the CPU with the benchmark's threads); an error if it fails.
+fn run_peer(b: &GenBench, exe: &Path, mut cmd: Command) -> Result<std::process::Output, String> {
+    match b.device {
+        Device::Cpu => cmd.args(["-ngl", "0", "-t", &b.threads.to_string()]),
+        _ => cmd.args(["-ngl", "99"]),
+    };
+    let out = cmd.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", exe.display(), tail(&out.stderr)));
+    }
+    Ok(out)
 }
 
 fn tail(bytes: &[u8]) -> String {

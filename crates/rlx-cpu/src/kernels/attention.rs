@@ -686,8 +686,8 @@ mod avx512 {
     /// 16-lane vectors: the query row stays in registers and each key's
     /// dot product runs lanes::dot's order (16 lane-wise FMA chains, then
     /// halves added down to one lane), so the same bits; the portable form
-    /// compiled to scalar moves and stack traffic (a decode step's scores
-    /// took 1.6–1.8× as long). Returns false, touching nothing, without
+    /// compiled to scalar moves and stack traffic (with it, a decode step's
+    /// attention took 1.6–1.8× as long). Returns false, touching nothing, without
     /// AVX-512, for another head dim or for operands too short.
     #[allow(clippy::too_many_arguments)]
     pub fn scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {

@@ -1385,8 +1385,8 @@ mod avx512 {
     /// every lane does what `row32`'s two accumulators do and the result has
     /// the same bits. On a 2-core Intel Xeon VM (AVX-512 FMAs at twice the
     /// 256-bit rate), in alternated rounds against the 256-bit form, a
-    /// decode step's matvecs took 0.85–0.96× the time and two or eight
-    /// activation rows 0.77–0.87×. An earlier two-blocks-a-pass form, with
+    /// decode step's matvecs took 0.88–0.96× the time (medians; one round's
+    /// best 1.04×) and two or eight activation rows 0.79–0.86×. An earlier two-blocks-a-pass form, with
     /// more shuffles to line the nibbles up, lost by 10–15% on Zen 4, whose
     /// 512-bit operations are two 256-bit halves.
     #[inline]
