@@ -442,7 +442,7 @@ fn rows_of_a_batch_equal_single_rows_bit_for_bit() {
     let mut r = StdRng::seed_from_u64(9);
     for f in QFormat::ALL {
         let k = if f.block_elems() == 256 { 512 } else { 576 };
-        for m in [4, 8, 9, 13] {
+        for m in [4, 6, 8, 9, 10, 13] {
             let p = problem(&mut r, f, m, 37, k, false);
             for path in QPath::available() {
                 let all = p.run(Some(path));
@@ -619,6 +619,11 @@ fn speed() {
         (QFormat::Q6K, 1, 49152, 768),
         (QFormat::Q4_1, 64, 1536, 576),
         (QFormat::Q8_0, 64, 1536, 576),
+        (QFormat::Q4_1, 128, 576, 576),
+        (QFormat::Q5_0, 128, 1536, 576),
+        (QFormat::Q5_0, 128, 3072, 576),
+        (QFormat::Q4K, 128, 576, 1536),
+        (QFormat::Q6K, 128, 576, 1536),
     ] {
         let w = random_blocks(f, &mut r, n * k / f.block_elems(), moderate_f16);
         let a: Vec<f32> = (0..m * k).map(|_| r.random_range(-1.0f32..1.0)).collect();
@@ -651,7 +656,8 @@ fn speed() {
 /// The AVX-512 and AVX2 kernels of the 32-element block formats do the
 /// same integer sums and the same f32 operations lane for lane (AVX-512
 /// takes two blocks a pass in the halves of one register), so they give
-/// the same bits: one and two activation rows a pass, odd block counts.
+/// the same bits: one, two and four activation rows a pass (and the rows
+/// left over), odd block counts.
 #[test]
 fn avx512_and_avx2_kernels_agree_bit_for_bit() {
     if !QPath::Avx512.supported() {
@@ -660,7 +666,7 @@ fn avx512_and_avx2_kernels_agree_bit_for_bit() {
     }
     let mut r = StdRng::seed_from_u64(21);
     for f in QFormat::ALL.into_iter().filter(|f| f.block_elems() == 32) {
-        for &(m, n, k) in &[(1, 33, 32), (1, 70, 576), (2, 19, 96), (3, 40, 160), (5, 12, 1536), (4, 300, 544)] {
+        for &(m, n, k) in &[(1, 33, 32), (1, 70, 576), (2, 19, 96), (3, 40, 160), (5, 12, 1536), (4, 300, 544), (7, 21, 96), (9, 40, 160), (12, 17, 576)] {
             let p = problem(&mut r, f, m, n, k, n % 2 == 0);
             let (wide, narrow) = (p.run(Some(QPath::Avx512)), p.run(Some(QPath::Avx2)));
             for (o, (a, b)) in wide.iter().zip(&narrow).enumerate() {
@@ -669,3 +675,4 @@ fn avx512_and_avx2_kernels_agree_bit_for_bit() {
         }
     }
 }
+
