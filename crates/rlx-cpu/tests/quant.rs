@@ -666,7 +666,9 @@ fn avx512_and_avx2_kernels_agree_bit_for_bit() {
     }
     let mut r = StdRng::seed_from_u64(21);
     for f in QFormat::ALL.into_iter().filter(|f| f.block_elems() == 32) {
-        for &(m, n, k) in &[(1, 33, 32), (1, 70, 576), (2, 19, 96), (3, 40, 160), (5, 12, 1536), (4, 300, 544), (7, 21, 96), (9, 40, 160), (12, 17, 576)] {
+        for &(m, n, k) in
+            &[(1, 33, 32), (1, 70, 576), (2, 19, 96), (3, 40, 160), (5, 12, 1536), (4, 300, 544), (7, 21, 96), (9, 40, 160), (12, 17, 576)]
+        {
             let p = problem(&mut r, f, m, n, k, n % 2 == 0);
             let (wide, narrow) = (p.run(Some(QPath::Avx512)), p.run(Some(QPath::Avx2)));
             for (o, (a, b)) in wide.iter().zip(&narrow).enumerate() {
@@ -675,4 +677,3 @@ fn avx512_and_avx2_kernels_agree_bit_for_bit() {
         }
     }
 }
-

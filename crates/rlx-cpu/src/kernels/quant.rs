@@ -1556,7 +1556,10 @@ mod avx512 {
         let nb = w.len() / bb;
         // Every row holds nb blocks' activations: the loads below read
         // within them without a check per load.
-        assert!(r.iter().all(|row| row.q.len() >= 32 * nb && row.corr.len() >= 8 * nb && row.db.len() >= 8 * nb && sr.len() >= if has_min(F) { nb } else { 0 }));
+        assert!(r.iter().all(|row| row.q.len() >= 32 * nb
+            && row.corr.len() >= 8 * nb
+            && row.db.len() >= 8 * nb
+            && sr.len() >= if has_min(F) { nb } else { 0 }));
         let mut acc = [_mm512_setzero_ps(); R];
         let (mut m0, mut m1) = ([0f32; R], [0f32; R]);
         for (p, wp) in w.chunks_exact(2 * bb).enumerate() {
@@ -1699,7 +1702,9 @@ mod avx512 {
             for ((a, ma), row) in acc.iter_mut().zip(macc.iter_mut()).zip(r) {
                 // SAFETY: block b < nb: its 256 bytes, 8 sums and scale lie
                 // within the row (the assert above).
-                let (q, sums, da) = unsafe { (row.q.as_ptr().add(256 * b), _mm256_loadu_si256(row.sums.as_ptr().add(8 * b).cast()), *row.d.get_unchecked(b)) };
+                let (q, sums, da) = unsafe {
+                    (row.q.as_ptr().add(256 * b), _mm256_loadu_si256(row.sums.as_ptr().add(8 * b).cast()), *row.d.get_unchecked(b))
+                };
                 let mut iacc = _mm512_setzero_si512();
                 for c in 0..4 {
                     // SAFETY: as above, bytes 64c..64c + 64 of the block.
@@ -1757,7 +1762,9 @@ mod avx512 {
             for (a, row) in acc.iter_mut().zip(r) {
                 // SAFETY: block b < nb: its 256 bytes, 16 sums and scale lie
                 // within the row (the assert above).
-                let (q, sums, da) = unsafe { (row.q.as_ptr().add(256 * b), _mm512_loadu_si512(row.sums.as_ptr().add(16 * b).cast()), *row.d.get_unchecked(b)) };
+                let (q, sums, da) = unsafe {
+                    (row.q.as_ptr().add(256 * b), _mm512_loadu_si512(row.sums.as_ptr().add(16 * b).cast()), *row.d.get_unchecked(b))
+                };
                 let corr = _mm512_mullo_epi32(sc32, sums);
                 let mut iacc = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(corr));
                 for h in 0..2 {
