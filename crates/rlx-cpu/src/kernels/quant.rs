@@ -1022,8 +1022,9 @@ macro_rules! row_fns {
 
 /// `chunk_f`: a chunk of output columns for every activation row,
 /// dispatching on the format, with the module's kernels for one row
-/// (`$one`; `$q4k`, `$q6k`), two rows (`$two`) and R rows (`$rows`;
-/// `$q4k_rows`, `$q6k_rows`). Several rows run eight (then four) at a time
+/// (`$one`; `$q4k`, `$q6k`), one row against two columns (`$one2`;
+/// `$q4k2`, `$q6k2`), two rows (`$two`) and R rows (`$rows`; `$q4k_rows`,
+/// `$q6k_rows`). Several rows run eight (then four) at a time
 /// against every column of the chunk, so the group's int8 activations stay
 /// in L1 while the weights stream past. With the columns outer, as before,
 /// every column read all rows' activations again, from L2 at a prompt's 128
@@ -1256,6 +1257,7 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn row32xr<const F: u8, const R: usize>(w: &[u8], r: &[ActRow<'_>; R], _sr: &[[f32; R]], t: &[f32; 65536]) -> [f32; R] {
+        const { assert!(R % 2 == 0, "row32xr takes rows in pairs") };
         let mut out = [0f32; R];
         for i in (0..R).step_by(2) {
             (out[i], out[i + 1]) = row32x2::<F>(w, r[i], r[i + 1], t);
@@ -1393,7 +1395,7 @@ mod avx512 {
     }
 
     /// One 32-element block (`w`) · its activations: int32 in 8 lanes (the
-    /// odd block left over by `row32w` and `row32x2w`).
+    /// odd block left over by `row32w` and `row32wc2`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     fn block_dot<const F: u8>(w: &[u8], q: &[i8], corr: &[i32]) -> __m256i {
@@ -1489,7 +1491,8 @@ mod avx512 {
     /// the same bits. On a 2-core Intel Xeon VM (AVX-512 FMAs at twice the
     /// 256-bit rate), in alternated rounds against the 256-bit form, a
     /// decode step's matvecs took 0.88–0.96× the time (medians; one round's
-    /// best 1.04×) and two or eight activation rows 0.79–0.86×. An earlier two-blocks-a-pass form, with
+    /// best 1.04×) and two or eight activation rows 0.79–0.86× (as two-row
+    /// passes, before `row32xrw`). An earlier two-blocks-a-pass form, with
     /// more shuffles to line the nibbles up, lost by 10–15% on Zen 4, whose
     /// 512-bit operations are two 256-bit halves.
     #[inline]
@@ -1839,7 +1842,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     fn row_q4k_xr<const R: usize>(w: &[u8], r: &[ActRow<'_>; R], t: &[f32; 65536]) -> [f32; R] {
         let m4 = _mm512_set1_epi8(15);
-        let sidx = [0i16, 1, 2, 3].map(|c| _mm512_inserti64x4::<1>(_mm512_set1_epi16(2 * c), _mm256_set1_epi16(2 * c + 1)));
+        let sidx = q4k_sidx();
         let nb = w.len() / 144;
         // Every row holds nb blocks' activations: the loads below read
         // within them without a check per load.
@@ -1887,13 +1890,7 @@ mod avx512 {
     fn row_q6k_xr<const R: usize>(w: &[u8], r: &[ActRow<'_>; R], t: &[f32; 65536]) -> [f32; R] {
         let m4 = _mm512_set1_epi8(15);
         let m30 = _mm512_set1_epi8(0x30);
-        let gidx = [0i16, 1, 2, 3].map(|r| {
-            let g = 4 * r;
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(g + 1), _mm_set1_epi16(g))),
-                _mm256_set_m128i(_mm_set1_epi16(g + 3), _mm_set1_epi16(g + 2)),
-            )
-        });
+        let gidx = q6k_gidx();
         let nb = w.len() / 210;
         // As in `row_q4k_xr`.
         assert!(r.iter().all(|row| row.q.len() >= 256 * nb && row.sums.len() >= 16 * nb && row.d.len() >= nb));
