@@ -166,27 +166,26 @@ fn append(t: &rlx_schedule::AttentionAppendThunk, mem: &Mem) -> Result<()> {
     let kvw = a.kv_heads * a.head_dim;
     let mut k_new = t.k_new;
     if let Some(r) = &t.rope {
-        let turn = |x: &rlx_schedule::SeqView, heads: usize, out: &rlx_schedule::BufRef| {
-            rope::run(
-                &rope::RopeArgs {
-                    dtype: a.dtype,
-                    mode: r.mode,
-                    theta: r.theta,
-                    batch: a.batch,
-                    seq: 1,
-                    heads,
-                    head_dim: a.head_dim,
-                    x,
-                    positions: &r.positions,
-                    positions_per_batch: r.positions_per_batch,
-                    out,
-                    freq_factors: r.freq_factors.as_ref(),
-                },
-                mem,
-            )
-        };
-        turn(&t.q, a.heads, &r.q_out)?;
-        turn(&t.k_new, a.kv_heads, &r.k_out)?;
+        // q and the new keys share their positions: their angles are
+        // computed once.
+        rope::run_shared(
+            &rope::RopeArgs {
+                dtype: a.dtype,
+                mode: r.mode,
+                theta: r.theta,
+                batch: a.batch,
+                seq: 1,
+                heads: a.heads,
+                head_dim: a.head_dim,
+                x: &t.q,
+                positions: &r.positions,
+                positions_per_batch: r.positions_per_batch,
+                out: &r.q_out,
+                freq_factors: r.freq_factors.as_ref(),
+            },
+            &[rope::RopeTarget { heads: a.kv_heads, x: &t.k_new, out: &r.k_out }],
+            mem,
+        )?;
         k_new = rlx_schedule::SeqView { buf: r.k_out, batch_stride: kvw as u64, row_stride: kvw as u64 };
     }
     let write = |cache: &rlx_schedule::SeqView, value: &rlx_schedule::SeqView| {

@@ -1232,11 +1232,50 @@ mod avx2 {
     row_fns!("avx2,fma,f16c");
     chunk_fns!("avx2,fma,f16c", row32, row32c2, row32x2, row32xr, row_q4k, row_q6k, row_q4k_c2, row_q6k_c2, row_q4k_xr, row_q6k_xr);
 
-    /// Two columns of one activation row, one after the other (`row32`).
+    /// `row32` for two columns of one activation row side by side (as the
+    /// AVX-512 module's `row32wc2`; each column with `row32`'s bits).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn row32c2<const F: u8>(w0: &[u8], w1: &[u8], a: ActRow<'_>, t: &[f32; 65536]) -> (f32, f32) {
-        (row32::<F>(w0, a, t), row32::<F>(w1, a, t))
+        let bb = block_bytes(F);
+        let z = _mm256_setzero_ps();
+        let (mut a0, mut a1, mut b0, mut b1) = (z, z, z, z);
+        let (mut ma0, mut ma1, mut mb0, mut mb1) = (0f32, 0f32, 0f32, 0f32);
+        let block = |wb: &[u8], q: &[i8], c: &[i32], db: &[f32], acc: &mut __m256| {
+            let scale = _mm256_mul_ps(_mm256_set1_ps(t[u16_at(wb, 0) as usize]), ld256f(db));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot::<F>(wb, q, c)), scale, *acc);
+        };
+        let pairs = w0
+            .chunks_exact(2 * bb)
+            .zip(w1.chunks_exact(2 * bb))
+            .zip(a.q.chunks_exact(64))
+            .zip(a.corr.chunks_exact(16))
+            .zip(a.db.chunks_exact(16))
+            .zip(a.s.chunks_exact(2));
+        for (((((wa, wb), qp), cp), dp), sp) in pairs {
+            block(wa, qp, cp, dp, &mut a0);
+            block(wb, qp, cp, dp, &mut b0);
+            block(&wa[bb..], &qp[32..], &cp[8..], &dp[8..], &mut a1);
+            block(&wb[bb..], &qp[32..], &cp[8..], &dp[8..], &mut b1);
+            if has_min(F) {
+                ma0 += t[u16_at(wa, 2) as usize] * sp[0];
+                ma1 += t[u16_at(wa, bb + 2) as usize] * sp[1];
+                mb0 += t[u16_at(wb, 2) as usize] * sp[0];
+                mb1 += t[u16_at(wb, bb + 2) as usize] * sp[1];
+            }
+        }
+        let nb = w0.len() / bb;
+        if nb % 2 == 1 {
+            let k = nb - 1;
+            let (wa, wb) = (&w0[k * bb..], &w1[k * bb..]);
+            block(wa, &a.q[32 * k..], &a.corr[8 * k..], &a.db[8 * k..], &mut a0);
+            block(wb, &a.q[32 * k..], &a.corr[8 * k..], &a.db[8 * k..], &mut b0);
+            if has_min(F) {
+                ma0 += t[u16_at(wa, 2) as usize] * a.s[k];
+                mb0 += t[u16_at(wb, 2) as usize] * a.s[k];
+            }
+        }
+        (hsum(_mm256_add_ps(a0, a1)) + (ma0 + ma1), hsum(_mm256_add_ps(b0, b1)) + (mb0 + mb1))
     }
 
     /// Two columns, one after the other (`row_q4k`).
@@ -1257,7 +1296,7 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn row32xr<const F: u8, const R: usize>(w: &[u8], r: &[ActRow<'_>; R], _sr: &[[f32; R]], t: &[f32; 65536]) -> [f32; R] {
-        const { assert!(R % 2 == 0, "row32xr takes rows in pairs") };
+        const { assert!(R.is_multiple_of(2), "row32xr takes rows in pairs") };
         let mut out = [0f32; R];
         for i in (0..R).step_by(2) {
             (out[i], out[i + 1]) = row32x2::<F>(w, r[i], r[i + 1], t);
