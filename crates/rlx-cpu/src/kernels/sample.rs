@@ -88,6 +88,48 @@ crate::simd::multiversion! {
     }
 }
 
+/// f32's total order (`f32::total_cmp`) as an integer key.
+#[inline(always)]
+fn total_key(x: f32) -> i32 {
+    let b = x.to_bits() as i32;
+    b ^ (((b >> 31) as u32) >> 1) as i32
+}
+
+/// The k best ids by logit (ties to the lower id; NaN never taken), in
+/// that order: at most k of them, fewer where fewer logits are numbers.
+/// One pass that keeps the k best so far and compares each logit with
+/// the worst of them (in a vocabulary of 49,152 nearly every logit is
+/// dropped there), rather than a selection over an index list of every
+/// logit.
+fn top_k(logits: &[f32], k: usize) -> Vec<usize> {
+    let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    let mut i = 0;
+    while best.len() < k && i < logits.len() {
+        if !logits[i].is_nan() {
+            best.push(i);
+        }
+        i += 1;
+    }
+    best.sort_unstable_by(by_logit);
+    if best.len() < k {
+        return best;
+    }
+    // Ids rise through the scan, so a later id beats the worst kept only
+    // with a strictly greater logit.
+    let mut worst = total_key(logits[best[k - 1]]);
+    for (j, &x) in logits.iter().enumerate().skip(i) {
+        if x.is_nan() || total_key(x) <= worst {
+            continue;
+        }
+        let at = best.partition_point(|b| by_logit(b, &j) == std::cmp::Ordering::Less);
+        best.insert(at, j);
+        best.truncate(k);
+        worst = total_key(logits[best[k - 1]]);
+    }
+    best
+}
+
 /// The sampled id for one row of logits. `recent` are the tokens the
 /// repetition penalty applies to. Ties go to the lower id.
 pub fn sample_row(logits: &mut [f32], recent: &[i32], p: &SampleParams, position: u64) -> usize {
@@ -105,14 +147,13 @@ fn choose(logits: &[f32], p: &SampleParams, position: u64) -> usize {
         return argmax(logits);
     }
     let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    let mut cand: Vec<usize> = (0..v).filter(|&i| !logits[i].is_nan()).collect();
+    let mut cand: Vec<usize> = if p.top_k > 0 && (p.top_k as usize) < v {
+        top_k(logits, p.top_k as usize)
+    } else {
+        (0..v).filter(|&i| !logits[i].is_nan()).collect()
+    };
     if cand.is_empty() {
         return 0;
-    }
-    if p.top_k > 0 && (p.top_k as usize) < cand.len() {
-        let k = p.top_k as usize;
-        cand.select_nth_unstable_by(k - 1, by_logit);
-        cand.truncate(k);
     }
     let filter = p.top_p < 1.0 || p.min_p > 0.0;
     if filter || p.top_k > 0 {
@@ -236,5 +277,50 @@ mod tests {
             assert_eq!(argmax(&row), plain(&row), "case {case}: {row:?}");
         }
         assert_eq!(argmax(&[]), 0);
+    }
+
+    /// The one-pass top-k against a selection over every logit (the form
+    /// it replaced): the same ids in the same order, with ties, signed
+    /// zeros, infinities, NaN anywhere, k above the count of numbers.
+    #[test]
+    fn top_k_matches_a_selection_over_every_logit() {
+        let select = |logits: &[f32], k: usize| {
+            let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+            let mut cand: Vec<usize> = (0..logits.len()).filter(|&i| !logits[i].is_nan()).collect();
+            if k < cand.len() {
+                cand.select_nth_unstable_by(k - 1, by_logit);
+                cand.truncate(k);
+            }
+            cand.sort_unstable_by(by_logit);
+            cand
+        };
+        let mut x = 0x9E37_79B9u32;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for case in 0..600 {
+            let n = 1 + (next() % 400) as usize;
+            let spread = [3, 40, 100_000][case % 3];
+            let mut row: Vec<f32> = (0..n).map(|_| (next() % spread) as f32 / 7.0 - 2.0).collect();
+            match case % 5 {
+                1 => row.iter_mut().for_each(|v| *v = if next() % 2 == 0 { 0.0 } else { -0.0 }),
+                2 => {
+                    for _ in 0..n / 3 {
+                        row[(next() as usize) % n] = f32::NAN;
+                    }
+                }
+                3 => {
+                    row[(next() as usize) % n] = f32::INFINITY;
+                    row[(next() as usize) % n] = f32::NEG_INFINITY;
+                }
+                4 => row.iter_mut().for_each(|v| *v = f32::NAN),
+                _ => {}
+            }
+            let k = 1 + (next() % 60) as usize;
+            assert_eq!(top_k(&row, k), select(&row, k), "case {case} k {k}: {row:?}");
+        }
     }
 }
