@@ -67,7 +67,7 @@ pub fn run_shared(a: &RopeArgs<'_>, more: &[RopeTarget<'_>], mem: &Mem) -> Resul
 
 /// freq_i = theta^(-2i / head_dim) / factor_i, in f64. The last set made
 /// on this thread is kept: a decode step asks for the same one in every
-/// layer, and its `powf`s were a fifth of the step's RoPE time.
+/// layer.
 fn inv_freq(theta: f32, head_dim: usize, factors: Option<&[f32]>) -> std::rc::Rc<Vec<f64>> {
     type Key = (u32, usize, Option<Vec<u32>>);
     thread_local! {
