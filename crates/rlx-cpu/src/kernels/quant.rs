@@ -1308,22 +1308,14 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn row_q4k_xr<const R: usize>(w: &[u8], r: &[ActRow<'_>; R], t: &[f32; 65536]) -> [f32; R] {
-        let mut out = [0f32; R];
-        for (o, &a) in out.iter_mut().zip(r) {
-            *o = row_q4k(w, a, t);
-        }
-        out
+        r.map(|a| row_q4k(w, a, t))
     }
 
     /// R activation rows one at a time (`row_q6k`).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn row_q6k_xr<const R: usize>(w: &[u8], r: &[ActRow<'_>; R], t: &[f32; 65536]) -> [f32; R] {
-        let mut out = [0f32; R];
-        for (o, &a) in out.iter_mut().zip(r) {
-            *o = row_q6k(w, a, t);
-        }
-        out
+        r.map(|a| row_q6k(w, a, t))
     }
 
     #[inline]
@@ -1574,7 +1566,7 @@ mod avx512 {
     /// time, a column's short chain of dependent multiply-adds and its final
     /// sum left the core waiting: on a 2-core Intel Xeon VM a 1536 × 576
     /// matvec took 20.4–20.6 µs against 32.5–32.7 (Q4_1) and 19.0–19.3
-    /// against 33.4–35.5 (Q5_0), the 49152-row Q8_0 output head 0.71–0.99×
+    /// against 33.4–35.5 (Q5_0), the 49152-row Q8_0 output head 0.72–0.99×
     /// the time (four alternated rounds, best of each round's calls). Four
     /// columns at a time were no faster than two.
     #[inline]
@@ -1859,7 +1851,7 @@ mod avx512 {
 
     /// `row_q6k` for two columns side by side (each with `row_q6k`'s bits):
     /// a 1536 × 1536 matvec 40.7–53.3 µs against 57.6–67.6, the 49152-row
-    /// output head 0.73–0.97× the time (four alternated rounds, 2-core Xeon
+    /// output head 0.66–0.97× the time (four alternated rounds, 2-core Xeon
     /// VM).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]

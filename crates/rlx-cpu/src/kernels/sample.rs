@@ -236,6 +236,16 @@ pub fn run(a: &SampleArgs<'_>, mem: &Mem) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// A small seeded generator for the tests' random rows.
+    fn xorshift(mut x: u32) -> impl FnMut() -> u32 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        }
+    }
+
     /// argmax against the one-pass form it replaced: NaN anywhere (first
     /// too), ties (the first wins), signed zeros, infinities, all-NaN and
     /// lengths that are not whole chunks.
@@ -250,22 +260,16 @@ mod tests {
             }
             best
         };
-        let mut x = 0x2545_F491u32;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x
-        };
+        let mut next = xorshift(0x2545_F491);
         for case in 0..400 {
             let n = 1 + (next() % 300) as usize;
             let mut row: Vec<f32> = (0..n).map(|_| (next() % 41) as f32 - 20.0).collect();
             match case % 6 {
                 1 => row[0] = f32::NAN,
                 2 => row.iter_mut().for_each(|v| *v = f32::NAN),
-                3 => row.iter_mut().for_each(|v| *v = if next() % 2 == 0 { 0.0 } else { -0.0 }),
+                3 => row.iter_mut().for_each(|v| *v = if next().is_multiple_of(2) { 0.0 } else { -0.0 }),
                 4 => {
-                    row.iter_mut().for_each(|v| *v = if next() % 3 == 0 { f32::NAN } else { f32::NEG_INFINITY });
+                    row.iter_mut().for_each(|v| *v = if next().is_multiple_of(3) { f32::NAN } else { f32::NEG_INFINITY });
                 }
                 5 => {
                     let at = (next() as usize) % n;
@@ -294,19 +298,13 @@ mod tests {
             cand.sort_unstable_by(by_logit);
             cand
         };
-        let mut x = 0x9E37_79B9u32;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x
-        };
+        let mut next = xorshift(0x9E37_79B9);
         for case in 0..600 {
             let n = 1 + (next() % 400) as usize;
             let spread = [3, 40, 100_000][case % 3];
             let mut row: Vec<f32> = (0..n).map(|_| (next() % spread) as f32 / 7.0 - 2.0).collect();
             match case % 5 {
-                1 => row.iter_mut().for_each(|v| *v = if next() % 2 == 0 { 0.0 } else { -0.0 }),
+                1 => row.iter_mut().for_each(|v| *v = if next().is_multiple_of(2) { 0.0 } else { -0.0 }),
                 2 => {
                     for _ in 0..n / 3 {
                         row[(next() as usize) % n] = f32::NAN;
