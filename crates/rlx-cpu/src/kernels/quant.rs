@@ -1565,7 +1565,7 @@ mod avx512 {
     /// once for both (each column with `row32w`'s bits). One column at a
     /// time, a column's short chain of dependent multiply-adds and its final
     /// sum left the core waiting: on a 2-core Intel Xeon VM a 1536 × 576
-    /// matvec took 20.4–20.6 µs against 32.5–32.7 (Q4_1) and 19.0–19.3
+    /// matvec took 20.4–20.6 µs against 32.5–32.7 (Q4_1) and 18.9–19.3
     /// against 33.4–35.5 (Q5_0), the 49152-row Q8_0 output head 0.72–0.99×
     /// the time (four alternated rounds, best of each round's calls). Four
     /// columns at a time were no faster than two.
