@@ -14,6 +14,10 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    /// The slice itself when it holds f16.
+    fn as_f16(_: &[Self]) -> Option<&[f16]> {
+        None
+    }
 }
 
 impl Elem for f32 {
@@ -56,6 +60,10 @@ impl Elem for f16 {
     #[inline(always)]
     fn store(src: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(src);
+    }
+    #[inline(always)]
+    fn as_f16(s: &[f16]) -> Option<&[f16]> {
+        Some(s)
     }
 }
 

@@ -266,9 +266,12 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            let (rows, stride) = head_rows(&k, first(&t.k, j0), t.k.row_stride as usize, hd, &keep[j0..j0 + n], &mut buf.tile);
-            if !avx512::scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0) {
-                tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
+            let (f, rs) = (first(&t.k, j0), t.k.row_stride as usize);
+            if !half_rows(&k, f, rs, hd, &keep[j0..j0 + n]).is_some_and(|r| avx512::scores_f16(r, rs, n, hd, &buf.q, &mut buf.s, vp, j0)) {
+                let (rows, stride) = head_rows(&k, f, rs, hd, &keep[j0..j0 + n], &mut buf.tile);
+                if !avx512::scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0) {
+                    tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
+                }
             }
             j0 += n;
         }
@@ -278,8 +281,11 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
         let mut j0 = 0;
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
-            let (rows, stride) = head_rows(&v, first(&t.v, j0), t.v.row_stride as usize, hd, &keep[j0..j0 + n], &mut buf.tile);
-            tile_pv(rows, stride, n, hd, &buf.s, vp, j0, &mut buf.acc);
+            let (f, rs) = (first(&t.v, j0), t.v.row_stride as usize);
+            if !half_rows(&v, f, rs, hd, &keep[j0..j0 + n]).is_some_and(|r| avx512::pv_f16(r, rs, n, hd, &buf.s, vp, j0, &mut buf.acc)) {
+                let (rows, stride) = head_rows(&v, f, rs, hd, &keep[j0..j0 + n], &mut buf.tile);
+                tile_pv(rows, stride, n, hd, &buf.s, vp, j0, &mut buf.acc);
+            }
             j0 += n;
         }
         for i in 0..qn {
@@ -316,6 +322,17 @@ fn head_rows<'a, K: Elem>(src: &'a Src<K>, first: usize, rs: usize, hd: usize, k
         }
     }
     (&tile[..n * hd], hd)
+}
+
+/// One head's K or V rows for the keys of `keep` as they lie, when they are
+/// f16 and none is masked (the AVX-512 kernels widen them as they load:
+/// f16 to f32 is exact, so they compute what the converted rows give).
+fn half_rows<'a, K: Elem>(src: &'a Src<K>, first: usize, rs: usize, hd: usize, keep: &[f32]) -> Option<&'a [half::f16]> {
+    let n = keep.len();
+    if n == 0 || !keep.iter().all(|&x| x != 0.0) {
+        return None;
+    }
+    K::as_f16(src.row(first, (n - 1) * rs + hd))
 }
 
 /// Masked softmax of every row of `s` (rows `vp` apart) up to its limit,
@@ -691,16 +708,8 @@ mod avx512 {
     /// AVX-512, for another head dim or for operands too short.
     #[allow(clippy::too_many_arguments)]
     pub fn scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
-        if !available() || hd == 0 || !hd.is_multiple_of(16) || hd > 256 {
-            return false;
-        }
-        let rows = q.len() / hd;
-        if n == 0 || rows == 0 {
-            return true;
-        }
-        let tile_end = (n - 1).checked_mul(stride).and_then(|x| x.checked_add(hd));
-        let s_end = (rows - 1).checked_mul(vp).and_then(|x| x.checked_add(j0)).and_then(|x| x.checked_add(n));
-        if tile_end.is_none_or(|e| tile.len() < e) || s_end.is_none_or(|e| s.len() < e) || stride < hd {
+        let rows = if hd == 0 { 0 } else { q.len() / hd };
+        if !fits(tile.len(), stride, n, hd, rows, s.len(), vp, j0) {
             return false;
         }
         // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and
@@ -709,9 +718,98 @@ mod avx512 {
         true
     }
 
+    /// 16 consecutive elements of a row as f32 lanes.
+    pub trait Lanes16: Copy {
+        /// # Safety
+        /// AVX-512F present; `p` valid for 16 elements.
+        unsafe fn load16(p: *const Self) -> __m512;
+    }
+    impl Lanes16 for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+    impl Lanes16 for half::f16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const half::f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
+    /// Whether `scores` / `pv` can take these operands: AVX-512, a head dim
+    /// of whole 16-lane vectors up to 256, the tile and `s` long enough.
+    fn fits(tile_len: usize, stride: usize, n: usize, hd: usize, rows: usize, s_len: usize, vp: usize, j0: usize) -> bool {
+        let tile_end = n.checked_sub(1).and_then(|m| m.checked_mul(stride)).and_then(|x| x.checked_add(hd));
+        let s_end = rows.checked_sub(1).and_then(|r| r.checked_mul(vp)).and_then(|x| x.checked_add(j0)).and_then(|x| x.checked_add(n));
+        available()
+            && hd > 0
+            && hd.is_multiple_of(16)
+            && hd <= 256
+            && stride >= hd
+            && tile_end.is_some_and(|e| tile_len >= e)
+            && s_end.is_some_and(|e| s_len >= e)
+    }
+
+    /// `scores` over f16 rows, widened as loaded: the same bits as over the
+    /// rows converted to f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores_f16(tile: &[half::f16], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
+        let rows = if hd == 0 { 0 } else { q.len() / hd };
+        if !fits(tile.len(), stride, n, hd, rows, s.len(), vp, j0) {
+            return false;
+        }
+        // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and
+        // every store in `s` (`fits`).
+        unsafe { scores_imp(tile, stride, n, hd, q, s, vp, j0) };
+        true
+    }
+
+    /// acc[i] += Σ_jj p[i][j0 + jj] · row jj (f16 rows `stride` apart,
+    /// widened as loaded) for every query row: `super::pv_of`'s arithmetic
+    /// (one FMA per element per kept weight, in key order), so the same
+    /// bits as over the rows converted to f32. Returns false, touching
+    /// nothing, where the operands do not fit (`fits`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn pv_f16(tile: &[half::f16], stride: usize, n: usize, hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) -> bool {
+        let rows = if hd == 0 { 0 } else { acc.len() / hd };
+        if !fits(tile.len(), stride, n, hd, rows, p.len(), vp, j0) {
+            return false;
+        }
+        // SAFETY: AVX-512 detected; loads in `tile` and `p`, loads and
+        // stores of `acc` within its rows · hd elements (`fits`).
+        unsafe { pv_imp(tile, stride, n, hd, p, vp, j0, acc) };
+        true
+    }
+
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_imp(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
+    unsafe fn pv_imp(tile: &[half::f16], stride: usize, n: usize, hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) {
+        let chunks = hd / 16;
+        for (i, ar) in acc.chunks_exact_mut(hd).enumerate() {
+            let mut a = [_mm512_setzero_ps(); 16];
+            for (c, v) in a.iter_mut().enumerate().take(chunks) {
+                *v = _mm512_loadu_ps(ar.as_ptr().add(16 * c));
+            }
+            let w = p.as_ptr().add(i * vp + j0);
+            for jj in 0..n {
+                let wj = *w.add(jj);
+                if wj != 0.0 {
+                    let (wv, vr) = (_mm512_set1_ps(wj), tile.as_ptr().add(jj * stride));
+                    for (c, v) in a.iter_mut().enumerate().take(chunks) {
+                        *v = _mm512_fmadd_ps(wv, half::f16::load16(vr.add(16 * c)), *v);
+                    }
+                }
+            }
+            for (c, v) in a.iter().enumerate().take(chunks) {
+                _mm512_storeu_ps(ar.as_mut_ptr().add(16 * c), *v);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_imp<E: Lanes16>(tile: &[E], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) {
         let chunks = hd / 16;
         for (i, qr) in q.chunks_exact(hd).enumerate() {
             let mut qv = [_mm512_setzero_ps(); 16];
@@ -723,7 +821,7 @@ mod avx512 {
                 let kr = tile.as_ptr().add(jj * stride);
                 let mut acc = _mm512_setzero_ps();
                 for (c, &v) in qv.iter().enumerate().take(chunks) {
-                    acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(kr.add(16 * c)), acc);
+                    acc = _mm512_fmadd_ps(v, E::load16(kr.add(16 * c)), acc);
                 }
                 let a8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc))));
                 let a4 = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps::<1>(a8));
@@ -855,6 +953,14 @@ mod avx512 {
     pub fn softmax_rows(_: &mut [f32], _: usize, _: &[f32], _: &[usize], _: bool, _: &mut [f32]) -> bool {
         false
     }
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores_f16(_: &[half::f16], _: usize, _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: usize) -> bool {
+        false
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn pv_f16(_: &[half::f16], _: usize, _: usize, _: usize, _: &[f32], _: usize, _: usize, _: &mut [f32]) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]
@@ -884,6 +990,40 @@ mod tests {
                     assert_eq!(kt[d * rows + j].to_bits(), k[j * hd + d].to_bits(), "rows {rows} hd {hd} at key {j} dim {d}");
                 }
             }
+        }
+    }
+
+    /// The f16 rows read in place (scores and P·V, widened as loaded) give
+    /// the bits of the same rows converted to f32 first: head dims 16-128,
+    /// rows strided past the head dim, 1-4 query rows, tiles of 1-32 keys at
+    /// an offset, zero weights skipped in P·V as `pv_of` skips them.
+    #[test]
+    fn decode_over_f16_rows_matches_converted_rows_bit_for_bit() {
+        if !avx512::available() {
+            eprintln!("skipped: no AVX-512");
+            return;
+        }
+        for (case, &(hd, stride, rows, n, j0)) in
+            [(64usize, 192usize, 1usize, 32usize, 0usize), (64, 64, 3, 7, 32), (128, 384, 2, 17, 16), (16, 48, 4, 1, 5), (32, 32, 1, 32, 64)]
+                .iter()
+                .enumerate()
+        {
+            let vp = j0 + n + 3;
+            let tile16: Vec<half::f16> = seeded((n - 1) * stride + hd, case as u32 + 7).iter().map(|&x| half::f16::from_f32(x)).collect();
+            let tile32: Vec<f32> = tile16.iter().map(|x| x.to_f32()).collect();
+            let q = seeded(rows * hd, case as u32 + 50);
+            let (mut s16, mut s32) = (vec![0.5f32; rows * vp], vec![0.5f32; rows * vp]);
+            assert!(avx512::scores_f16(&tile16, stride, n, hd, &q, &mut s16, vp, j0), "case {case}");
+            assert!(avx512::scores(&tile32, stride, n, hd, &q, &mut s32, vp, j0), "case {case}");
+            assert!(s16.iter().zip(&s32).all(|(a, b)| a.to_bits() == b.to_bits()), "case {case}: scores differ");
+            // Weights with zeros, as a masked softmax leaves them.
+            let mut p = seeded(rows * vp, case as u32 + 90);
+            p.iter_mut().step_by(5).for_each(|w| *w = 0.0);
+            let acc0 = seeded(rows * hd, case as u32 + 130);
+            let (mut a16, mut a32) = (acc0.clone(), acc0);
+            assert!(avx512::pv_f16(&tile16, stride, n, hd, &p, vp, j0, &mut a16), "case {case}");
+            tile_pv(&tile32, stride, n, hd, &p, vp, j0, &mut a32);
+            assert!(a16.iter().zip(&a32).all(|(a, b)| a.to_bits() == b.to_bits()), "case {case}: P·V differs");
         }
     }
 
