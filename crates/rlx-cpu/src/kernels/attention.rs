@@ -267,7 +267,7 @@ fn decode<T: Elem, K: Elem>(t: &AttentionThunk, valid: usize, kept: &[f32], q: S
         while j0 < keys {
             let n = KEY_TILE.min(keys - j0);
             let (f, rs) = (first(&t.k, j0), t.k.row_stride as usize);
-            if !half_rows(&k, f, rs, hd, &keep[j0..j0 + n]).is_some_and(|r| avx512::scores_f16(r, rs, n, hd, &buf.q, &mut buf.s, vp, j0)) {
+            if !half_rows(&k, f, rs, hd, &keep[j0..j0 + n]).is_some_and(|r| avx512::scores(r, rs, n, hd, &buf.q, &mut buf.s, vp, j0)) {
                 let (rows, stride) = head_rows(&k, f, rs, hd, &keep[j0..j0 + n], &mut buf.tile);
                 if !avx512::scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0) {
                     tile_scores(rows, stride, n, hd, &buf.q, &mut buf.s, vp, j0);
@@ -705,15 +705,17 @@ mod avx512 {
     /// halves added down to one lane), so the same bits; the portable form
     /// compiled to scalar moves and stack traffic (with it, a decode step's
     /// attention took 1.6–1.8× as long). Returns false, touching nothing, without
-    /// AVX-512, for another head dim or for operands too short.
+    /// AVX-512, for another head dim or for operands too short. Rows of f16
+    /// are widened as loaded (exactly), so they give the bits of the rows
+    /// converted to f32.
     #[allow(clippy::too_many_arguments)]
-    pub fn scores(tile: &[f32], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
-        let rows = if hd == 0 { 0 } else { q.len() / hd };
+    pub fn scores<E: Lanes16>(tile: &[E], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
+        let rows = q.len().checked_div(hd).unwrap_or(0);
         if !fits(tile.len(), stride, n, hd, rows, s.len(), vp, j0) {
             return false;
         }
         // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and
-        // every store in `s` (the lengths checked just above).
+        // every store in `s` (`fits`).
         unsafe { scores_imp(tile, stride, n, hd, q, s, vp, j0) };
         true
     }
@@ -739,6 +741,7 @@ mod avx512 {
 
     /// Whether `scores` / `pv` can take these operands: AVX-512, a head dim
     /// of whole 16-lane vectors up to 256, the tile and `s` long enough.
+    #[allow(clippy::too_many_arguments)]
     fn fits(tile_len: usize, stride: usize, n: usize, hd: usize, rows: usize, s_len: usize, vp: usize, j0: usize) -> bool {
         let tile_end = n.checked_sub(1).and_then(|m| m.checked_mul(stride)).and_then(|x| x.checked_add(hd));
         let s_end = rows.checked_sub(1).and_then(|r| r.checked_mul(vp)).and_then(|x| x.checked_add(j0)).and_then(|x| x.checked_add(n));
@@ -751,20 +754,6 @@ mod avx512 {
             && s_end.is_some_and(|e| s_len >= e)
     }
 
-    /// `scores` over f16 rows, widened as loaded: the same bits as over the
-    /// rows converted to f32.
-    #[allow(clippy::too_many_arguments)]
-    pub fn scores_f16(tile: &[half::f16], stride: usize, n: usize, hd: usize, q: &[f32], s: &mut [f32], vp: usize, j0: usize) -> bool {
-        let rows = if hd == 0 { 0 } else { q.len() / hd };
-        if !fits(tile.len(), stride, n, hd, rows, s.len(), vp, j0) {
-            return false;
-        }
-        // SAFETY: AVX-512 detected; every load lies in `tile` or `q` and
-        // every store in `s` (`fits`).
-        unsafe { scores_imp(tile, stride, n, hd, q, s, vp, j0) };
-        true
-    }
-
     /// acc[i] += Σ_jj p[i][j0 + jj] · row jj (f16 rows `stride` apart,
     /// widened as loaded) for every query row: `super::pv_of`'s arithmetic
     /// (one FMA per element per kept weight, in key order), so the same
@@ -772,7 +761,7 @@ mod avx512 {
     /// nothing, where the operands do not fit (`fits`).
     #[allow(clippy::too_many_arguments)]
     pub fn pv_f16(tile: &[half::f16], stride: usize, n: usize, hd: usize, p: &[f32], vp: usize, j0: usize, acc: &mut [f32]) -> bool {
-        let rows = if hd == 0 { 0 } else { acc.len() / hd };
+        let rows = acc.len().checked_div(hd).unwrap_or(0);
         if !fits(tile.len(), stride, n, hd, rows, p.len(), vp, j0) {
             return false;
         }
@@ -947,14 +936,10 @@ mod avx512 {
     }
     pub unsafe fn transpose16(_: *const f32, _: usize, _: usize, _: *mut f32) {}
     #[allow(clippy::too_many_arguments)]
-    pub fn scores(_: &[f32], _: usize, _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: usize) -> bool {
+    pub fn scores<E>(_: &[E], _: usize, _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: usize) -> bool {
         false
     }
     pub fn softmax_rows(_: &mut [f32], _: usize, _: &[f32], _: &[usize], _: bool, _: &mut [f32]) -> bool {
-        false
-    }
-    #[allow(clippy::too_many_arguments)]
-    pub fn scores_f16(_: &[half::f16], _: usize, _: usize, _: usize, _: &[f32], _: &mut [f32], _: usize, _: usize) -> bool {
         false
     }
     #[allow(clippy::too_many_arguments)]
@@ -993,6 +978,11 @@ mod tests {
         }
     }
 
+    /// Decode tiles the kernel tests take: (head dim, row stride, query rows,
+    /// keys, offset into the score rows).
+    const DECODE_CASES: [(usize, usize, usize, usize, usize); 5] =
+        [(64, 64, 1, 32, 0), (64, 192, 1, 7, 32), (128, 384, 2, 17, 16), (16, 48, 4, 1, 5), (32, 32, 3, 32, 64)];
+
     /// The f16 rows read in place (scores and P·V, widened as loaded) give
     /// the bits of the same rows converted to f32 first: head dims 16-128,
     /// rows strided past the head dim, 1-4 query rows, tiles of 1-32 keys at
@@ -1003,17 +993,13 @@ mod tests {
             eprintln!("skipped: no AVX-512");
             return;
         }
-        for (case, &(hd, stride, rows, n, j0)) in
-            [(64usize, 192usize, 1usize, 32usize, 0usize), (64, 64, 3, 7, 32), (128, 384, 2, 17, 16), (16, 48, 4, 1, 5), (32, 32, 1, 32, 64)]
-                .iter()
-                .enumerate()
-        {
+        for (case, &(hd, stride, rows, n, j0)) in DECODE_CASES.iter().enumerate() {
             let vp = j0 + n + 3;
             let tile16: Vec<half::f16> = seeded((n - 1) * stride + hd, case as u32 + 7).iter().map(|&x| half::f16::from_f32(x)).collect();
             let tile32: Vec<f32> = tile16.iter().map(|x| x.to_f32()).collect();
             let q = seeded(rows * hd, case as u32 + 50);
             let (mut s16, mut s32) = (vec![0.5f32; rows * vp], vec![0.5f32; rows * vp]);
-            assert!(avx512::scores_f16(&tile16, stride, n, hd, &q, &mut s16, vp, j0), "case {case}");
+            assert!(avx512::scores(&tile16, stride, n, hd, &q, &mut s16, vp, j0), "case {case}");
             assert!(avx512::scores(&tile32, stride, n, hd, &q, &mut s32, vp, j0), "case {case}");
             assert!(s16.iter().zip(&s32).all(|(a, b)| a.to_bits() == b.to_bits()), "case {case}: scores differ");
             // Weights with zeros, as a masked softmax leaves them.
@@ -1033,16 +1019,7 @@ mod tests {
     /// at an offset into the score rows.
     #[test]
     fn decode_scores_match_portable_bits() {
-        for (case, &(hd, stride, rows, n, j0)) in [
-            (64usize, 64usize, 1usize, 32usize, 0usize),
-            (64, 192, 1, 7, 32),
-            (128, 384, 2, 17, 16),
-            (16, 48, 4, 1, 5),
-            (32, 32, 3, 32, 64),
-        ]
-        .iter()
-        .enumerate()
-        {
+        for (case, &(hd, stride, rows, n, j0)) in DECODE_CASES.iter().enumerate() {
             let vp = (j0 + n).div_ceil(16) * 16;
             let tile = seeded((n - 1) * stride + hd, 10 + case as u32);
             let mut q = seeded(rows * hd, 20 + case as u32);
