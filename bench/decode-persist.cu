@@ -83,7 +83,8 @@ __device__ __forceinline__ void rlx_enter() {
 #undef pdl_enter
 #include "decode-bench.cuh"
 
-constexpr int L = 30, H = 576, NH = 9, NKV = 3, HD = 64, KVW = NKV * HD, QKV = H + 2 * KVW, FF = 1536, BB = 20, CTX = 256, KEYS = 70;
+#include "decode-layers.cuh"
+constexpr int CTX = 256, KEYS = 70;
 
 enum Kind : i64 { MV4 = 0, MV8 = 1, ATT = 2, NOP = 3 };
 struct Stage {
@@ -92,8 +93,6 @@ struct Stage {
     AttnAppP at;
 };
 
-extern "C" __global__ void mv4(const QMatMulP p) { qmatvec_body<float, QF_Q4_1, 4>(p); }
-extern "C" __global__ void mv8(const QMatMulP p) { qmatvec_body<float, QF_Q4_1, 8>(p); }
 
 // The bodies. In the kernel with the append each is a call of its own
 // (inlined together, the append's registers make the matvecs spill; a call
@@ -146,13 +145,6 @@ __device__ __forceinline__ void persist_body(const Stage* stages, int n, unsigne
 extern "C" __global__ void __launch_bounds__(256, 1) persist(const Stage* stages, int n, unsigned base) { persist_body<true>(stages, n, base); }
 extern "C" __global__ void __launch_bounds__(256, 1) persist_mv(const Stage* stages, int n, unsigned base) { persist_body<false>(stages, n, base); }
 
-static QMatMulP mvp(const float* a, float* o, const unsigned char* w, const float* gamma, const float* res, int n, int k, bool glu) {
-    QMatMulP p = {};
-    p.a = a; p.out = o; p.w = w; p.gamma = gamma; p.res = res;
-    p.rows = 1; p.n = n; p.k = k; p.lda = k; p.row_bytes = (k / 32) * BB; p.glu = glu; p.eps = 1e-5;
-    return p;
-}
-
 int main() {
     cudaStream_t st; CK(cudaStreamCreate(&st));
     int dev = 0, sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -165,37 +157,10 @@ int main() {
     }
     const int grid = sms;
 
-    // Activations: x (the residual stream), the qkv row, the attention row, the SwiGLU row.
-    float *x0, *x, *qkv, *att, *act, *gamma;
-    CK(cudaMalloc(&x0, H * 4)); CK(cudaMalloc(&x, H * 4)); CK(cudaMalloc(&qkv, QKV * 4)); CK(cudaMalloc(&att, H * 4));
-    CK(cudaMalloc(&act, FF * 4)); CK(cudaMalloc(&gamma, FF * 4));
-    std::vector<float> hx(H), hg(FF);
-    for (int i = 0; i < H; i++) hx[i] = (float)(((i * 7919) % 1000) / 1000.0 - 0.5);
-    for (int i = 0; i < FF; i++) hg[i] = 0.5f + (i % 7) * 0.1f;
-    CK(cudaMemcpy(x0, hx.data(), H * 4, cudaMemcpyHostToDevice)); CK(cudaMemcpy(gamma, hg.data(), FF * 4, cudaMemcpyHostToDevice));
-    int* ints; CK(cudaMalloc(&ints, 16));
-    const int hints[4] = {KEYS - 1, KEYS, 0, 0};  // write/rope position, valid keys, error flag
-    CK(cudaMemcpy(ints, hints, 16, cudaMemcpyHostToDevice));
-    // Caches: KEYS - 1 rows of earlier steps, random, per layer.
-    std::vector<__half> hc((size_t)CTX * KVW);
-    for (size_t i = 0; i < hc.size(); i++) hc[i] = __float2half((float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f);
-    std::vector<__half*> kc(L), vc(L);
-    std::vector<unsigned char*> wq(L), wo(L), wgu(L), wd(L);
-    for (int l = 0; l < L; l++) {
-        CK(cudaMalloc(&kc[l], hc.size() * 2)); CK(cudaMalloc(&vc[l], hc.size() * 2));
-        CK(cudaMemcpy(kc[l], hc.data(), hc.size() * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(vc[l], hc.data(), hc.size() * 2, cudaMemcpyHostToDevice));
-        wq[l] = make_weights(QKV, H, BB, 0); wo[l] = make_weights(H, H, BB, 0);
-        wgu[l] = make_weights(2 * FF, H, BB, 0); wd[l] = make_weights(H, FF, BB, 0);
-    }
-    auto attp = [&](int l) {
-        AttnAppP a = {};
-        a.q = qkv; a.kn = qkv + H; a.vn = qkv + H + KVW; a.kc = kc[l]; a.vc = vc[l];
-        a.wpos = ints; a.rpos = ints; a.valid = ints + 1; a.err = ints + 2; a.out = att;
-        a.batch = 1; a.heads = NH; a.kv_heads = NKV; a.hd = HD; a.kv_len = CTX;
-        a.qbs = QKV; a.knbs = QKV; a.vnbs = QKV; a.kbs = (i64)CTX * KVW; a.krs = KVW; a.vbs = (i64)CTX * KVW; a.vrs = KVW;
-        a.rope = 1; a.theta = 100000.0; a.scale = 1.0 / 8.0;
-        return a;
-    };
+    Layers d(CTX);
+    d.set_keys(KEYS);
+    float *x0 = d.x0, *x = d.x, *qkv = d.qkv, *att = d.att, *act = d.act, *gamma = d.gamma;
+    const auto &wq = d.wq, &wo = d.wo, &wgu = d.wgu, &wd = d.wd;
     // The layer's stages; `attn` false leaves the attention out (the
     // o-projection then reads the qkv row's first 576 values).
     auto stages_of = [&](bool attn, bool bare) {
@@ -203,7 +168,7 @@ int main() {
         for (int l = 0; l < L; l++) {
             auto add = [&](i64 kind, i64 nvb, QMatMulP mv, AttnAppP at) { v.push_back(Stage{bare ? NOP : kind, nvb, mv, at}); };
             add(MV4, QKV / 8, mvp(x, qkv, wq[l], gamma, nullptr, QKV, H, false), {});
-            if (attn) add(ATT, NH, {}, attp(l));
+            if (attn) add(ATT, NH, {}, d.attp(l));
             add(MV4, H / 8, mvp(attn ? att : qkv, x, wo[l], nullptr, x, H, H, false), {});
             add(MV4, FF / 8, mvp(x, act, wgu[l], gamma, nullptr, FF, H, true), {});
             add(MV8, H / 8, mvp(act, x, wd[l], nullptr, x, H, FF, false), {});
@@ -219,17 +184,7 @@ int main() {
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
         CK(cudaMemcpyAsync(x, x0, H * 4, cudaMemcpyDeviceToDevice, st));
-        // The first kernel follows a copy: an ordinary edge, as the backend
-        // records it; each later one a programmatic-dependent launch.
-        bool first = true;
-        auto kernel = [&](const void* fn, dim3 grid, int threads, void** args) {
-            if (first) {
-                CK(cudaLaunchKernel(fn, grid, dim3(threads), args, 0, st));
-                first = false;
-            } else {
-                launch(st, fn, grid, threads, 0, args);
-            }
-        };
+        ChainLauncher kernel{st};
         for (const Stage& s : stages_of(attn, false)) {
             if (s.kind == ATT) {
                 void* args[] = {(void*)&s.at};
@@ -268,10 +223,9 @@ int main() {
         mode(0); run_chain(chain); CK(cudaStreamSynchronize(st)); CK(cudaMemcpy(rc.data(), x, H * 4, cudaMemcpyDeviceToHost));
         upload(stages);
         mode(1); run_persist(stages, true, with_att); CK(cudaStreamSynchronize(st)); CK(cudaMemcpy(rp.data(), x, H * 4, cudaMemcpyDeviceToHost));
-        int herr[4]; CK(cudaMemcpy(herr, ints, 16, cudaMemcpyDeviceToHost));
         double mx = 0; int nan = 0;
         for (int i = 0; i < H; i++) { mx = fmax(mx, fabs((double)rc[i])); nan += std::isnan(rc[i]); }
-        printf("%s: persistent %s the chain bit for bit (max |x| %.3g, %d NaN, error flag %d)\n", what, memcmp(rc.data(), rp.data(), H * 4) ? "DIFFERS from" : "equals", mx, nan, herr[2]);
+        printf("%s: persistent %s the chain bit for bit (max |x| %.3g, %d NaN, error flag %d)\n", what, memcmp(rc.data(), rp.data(), H * 4) ? "DIFFERS from" : "equals", mx, nan, d.error_flag());
     };
     same(full, sfull, true, "30 layers");
     same(mvonly, smv, false, "30 layers without the append");
