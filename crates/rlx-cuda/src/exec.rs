@@ -78,6 +78,8 @@ pub struct CudaExecutable {
     /// The activation arena, shared by the slots (see `prepare`); None
     /// when it is the state set's (`set`).
     _arena: Option<DeviceBuffer>,
+    /// The split-key attention appends' scratch, shared by the slots.
+    _split: Option<DeviceBuffer>,
     /// The L2 access policy window over the arena: (bytes, hit ratio).
     l2_window: Option<(usize, f32)>,
     stream: Stream,
@@ -255,12 +257,24 @@ impl CudaExecutable {
         // Fused feed-forward blocks the kernel runs (src/ffn.rs: the shape
         // rule, then the operands' alignment and the clusters that fit); the
         // others run as their parts.
+        // Split-key attention appends' merge counters and partial sums
+        // (launch::append_shape). The counters start at 0 and each merge
+        // sets its own back, so the buffer is zeroed once.
+        let split = match launch::append_scratch_bytes(&schedule.thunks, kernels.sm_count) {
+            0 => None,
+            bytes => {
+                let b = DeviceBuffer::alloc(&dev, bytes)?;
+                b.zero()?;
+                Some(b)
+            }
+        };
         let bases_at = |err: u64| Bases {
             arena: arena_ptr,
             weights: weight_bufs.iter().map(|b| b.ptr).collect(),
             states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
             consts: consts.iter().map(|b| b.ptr).collect(),
             err,
+            split: split.as_ref().map_or(0, |b| b.ptr),
         };
         let mut fused = Vec::new();
         for (i, t) in schedule.thunks.iter().enumerate() {
@@ -457,6 +471,7 @@ impl CudaExecutable {
             matmul_choices,
             slots,
             _arena: arena,
+            _split: split,
             l2_window: window.map(|(_, bytes, hit)| (bytes, hit)),
             stream,
             in_layout,

@@ -145,6 +145,9 @@ pub(crate) struct Bases {
     pub consts: Vec<u64>,
     /// The slot's i32 error flag.
     pub err: u64,
+    /// The split-key attention appends' scratch (`append_shape`), 0 where
+    /// no append splits.
+    pub split: u64,
 }
 
 impl Bases {
@@ -664,10 +667,22 @@ pub(crate) fn lower(
                 },
                 theta: rope.map_or(0.0, |r| r.theta as f64),
                 scale: a.scale as f64,
+                part: 0,
+                cnt: 0,
+                chunk: 0,
             };
-            let w = decode_warps(a.heads * a.batch, k.sm_count);
-            let func = k.get(&format!("attention_app{w}_{hdp}_{sfx}"))?;
-            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], w * 32, 0, [1, 1, 1], &p)?, kind));
+            let shape = append_shape(a, k.sm_count);
+            let p = if shape.splits > 1 {
+                if b.split == 0 {
+                    return Err(err("a split-key attention append without its scratch"));
+                }
+                params::AttnAppP { cnt: b.split, part: b.split + shape.counts_bytes(a), chunk: APPEND_CHUNK as i64, ..p }
+            } else {
+                p
+            };
+            let func = k.get(&format!("attention_app{}_{hdp}_{sfx}", shape.warps))?;
+            let grid = [a.heads as u32, a.batch as u32, shape.splits];
+            steps.push(Step::new(Op::kernel(func, grid, shape.warps * 32, 0, [1, 1, 1], &p)?, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -731,6 +746,57 @@ pub(crate) fn lower(
 /// of `blocks` (heads × batch): 16 while one block per SM covers the grid
 /// (a 16-warp block's registers fill an SM), else 4, so that a batch's
 /// blocks run in one wave instead of queueing behind each other.
+/// Keys a split of a split-key attention append takes at least.
+pub(crate) const APPEND_CHUNK: usize = 128;
+
+/// How a decode step's attention append runs (kernels/attention_dec.cu
+/// `attention_app_body`): `warps` a block, and up to `splits` blocks a
+/// (batch, head), each over a run of at least APPEND_CHUNK valid keys.
+/// Where the (batch, head) blocks fill less than the GPU, each is split
+/// into as many as make two 4-warp blocks an SM, never more than the cache
+/// has runs of keys nor 64; a merge of the runs costs a block's partial
+/// sums through L2, so a short cache stays one run (the kernel counts the
+/// runs from the valid keys at each call).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AppendShape {
+    pub warps: u32,
+    pub splits: u32,
+}
+
+impl AppendShape {
+    /// Bytes of the merge counters (one i32 a (batch, head)) before the
+    /// partial sums in the scratch, rounded to 256.
+    pub fn counts_bytes(&self, a: &rlx_schedule::AttentionThunk) -> u64 {
+        ((a.batch * a.heads * 4) as u64).div_ceil(256) * 256
+    }
+    /// The scratch the append needs: counters, then HDP + 2 floats a
+    /// (batch, head, split) partial; 0 with one split.
+    pub fn scratch_bytes(&self, a: &rlx_schedule::AttentionThunk) -> u64 {
+        if self.splits <= 1 {
+            return 0;
+        }
+        let hdp = a.head_dim.div_ceil(32) * 32;
+        self.counts_bytes(a) + (a.batch * a.heads * self.splits as usize * (hdp + 2) * 4) as u64
+    }
+}
+
+pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> AppendShape {
+    let blocks = (a.heads * a.batch).max(1);
+    let fill = (2 * sm_count as usize / blocks).max(1);
+    let splits = fill.min(a.kv_len.div_ceil(APPEND_CHUNK)).clamp(1, 64);
+    AppendShape { warps: 4, splits: splits as u32 }
+}
+
+/// The split-key scratch the schedule's attention appends need (the
+/// largest of them: a call's kernels run one after another).
+pub(crate) fn append_scratch_bytes(thunks: &[Thunk], sm_count: u32) -> u64 {
+    let each = thunks.iter().map(|t| match t {
+        Thunk::AttentionAppend(t) => append_shape(&t.attn, sm_count).scratch_bytes(&t.attn),
+        _ => 0,
+    });
+    each.max().unwrap_or(0)
+}
+
 pub(crate) fn decode_warps(blocks: usize, sm_count: u32) -> u32 {
     if blocks <= sm_count as usize {
         16

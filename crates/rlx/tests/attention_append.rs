@@ -267,6 +267,20 @@ fn cuda_fused_append_agrees_with_the_cpu() {
         let ctx = start + batch + 8;
         cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors: true, kv_dtype, per_batch: batch > 1, start });
     }
+    // Long caches: the append splits each head's keys over several blocks
+    // (as many as the cache has runs of 128 keys, up to two blocks an SM).
+    // The valid keys fill one run, a few, or all of them; the last case's
+    // rows each have their own count.
+    for (batch, heads, kv_heads, head_dim, start, ctx, kv_dtype) in [
+        (1, 9, 3, 64, 3000, 3010, DType::F16),
+        (1, 9, 3, 64, 60, 4000, DType::F16),
+        (1, 9, 3, 64, 300, 4000, DType::F32),
+        (1, 4, 4, 128, 1500, 2048, DType::BF16),
+        (4, 8, 2, 64, 700, 1100, DType::F16),
+    ] {
+        let rope = Some(RopeMode::RotateHalf);
+        cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors: false, kv_dtype, per_batch: batch > 1, start });
+    }
     for (case, c) in cases.iter().enumerate() {
         let case = case as u64;
         let n = steps(c);
