@@ -1,8 +1,10 @@
 // Attention for one query row per (batch, head): a decode step's
 // (attention_dec), and the same fused with RoPE and the KV-cache append
-// (attention_app). W warps a block: 16 when the grid is small (one
-// sequence: few blocks, each with many warps over the keys), 4 when there
-// are more blocks than fit the GPU at once with 16 (batched decode).
+// (attention_app). attention_dec has W warps a block: 16 when the grid is
+// small (one sequence: few blocks, each with many warps over the keys), 4
+// when there are more blocks than fit the GPU at once with 16 (batched
+// decode). attention_app has 4 warps, and a small grid's keys are split
+// over several blocks a head (see attention_app_body).
 #include "attention.cuh"
 
 // One query row (decode: q_len 1) per (batch, head). A round gives each
@@ -657,31 +659,34 @@ __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, bf16, __nv_bfloat16, __nv_bfloat16)       \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvf16, float, __half)                 \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvbf16, float, __nv_bfloat16)
-#define RLX_DEC_ALL(W, HDP)                                                          \
-    RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, W, HDP)                  \
-    RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, W, HDP)
+// attention_dec at 16 and 4 warps; attention_app at 4 (the backend splits
+// a small grid's keys over more blocks instead: src/launch.rs `append_shape`).
+#define RLX_DEC_16(HDP) RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, 16, HDP)
+#define RLX_DEC_4(HDP)                                                               \
+    RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, 4, HDP)                  \
+    RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, 4, HDP)
 // Parts (IN_PART): one per head dim and width.
 #if IN_PART(0)
-RLX_DEC_ALL(16, 32)
+RLX_DEC_16(32)
 #endif
 #if IN_PART(1)
-RLX_DEC_ALL(4, 32)
+RLX_DEC_4(32)
 #endif
 #if IN_PART(2)
-RLX_DEC_ALL(16, 64)
+RLX_DEC_16(64)
 #endif
 #if IN_PART(3)
-RLX_DEC_ALL(4, 64)
+RLX_DEC_4(64)
 #endif
 #if IN_PART(4)
-RLX_DEC_ALL(16, 96)
+RLX_DEC_16(96)
 #endif
 #if IN_PART(5)
-RLX_DEC_ALL(4, 96)
+RLX_DEC_4(96)
 #endif
 #if IN_PART(6)
-RLX_DEC_ALL(16, 128)
+RLX_DEC_16(128)
 #endif
 #if IN_PART(7)
-RLX_DEC_ALL(4, 128)
+RLX_DEC_4(128)
 #endif
