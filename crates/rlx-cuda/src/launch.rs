@@ -145,9 +145,10 @@ pub(crate) struct Bases {
     pub consts: Vec<u64>,
     /// The slot's i32 error flag.
     pub err: u64,
-    /// The split-key attention appends' scratch (`append_shape`), 0 where
-    /// no append splits.
+    /// The split-key attention appends' counters and partial sums
+    /// (`SplitScratch`), 0 where no append splits.
     pub split: u64,
+    pub split_part: u64,
 }
 
 impl Bases {
@@ -676,7 +677,7 @@ pub(crate) fn lower(
                 if b.split == 0 {
                     return Err(err("a split-key attention append without its scratch"));
                 }
-                params::AttnAppP { cnt: b.split, part: b.split + shape.counts_bytes(a), chunk: APPEND_CHUNK as i64, ..p }
+                params::AttnAppP { cnt: b.split, part: b.split_part, chunk: APPEND_CHUNK as i64, ..p }
             } else {
                 p
             };
@@ -742,10 +743,6 @@ pub(crate) fn lower(
     Ok(steps)
 }
 
-/// Warps of a decode attention block (kernels/attention_dec.cu) for a grid
-/// of `blocks` (heads × batch): 16 while one block per SM covers the grid
-/// (a 16-warp block's registers fill an SM), else 4, so that a batch's
-/// blocks run in one wave instead of queueing behind each other.
 /// Keys a split of a split-key attention append takes at least.
 pub(crate) const APPEND_CHUNK: usize = 128;
 
@@ -763,23 +760,6 @@ pub(crate) struct AppendShape {
     pub splits: u32,
 }
 
-impl AppendShape {
-    /// Bytes of the merge counters (one i32 a (batch, head)) before the
-    /// partial sums in the scratch, rounded to 256.
-    pub fn counts_bytes(&self, a: &rlx_schedule::AttentionThunk) -> u64 {
-        ((a.batch * a.heads * 4) as u64).div_ceil(256) * 256
-    }
-    /// The scratch the append needs: counters, then HDP + 2 floats a
-    /// (batch, head, split) partial; 0 with one split.
-    pub fn scratch_bytes(&self, a: &rlx_schedule::AttentionThunk) -> u64 {
-        if self.splits <= 1 {
-            return 0;
-        }
-        let hdp = a.head_dim.div_ceil(32) * 32;
-        self.counts_bytes(a) + (a.batch * a.heads * self.splits as usize * (hdp + 2) * 4) as u64
-    }
-}
-
 pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> AppendShape {
     let blocks = (a.heads * a.batch).max(1);
     let fill = (2 * sm_count as usize / blocks).max(1);
@@ -787,16 +767,39 @@ pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> A
     AppendShape { warps: 4, splits: splits as u32 }
 }
 
-/// The split-key scratch the schedule's attention appends need (the
-/// largest of them: a call's kernels run one after another).
-pub(crate) fn append_scratch_bytes(thunks: &[Thunk], sm_count: u32) -> u64 {
-    let each = thunks.iter().map(|t| match t {
-        Thunk::AttentionAppend(t) => append_shape(&t.attn, sm_count).scratch_bytes(&t.attn),
-        _ => 0,
-    });
-    each.max().unwrap_or(0)
+/// The scratch of a schedule's split-key attention appends: a region of
+/// merge counters (one i32 a (batch, head) of the widest append, which
+/// start at 0 and which each merge leaves at 0), then a region of partial
+/// sums (HDP + 2 floats a (batch, head, split) of the largest append).
+/// Every append uses both regions from their starts: a call's kernels run
+/// one after another. `None` where no append splits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SplitScratch {
+    pub counts_bytes: u64,
+    pub part_bytes: u64,
 }
 
+impl SplitScratch {
+    pub fn of(thunks: &[Thunk], sm_count: u32) -> Option<SplitScratch> {
+        let mut s = SplitScratch { counts_bytes: 0, part_bytes: 0 };
+        for t in thunks {
+            let Thunk::AttentionAppend(t) = t else { continue };
+            let a = &t.attn;
+            let shape = append_shape(a, sm_count);
+            if shape.splits > 1 {
+                let hdp = a.head_dim.div_ceil(32) * 32;
+                s.counts_bytes = s.counts_bytes.max(((a.batch * a.heads * 4) as u64).div_ceil(256) * 256);
+                s.part_bytes = s.part_bytes.max((a.batch * a.heads * shape.splits as usize * (hdp + 2) * 4) as u64);
+            }
+        }
+        (s.counts_bytes > 0).then_some(s)
+    }
+}
+
+/// Warps of a decode attention block (kernels/attention_dec.cu) for a grid
+/// of `blocks` (heads × batch): 16 while one block per SM covers the grid
+/// (a 16-warp block's registers fill an SM), else 4, so that a batch's
+/// blocks run in one wave instead of queueing behind each other.
 pub(crate) fn decode_warps(blocks: usize, sm_count: u32) -> u32 {
     if blocks <= sm_count as usize {
         16
