@@ -1,10 +1,10 @@
 // Attention for one query row per (batch, head): a decode step's
 // (attention_dec), and the same fused with RoPE and the KV-cache append
-// (attention_app). attention_dec has W warps a block: 16 when the grid is
-// small (one sequence: few blocks, each with many warps over the keys), 4
-// when there are more blocks than fit the GPU at once with 16 (batched
-// decode). attention_app has 4 warps, and a small grid's keys are split
-// over several blocks a head (see attention_app_body).
+// (attention_app). W warps a block: 16 when the grid is small (one
+// sequence: few blocks, each with many warps over the keys), 4 when there
+// are more blocks than fit the GPU at once with 16 (batched decode). A
+// small grid's append also splits a long cache's keys over several blocks
+// a head (see attention_app_body).
 #include "attention.cuh"
 
 // One query row (decode: q_len 1) per (batch, head). A round gives each
@@ -423,7 +423,7 @@ __device__ void attention_dec_body(const AttnP& p) {
 // `part` ((batch·heads + head)·S + split, HDP + 2 floats each), and the
 // last of the head's blocks to finish (counted in `cnt[batch·heads +
 // head]`, which it sets back to 0) merges the triples in split order: the
-// result does not depend on which block finishes when. S ≤ 64.
+// result does not depend on which block finishes when. S ≤ APP_MAX_SPLITS.
 struct AttnAppP {
     const void* q; const void* kn; const void* vn; void* kc; void* vc; const int* wpos; const int* rpos; const float* factors;
     const int* valid; const void* mask; void* out; int* err;
@@ -461,11 +461,13 @@ __device__ __forceinline__ i64 valid_guess(const AttnAppP& p, i64 b) {
 
 // After a split's triple is stored (dec_merge into `part`): the head's last
 // block to finish merges its `ns` triples (at `pb`, in split order) and
-// stores the row.
+// stores the row. The triples are read in one pass over their floats (one
+// wait on L2, not one for the maxima and another for the sums).
+constexpr int APP_MAX_SPLITS = 16;
 template <typename T, int HDP>
 __device__ __forceinline__ void dec_split_merge(const float* pb, int* cnt, i64 ns, i64 hd, T* o) {
     __shared__ int s_last;
-    __shared__ float s_m[64], s_l[64], s_f[64];
+    __shared__ float s_tr[APP_MAX_SPLITS * (HDP + 2)];
     const int t = threadIdx.x;
     __threadfence();
     __syncthreads();
@@ -473,22 +475,23 @@ __device__ __forceinline__ void dec_split_merge(const float* pb, int* cnt, i64 n
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    if (t < ns) {
-        s_m[t] = __ldcg(pb + t * (HDP + 2) + HDP);
-        s_l[t] = __ldcg(pb + t * (HDP + 2) + HDP + 1);
-    }
+    for (int i = t; i < ns * (HDP + 2); i += blockDim.x) s_tr[i] = __ldcg(pb + i);
     __syncthreads();
     float mt = -INFINITY;
-    for (int s = 0; s < ns; ++s) mt = fmaxf(mt, s_m[s]);
-    if (t < ns) s_f[t] = s_m[t] == -INFINITY ? 0.0f : expf(s_m[t] - mt);
-    __syncthreads();
+    for (int s = 0; s < ns; ++s) mt = fmaxf(mt, s_tr[s * (HDP + 2) + HDP]);
     float lt = 0.0f;
-    for (int s = 0; s < ns; ++s) lt += s_l[s] * s_f[s];
+    for (int s = 0; s < ns; ++s) {
+        const float m = s_tr[s * (HDP + 2) + HDP];
+        lt += s_tr[s * (HDP + 2) + HDP + 1] * (m == -INFINITY ? 0.0f : expf(m - mt));
+    }
     // A row that sees no key at all (fully masked) yields zeros.
     const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
     for (int d = t; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s < ns; ++s) acc += __ldcg(pb + s * (HDP + 2) + d) * s_f[s];
+        for (int s = 0; s < ns; ++s) {
+            const float m = s_tr[s * (HDP + 2) + HDP];
+            acc += s_tr[s * (HDP + 2) + d] * (m == -INFINITY ? 0.0f : expf(m - mt));
+        }
         st(o, d, acc * inv);
     }
     if (t == 0) *cnt = 0;
@@ -496,7 +499,7 @@ __device__ __forceinline__ void dec_split_merge(const float* pb, int* cnt, i64 n
 
 template <typename T, typename TK, int HDP, int W>
 __device__ void attention_app_body(const AttnAppP& p) {
-    static_assert(W * 32 >= HDP && W * 32 >= 64, "a thread per dim and per split");
+    static_assert(W * 32 >= HDP, "a thread per dim");
     using R = QuadRegs<TK, HDP>;
     __shared__ __align__(16) float s_q[HDP];
     __shared__ float s_k[HDP], s_v[HDP];
@@ -659,34 +662,33 @@ __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, bf16, __nv_bfloat16, __nv_bfloat16)       \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvf16, float, __half)                 \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvbf16, float, __nv_bfloat16)
-// attention_dec at 16 and 4 warps; attention_app at 4 (the backend splits
-// a small grid's keys over more blocks instead: src/launch.rs `append_shape`).
-#define RLX_DEC_16(HDP) RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, 16, HDP)
-#define RLX_DEC_4(HDP)                                                               \
-    RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, 4, HDP)                  \
-    RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, 4, HDP)
+// attention_dec and attention_app at 16 and 4 warps (src/launch.rs
+// `decode_warps`, `append_shape`).
+#define RLX_DEC_ALL(W, HDP)                                                          \
+    RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, W, HDP)                  \
+    RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, W, HDP)
 // Parts (IN_PART): one per head dim and width.
 #if IN_PART(0)
-RLX_DEC_16(32)
+RLX_DEC_ALL(16, 32)
 #endif
 #if IN_PART(1)
-RLX_DEC_4(32)
+RLX_DEC_ALL(4, 32)
 #endif
 #if IN_PART(2)
-RLX_DEC_16(64)
+RLX_DEC_ALL(16, 64)
 #endif
 #if IN_PART(3)
-RLX_DEC_4(64)
+RLX_DEC_ALL(4, 64)
 #endif
 #if IN_PART(4)
-RLX_DEC_16(96)
+RLX_DEC_ALL(16, 96)
 #endif
 #if IN_PART(5)
-RLX_DEC_4(96)
+RLX_DEC_ALL(4, 96)
 #endif
 #if IN_PART(6)
-RLX_DEC_16(128)
+RLX_DEC_ALL(16, 128)
 #endif
 #if IN_PART(7)
-RLX_DEC_4(128)
+RLX_DEC_ALL(4, 128)
 #endif

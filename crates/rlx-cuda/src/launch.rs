@@ -744,16 +744,20 @@ pub(crate) fn lower(
 }
 
 /// Keys a split of a split-key attention append takes at least.
-pub(crate) const APPEND_CHUNK: usize = 128;
+pub(crate) const APPEND_CHUNK: usize = 512;
+/// Splits a (batch, head) of an append at most (kernels/attention_dec.cu
+/// APP_MAX_SPLITS).
+const APPEND_MAX_SPLITS: usize = 16;
 
 /// How a decode step's attention append runs (kernels/attention_dec.cu
-/// `attention_app_body`): `warps` a block, and up to `splits` blocks a
-/// (batch, head), each over a run of at least APPEND_CHUNK valid keys.
-/// Where the (batch, head) blocks fill less than the GPU, each is split
-/// into as many as make two 4-warp blocks an SM, never more than the cache
-/// has runs of keys nor 64; a merge of the runs costs a block's partial
-/// sums through L2, so a short cache stays one run (the kernel counts the
-/// runs from the valid keys at each call).
+/// `attention_app_body`): `warps` a block (as `decode_warps`), and up to
+/// `splits` blocks a (batch, head), each over a run of at least
+/// APPEND_CHUNK valid keys. Where the 16-warp (batch, head) blocks fill
+/// less than the GPU (a block an SM), a long cache's keys split over as
+/// many as fill it, at most APPEND_MAX_SPLITS; the kernel counts the runs
+/// from the valid keys at each call, so up to APPEND_CHUNK keys one block
+/// does the whole (merging runs costs ~2.6 µs on an H100: more than a
+/// 16-warp block's second round of 512 keys).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AppendShape {
     pub warps: u32,
@@ -762,9 +766,10 @@ pub(crate) struct AppendShape {
 
 pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> AppendShape {
     let blocks = (a.heads * a.batch).max(1);
-    let fill = (2 * sm_count as usize / blocks).max(1);
-    let splits = fill.min(a.kv_len.div_ceil(APPEND_CHUNK)).clamp(1, 64);
-    AppendShape { warps: 4, splits: splits as u32 }
+    let warps = decode_warps(blocks, sm_count);
+    let fill = if warps == 16 { (sm_count as usize / blocks).max(1) } else { 1 };
+    let splits = fill.min(a.kv_len.div_ceil(APPEND_CHUNK)).clamp(1, APPEND_MAX_SPLITS);
+    AppendShape { warps, splits: splits as u32 }
 }
 
 /// The scratch of a schedule's split-key attention appends: a region of

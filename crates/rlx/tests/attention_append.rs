@@ -305,22 +305,22 @@ fn cuda_fused_append_agrees_with_the_cpu() {
         cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors: true, kv_dtype, per_batch: batch > 1, start });
     }
     // Long caches: the append splits each head's keys over several blocks
-    // (as many as the cache has runs of 128 keys, up to two blocks an SM).
+    // (as many as the cache has runs of 512 keys, up to a block an SM).
     // The valid keys fill one run, a few, or all of them, or go from one
-    // run to two during the steps (start 126); head dims 32 to 128 (48 and
+    // run to two during the steps (start 510); head dims 32 to 128 (48 and
     // 96 read the cache rows element by element); the batched cases' rows
     // each have their own count.
     let (half, inter) = (Some(RopeMode::RotateHalf), Some(RopeMode::Interleaved));
     for (batch, heads, kv_heads, head_dim, start, ctx, kv_dtype, rope, factors) in [
         (1, 9, 3, 64, 3000, 3010, DType::F16, half, false),
         (1, 9, 3, 64, 60, 4000, DType::F16, half, false),
-        (1, 9, 3, 64, 126, 2000, DType::F16, inter, true),
-        (1, 9, 3, 64, 300, 4000, DType::F32, half, false),
+        (1, 9, 3, 64, 510, 2000, DType::F16, inter, true),
+        (1, 9, 3, 64, 1300, 4000, DType::F32, half, false),
         (1, 4, 4, 128, 1500, 2048, DType::BF16, half, true),
         (4, 8, 2, 64, 700, 1100, DType::F16, half, false),
-        (1, 6, 2, 48, 400, 1000, DType::F32, inter, true),
-        (1, 4, 2, 96, 500, 1200, DType::F16, half, true),
-        (2, 8, 4, 32, 300, 700, DType::BF16, inter, false),
+        (1, 6, 2, 48, 700, 1000, DType::F32, inter, true),
+        (1, 4, 2, 96, 900, 1200, DType::F16, half, true),
+        (2, 8, 4, 32, 600, 700, DType::BF16, inter, false),
     ] {
         cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors, kv_dtype, per_batch: batch > 1, start });
     }
@@ -344,9 +344,9 @@ fn cuda_fused_append_agrees_with_the_cpu() {
 }
 
 /// Two split-key appends of different widths in one executable (12 and 24
-/// heads at batch 4: 48 and 96 (batch, head) pairs, so different numbers
-/// of merge counters and partial sums in the scratch they share), several
-/// steps, against the unfused CPU schedule.
+/// heads at batch 2: 24 and 48 (batch, head) pairs, split four and two
+/// ways, so different numbers of merge counters and partial sums in the
+/// scratch they share), several steps, against the unfused CPU schedule.
 #[test]
 fn cuda_appends_of_different_widths_share_their_scratch() {
     match Session::new(Device::Cuda(0)) {
@@ -355,7 +355,7 @@ fn cuda_appends_of_different_widths_share_their_scratch() {
         Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
     }
     let case = |heads, kv_heads| Case {
-        batch: 4,
+        batch: 2,
         heads,
         kv_heads,
         head_dim: 64,
@@ -364,7 +364,7 @@ fn cuda_appends_of_different_widths_share_their_scratch() {
         factors: false,
         kv_dtype: DType::F16,
         per_batch: true,
-        start: 200,
+        start: 1200,
     };
     for cases in [[case(12, 4), case(24, 8)], [case(24, 8), case(12, 4)]] {
         let (want, _) = run_cases(&cases, Device::Cpu, UNFUSED, 7, 4, false);
