@@ -9,6 +9,7 @@
 //
 //   nvcc -O3 -arch=sm_90 -std=c++17 -I crates/rlx-cuda/kernels -o dk bench/decode-kernels.cu && ./dk
 //   nvcc ... -DRLX_NO_WIDE -I OLD/kernels -o dk-old bench/decode-kernels.cu   # kernels without qmatvec_w4_*
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -104,9 +105,15 @@ int main() {
         }
     }
 
-    // A layer's fused attention append: f32 activations, f16 cache of 1024 rows, 201 valid keys.
+    // A layer's fused attention append: f32 activations, f16 cache of 1024 rows, 201 valid keys;
+    // the CUDA backend's shape for one sequence (src/launch.rs `append_shape`): 16 warps a block, the
+    // keys split over min(SMs / heads, runs of 512 in the cache, 16) blocks a head.
     {
         const int H = 9, KVH = 3, HD = 64, KV = 1024;
+        int sms = 0; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        const int splits = std::min(std::min(sms / H, (KV + 511) / 512), 16);
+        float* part; int* cnt;
+        CK(cudaMalloc(&part, (size_t)H * splits * (HD + 2) * 4)); CK(cudaMalloc(&cnt, H * 4)); CK(cudaMemset(cnt, 0, H * 4));
         float *q, *kn, *vn, *ao, *fac; __half *kc, *vc; int* ints;
         CK(cudaMalloc(&q, H * HD * 4)); CK(cudaMalloc(&kn, KVH * HD * 4)); CK(cudaMalloc(&vn, KVH * HD * 4)); CK(cudaMalloc(&ao, H * HD * 4));
         std::vector<__half*> kcs, vcs;
@@ -124,8 +131,9 @@ int main() {
                 p.batch = 1; p.heads = H; p.kv_heads = KVH; p.hd = HD; p.kv_len = KV; p.mask_dt = 0;
                 p.qbs = H * HD; p.knbs = KVH * HD; p.vnbs = KVH * HD; p.kbs = (i64)KV * KVH * HD; p.krs = KVH * HD; p.vbs = (i64)KV * KVH * HD; p.vrs = KVH * HD;
                 p.wpos_pb = 0; p.rpos_pb = 0; p.valid_pb = 0; p.rope = 1; p.theta = 100000.0; p.scale = 0.125;
+                p.part = part; p.cnt = cnt; p.chunk = 512;
                 void* args[] = {&p};
-                launch(st, (const void*)attention_app16_64_f32_kvf16, dim3(H, 1), 512, 0, args);
+                launch(st, (const void*)attention_app16_64_f32_kvf16, dim3(H, 1, splits), 512, 0, args);
             }
             CK(cudaStreamEndCapture(st, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
             float us = time_graph(st, ge, 200);

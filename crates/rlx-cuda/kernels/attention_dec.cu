@@ -2,7 +2,9 @@
 // (attention_dec), and the same fused with RoPE and the KV-cache append
 // (attention_app). W warps a block: 16 when the grid is small (one
 // sequence: few blocks, each with many warps over the keys), 4 when there
-// are more blocks than fit the GPU at once with 16 (batched decode).
+// are more blocks than fit the GPU at once with 16 (batched decode). A
+// small grid's append also splits a long cache's keys over several blocks
+// a head (see attention_app_body).
 #include "attention.cuh"
 
 // One query row (decode: q_len 1) per (batch, head). A round gives each
@@ -62,9 +64,12 @@ __device__ __forceinline__ void ld_words(const TK* p, bool vec, int off, int lim
 }
 
 // The end of a decode attention: the W warps' partial (max, sum, output)
-// triples merged through shared memory, the row stored.
+// triples merged through shared memory, the row stored; or, where `part`
+// is set (a split of the keys, see attention_app_body), the block's own
+// triple stored there instead: HDP unnormalised sums, then the max and the
+// sum of weights.
 template <typename T, int HDP, int W>
-__device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[HDP / 32], i64 hd, T* o) {
+__device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[HDP / 32], i64 hd, T* o, float* part) {
     constexpr int NC = HDP / 32;
     __shared__ float sm_m[W], sm_l[W];
     __shared__ float sm_o[W][HDP];
@@ -86,6 +91,19 @@ __device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[H
         f[w] = sm_m[w] == -INFINITY ? 0.0f : expf(sm_m[w] - mt);
         lt += sm_l[w] * f[w];
     }
+    if (part) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < W; ++w) s += sm_o[w][d] * f[w];
+            __stcg(part + d, s);
+        }
+        if (threadIdx.x == 0) {
+            __stcg(part + HDP, mt);
+            __stcg(part + HDP + 1, lt);
+        }
+        return;
+    }
     // A row that sees no key at all (fully masked) yields zeros.
     const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -99,8 +117,8 @@ __device__ __forceinline__ void dec_merge(float m, float l, const float (&acc)[H
 // The decode attention loop for rows read in place (see above): the
 // fallback for rows that are not whole and 16-byte aligned.
 template <typename T, typename TK, int HDP, int W>
-__device__ __forceinline__ void dec_core_rows(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask, i64 mask_dt,
-                         i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
+__device__ __forceinline__ void dec_core_rows(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 k_lo, i64 kv_end, const void* mask,
+                                              i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o, float* part) {
     constexpr int NC = HDP / 32;
     // A key's K row is read in chunks of at most 128 bytes (32 registers),
     // 16 bytes a load; V rows for VG keys at a time (at most 32 registers).
@@ -117,7 +135,7 @@ __device__ __forceinline__ void dec_core_rows(const float* sq, const TK* kb, con
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (i64 base = (i64)warp * 32; base < kv_end; base += 32 * W) {
+    for (i64 base = k_lo + (i64)warp * 32; base < kv_end; base += 32 * W) {
         const i64 key = base + lane;
         const i64 kk = key < kv_end ? key : base;  // in bounds; dropped below
         const TK* krow = kb + kk * krs;
@@ -178,7 +196,7 @@ __device__ __forceinline__ void dec_core_rows(const float* sq, const TK* kb, con
             }
         }
     }
-    dec_merge<T, HDP, W>(m, l, acc, hd, o);
+    dec_merge<T, HDP, W>(m, l, acc, hd, o, part);
 }
 
 // dec_core over whole, 16-byte aligned rows with each K row read by four
@@ -229,14 +247,15 @@ struct QuadRegs {
     }
 };
 
-// `pre`: r already holds the warp's first round (keys from warp·32) as
-// loaded with limit `pre` (QuadRegs::ONE only; -1: nothing loaded). A warp
-// uses it where that limit cuts its round where kv_end does (so it holds
-// the rows this loop would load), else loads again.
+// Keys k_lo .. kv_end. `pre`: r already holds the warp's first round
+// (keys from k_lo + warp·32) as loaded with limit `pre` (QuadRegs::ONE
+// only; -1: nothing loaded). A warp uses it where that limit cuts its
+// round where kv_end does (so it holds the rows this loop would load),
+// else loads again.
 template <typename T, typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, i64 pre, const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs,
-                                              i64 kv_end, const void* mask, i64 mask_dt, i64 mask_row, i64 own, const float* own_k,
-                                              const float* own_v, T* o) {
+                                              i64 k_lo, i64 kv_end, const void* mask, i64 mask_dt, i64 mask_row, i64 own, const float* own_k,
+                                              const float* own_v, T* o, float* part) {
     using R = QuadRegs<TK, HDP>;
     constexpr int NC = R::NC, KD = R::KD, PC = R::PC, VG = R::VG;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, quad = lane >> 2, ql = lane & 3;
@@ -245,9 +264,9 @@ __device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, i64 pre, con
     float m = -INFINITY, l = 0.0f, acc[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-    for (i64 base = (i64)warp * 32; base < kv_end; base += 32 * W) {
+    for (i64 base = k_lo + (i64)warp * 32; base < kv_end; base += 32 * W) {
         const i64 end = base + 32;
-        const bool loaded = R::ONE && base < 32 * W && base < pre && (pre < end ? pre : end) == (kv_end < end ? kv_end : end);
+        const bool loaded = R::ONE && base < k_lo + 32 * W && base < pre && (pre < end ? pre : end) == (kv_end < end ? kv_end : end);
         float sc[4];
 #pragma unroll
         for (int p0 = 0; p0 < 4; p0 += PC) {
@@ -317,7 +336,7 @@ __device__ __forceinline__ void dec_core_quad(QuadRegs<TK, HDP>& r, i64 pre, con
             }
         }
     }
-    dec_merge<T, HDP, W>(m, l, acc, HDP, o);
+    dec_merge<T, HDP, W>(m, l, acc, HDP, o, part);
 }
 
 // Whether the cache rows can be read by dec_core_quad: whole rows of
@@ -328,16 +347,18 @@ __device__ __forceinline__ bool dec_vec(const TK* kb, const TK* vb, i64 krs, i64
 }
 
 template <typename T, typename TK, int HDP, int W>
-__device__ __noinline__ void dec_core_quad_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
-                                                i64 mask_dt, i64 mask_row, i64 own, const float* own_k, const float* own_v, T* o) {
+__device__ __noinline__ void dec_core_quad_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 k_lo, i64 kv_end,
+                                                const void* mask, i64 mask_dt, i64 mask_row, i64 own, const float* own_k, const float* own_v,
+                                                T* o, float* part) {
     QuadRegs<TK, HDP> r;
-    dec_core_quad<T, TK, HDP, W>(r, -1, sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+    dec_core_quad<T, TK, HDP, W>(r, -1, sq, kb, vb, krs, vrs, k_lo, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o, part);
 }
 
 template <typename T, typename TK, int HDP, int W>
-__device__ __noinline__ void dec_core_rows_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
-                                                i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
-    dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+__device__ __noinline__ void dec_core_rows_call(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 k_lo, i64 kv_end,
+                                                const void* mask, i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k,
+                                                const float* own_v, T* o, float* part) {
+    dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, k_lo, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o, part);
 }
 
 // Whether a head dim takes dec_core_quad: not 96, whose V rows (3 dims a
@@ -349,15 +370,15 @@ template <int HDP> __host__ __device__ constexpr bool quad_dims() { return HDP !
 // both are built each is a function of its own, so neither's registers
 // weigh on the other.
 template <typename T, typename TK, int HDP, int W>
-__device__ __forceinline__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 kv_end, const void* mask,
-                                         i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o) {
+__device__ __forceinline__ void dec_core(const float* sq, const TK* kb, const TK* vb, i64 krs, i64 vrs, i64 k_lo, i64 kv_end, const void* mask,
+                                         i64 mask_dt, i64 mask_row, i64 hd, i64 own, const float* own_k, const float* own_v, T* o, float* part) {
     if constexpr (quad_dims<HDP>()) {
         if (dec_vec<TK, HDP>(kb, vb, krs, vrs, hd))
-            dec_core_quad_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o);
+            dec_core_quad_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, k_lo, kv_end, mask, mask_dt, mask_row, own, own_k, own_v, o, part);
         else
-            dec_core_rows_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+            dec_core_rows_call<T, TK, HDP, W>(sq, kb, vb, krs, vrs, k_lo, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o, part);
     } else {
-        dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o);
+        dec_core_rows<T, TK, HDP, W>(sq, kb, vb, krs, vrs, k_lo, kv_end, mask, mask_dt, mask_row, hd, own, own_k, own_v, o, part);
     }
 }
 
@@ -382,7 +403,7 @@ __device__ void attention_dec_body(const AttnP& p) {
     const TK* kb = (const TK*)p.k + b * p.kbs + kvh * p.hd;
     const TK* vb = (const TK*)p.v + b * p.vbs + kvh * p.hd;
     T* o = (T*)p.out + b * (p.heads * p.hd) + h * p.hd;
-    dec_core<T, TK, HDP, W>(s_q, kb, vb, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, p.hd, -1, nullptr, nullptr, o);
+    dec_core<T, TK, HDP, W>(s_q, kb, vb, p.krs, p.vrs, 0, kv_end, p.mask, p.mask_dt, b * p.kv_len, p.hd, -1, nullptr, nullptr, o, nullptr);
 }
 
 // A decode step's attention with its KV-cache append (Op::AttentionAppend):
@@ -394,15 +415,87 @@ __device__ void attention_dec_body(const AttnP& p) {
 // writes them into the caches at row `wpos`. Every block of the group
 // reads that row from its own shared copy, so no block waits for another's
 // write. A bad write position raises ERR_STATE_OVERFLOW and writes nothing.
+//
+// Split keys: a grid of depth S (gridDim.z) splits each (batch, head)'s
+// valid keys into runs of at least `chunk` keys (`key_run`), one a block;
+// the blocks past the last run return. With one run the block stores the
+// row itself. With more, each stores its (max, sum, output) triple in
+// `part` ((batch·heads + head)·S + split, HDP + 2 floats each), and the
+// last of the head's blocks to finish (counted in `cnt[batch·heads +
+// head]`, which it sets back to 0) merges the triples in split order: the
+// result does not depend on which block finishes when. S ≤ APP_MAX_SPLITS.
 struct AttnAppP {
     const void* q; const void* kn; const void* vn; void* kc; void* vc; const int* wpos; const int* rpos; const float* factors;
     const int* valid; const void* mask; void* out; int* err;
     i64 batch; i64 heads; i64 kv_heads; i64 hd; i64 kv_len; i64 mask_dt;
     i64 qbs; i64 knbs; i64 vnbs; i64 kbs; i64 krs; i64 vbs; i64 vrs;
     i64 wpos_pb; i64 rpos_pb; i64 valid_pb; i64 rope; double theta; double scale;
+    float* part; int* cnt; i64 chunk;
 };
 
 template <typename T> __device__ __forceinline__ float round_to(float v) { T t; st(&t, 0, v); return ld(&t, 0); }
+
+// This block's run of keys lo .. hi out of n valid ones, and how many of
+// the gridDim.z splits have a run (split 0 always does, empty where n is 0).
+struct KeyRun {
+    i64 lo, hi, ns;
+};
+__device__ __forceinline__ KeyRun key_run(i64 n, i64 chunk) {
+    const i64 splits = gridDim.z;
+    i64 per = (n + splits - 1) / splits;
+    per = (per > chunk ? per : chunk) + 31;
+    per -= per % 32;
+    KeyRun r;
+    r.ns = n > 0 ? (n + per - 1) / per : 1;
+    r.lo = (i64)blockIdx.z * per;
+    r.hi = n < r.lo + per ? n : r.lo + per;
+    return r;
+}
+
+// The valid count as the block sees it before the wait on the previous
+// kernel (a guess, checked after the wait), clamped to 0 .. kv_len.
+__device__ __forceinline__ i64 valid_guess(const AttnAppP& p, i64 b) {
+    const i64 n = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
+    return n < 0 ? 0 : (n < p.kv_len ? n : p.kv_len);
+}
+
+// After a split's triple is stored (dec_merge into `part`): the head's last
+// block to finish merges its `ns` triples (at `pb`, in split order) and
+// stores the row. The triples are read in one pass over their floats (one
+// wait on L2, not one for the maxima and another for the sums).
+constexpr int APP_MAX_SPLITS = 16;
+template <typename T, int HDP>
+__device__ __forceinline__ void dec_split_merge(const float* pb, int* cnt, i64 ns, i64 hd, T* o) {
+    __shared__ int s_last;
+    __shared__ float s_tr[APP_MAX_SPLITS * (HDP + 2)];
+    const int t = threadIdx.x;
+    __threadfence();
+    __syncthreads();
+    if (t == 0) s_last = atomicAdd(cnt, 1) == (int)ns - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int i = t; i < ns * (HDP + 2); i += blockDim.x) s_tr[i] = __ldcg(pb + i);
+    __syncthreads();
+    float mt = -INFINITY;
+    for (int s = 0; s < ns; ++s) mt = fmaxf(mt, s_tr[s * (HDP + 2) + HDP]);
+    float lt = 0.0f;
+    for (int s = 0; s < ns; ++s) {
+        const float m = s_tr[s * (HDP + 2) + HDP];
+        lt += s_tr[s * (HDP + 2) + HDP + 1] * (m == -INFINITY ? 0.0f : expf(m - mt));
+    }
+    // A row that sees no key at all (fully masked) yields zeros.
+    const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+    for (int d = t; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < ns; ++s) {
+            const float m = s_tr[s * (HDP + 2) + HDP];
+            acc += s_tr[s * (HDP + 2) + d] * (m == -INFINITY ? 0.0f : expf(m - mt));
+        }
+        st(o, d, acc * inv);
+    }
+    if (t == 0) *cnt = 0;
+}
 
 template <typename T, typename TK, int HDP, int W>
 __device__ void attention_app_body(const AttnAppP& p) {
@@ -420,18 +513,18 @@ __device__ void attention_app_body(const AttnAppP& p) {
     // writing, checked after the wait and redone where they changed. In a
     // decode step the positions and the valid count come from the step
     // before or from its first kernels, so the guesses hold.
-    // - The warp's first round of cache rows (keys below the valid count
-    //   read here). Rows before the write position were written by earlier
-    //   steps; the row this step adds is read from shared memory.
+    // - The warp's first round of cache rows (keys of the block's run as
+    //   the guessed valid count places it). Rows before the write position
+    //   were written by earlier steps; the row this step adds is read from
+    //   shared memory.
     R r;
-    i64 spec = 0;
+    KeyRun guess = {-1, -1, 0};
     if constexpr (R::ONE && quad_dims<HDP>()) {
-        const i64 n = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
-        spec = n < 0 ? 0 : (n < p.kv_len ? n : p.kv_len);
-        const i64 base = (i64)(t >> 5) * 32;
-        if (quad && base < spec) {
-            r.load_k(kc, p.krs, base, spec, 0);
-            r.load_v(vc, p.vrs, base, spec, 0);
+        guess = key_run(valid_guess(p, b), p.chunk);
+        const i64 base = guess.lo + (i64)(t >> 5) * 32;
+        if (quad && base < guess.hi) {
+            r.load_k(kc, p.krs, base, guess.hi, 0);
+            r.load_v(vc, p.vrs, base, guess.hi, 0);
         }
     }
     // - This thread's rotation (angles as the rope kernel's; its frequency
@@ -439,7 +532,9 @@ __device__ void attention_app_body(const AttnAppP& p) {
     double invb = 0.0, invd = 0.0;
     i64 pos = 0;
     float fac = 1.0f, c = 1.0f, sn = 0.0f;
-    if (p.rope && t < half) {
+    const bool rot = p.rope && t < half;
+    const int i0 = p.rope == 2 ? 2 * t : t, i1 = p.rope == 2 ? 2 * t + 1 : t + half;
+    if (rot) {
         invb = pow(p.theta, -2.0 * (double)t / (double)hd);
         if (p.factors) fac = p.factors[t];
         invd = p.factors ? invb / (double)fac : invb;
@@ -449,49 +544,63 @@ __device__ void attention_app_body(const AttnAppP& p) {
         sn = sinf(ang);
     }
     pdl_enter();
-    // Every read that depends on the kernels before, issued together.
-    const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
-    const i64 pos_now = p.rope ? (i64)p.rpos[p.rpos_pb ? b : 0] : 0;
-    const i64 kv_end = dec_valid(p.valid, p.valid_pb, p.kv_len, b, h, p.err);
+    // Every read that depends on the kernels before, issued together
+    // before any store: positions, the valid count, this thread's elements
+    // of q and the new key (a rotated pair, or element t) and value.
     const T* qb = (const T*)p.q + b * p.qbs + h * hd;
     const T* knb = (const T*)p.kn + b * p.knbs + kvh * hd;
     const T* vnb = (const T*)p.vn + b * p.vnbs + kvh * hd;
-    const bool wok = wpos >= 0 && wpos < p.kv_len, writer = wok && h % group == 0;
+    const i64 wpos = (i64)p.wpos[p.wpos_pb ? b : 0];
+    const i64 pos_now = rot ? (i64)p.rpos[p.rpos_pb ? b : 0] : 0;
+    const float fac_now = rot && p.factors ? p.factors[t] : 1.0f;
+    const i64 n_valid = p.valid ? (i64)p.valid[p.valid_pb ? b : 0] : p.kv_len;
+    float qa = 0.0f, qz = 0.0f, ka = 0.0f, kz = 0.0f, va = 0.0f;
+    if (rot) {
+        qa = ld(qb, i0);
+        qz = ld(qb, i1);
+        ka = ld(knb, i0);
+        kz = ld(knb, i1);
+    } else if (!p.rope && t < hd) {
+        qa = ld(qb, t);
+        ka = ld(knb, t);
+    }
+    if (t < hd) va = ld(vnb, t);
+    const i64 kv_end = n_valid < 0 ? 0 : (n_valid < p.kv_len ? n_valid : p.kv_len);
+    if ((n_valid < 0 || n_valid > p.kv_len) && h == 0 && (p.valid_pb || b == 0) && t == 0) atomicOr(p.err, ERR_VALID_LEN);
+    const bool wok = wpos >= 0 && wpos < p.kv_len;
     if (!wok && h == 0 && (p.wpos_pb || b == 0) && t == 0) atomicOr(p.err, ERR_STATE_OVERFLOW);
+    const KeyRun run = key_run(kv_end, p.chunk);
+    if ((i64)blockIdx.z >= run.ns) return;  // uniform over the block
+    const bool writer = wok && h % group == 0 && blockIdx.z == 0;
     const float scale = (float)p.scale;
     // q and the new key (turned by RoPE) and value, rounded as the separate
     // kernels' stores would (q and the key to T, key and value to the
     // cache's TK); the group's first head writes the key and value into the
     // caches at row `wpos`.
-    if (p.rope) {
-        if (t < half) {
-            const float fac_now = p.factors ? p.factors[t] : 1.0f;
-            if (pos_now != pos || !(fac_now == fac)) {
-                invd = p.factors ? invb / (double)fac_now : invb;
-                const float ang = (float)pos_now * (float)invd;
-                c = cosf(ang);
-                sn = sinf(ang);
-            }
-            const int i0 = p.rope == 1 ? t : 2 * t, i1 = p.rope == 1 ? t + half : 2 * t + 1;
-            const float qa = ld(qb, i0), qz = ld(qb, i1), ka = ld(knb, i0), kz = ld(knb, i1);
-            s_q[i0] = round_to<T>(qa * c - qz * sn) * scale;
-            s_q[i1] = round_to<T>(qz * c + qa * sn) * scale;
-            const float k0 = round_to<TK>(round_to<T>(ka * c - kz * sn)), k1 = round_to<TK>(round_to<T>(kz * c + ka * sn));
-            s_k[i0] = k0;
-            s_k[i1] = k1;
-            if (writer) {
-                st(kc, wpos * p.krs + i0, k0);
-                st(kc, wpos * p.krs + i1, k1);
-            }
+    if (rot) {
+        if (pos_now != pos || !(fac_now == fac)) {
+            invd = p.factors ? invb / (double)fac_now : invb;
+            const float ang = (float)pos_now * (float)invd;
+            c = cosf(ang);
+            sn = sinf(ang);
         }
-    } else if (t < hd) {
-        s_q[t] = ld(qb, t) * scale;
-        const float k = round_to<TK>(ld(knb, t));
+        s_q[i0] = round_to<T>(qa * c - qz * sn) * scale;
+        s_q[i1] = round_to<T>(qz * c + qa * sn) * scale;
+        const float k0 = round_to<TK>(round_to<T>(ka * c - kz * sn)), k1 = round_to<TK>(round_to<T>(kz * c + ka * sn));
+        s_k[i0] = k0;
+        s_k[i1] = k1;
+        if (writer) {
+            st(kc, wpos * p.krs + i0, k0);
+            st(kc, wpos * p.krs + i1, k1);
+        }
+    } else if (!p.rope && t < hd) {
+        s_q[t] = qa * scale;
+        const float k = round_to<TK>(ka);
         s_k[t] = k;
         if (writer) st(kc, wpos * p.krs + t, k);
     }
     if (t < hd) {
-        const float v = round_to<TK>(ld(vnb, t));
+        const float v = round_to<TK>(va);
         s_v[t] = v;
         if (writer) st(vc, wpos * p.vrs + t, v);
     } else if (t < HDP) {
@@ -500,11 +609,14 @@ __device__ void attention_app_body(const AttnAppP& p) {
     __syncthreads();
     T* o = (T*)p.out + b * (p.heads * hd) + h * hd;
     const i64 own = wok ? wpos : -1;
+    float* part = run.ns > 1 ? p.part + ((b * p.heads + h) * gridDim.z + blockIdx.z) * (HDP + 2) : nullptr;
     if (R::ONE && quad_dims<HDP>() && quad) {
-        dec_core_quad<T, TK, HDP, W>(r, spec, s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, own, s_k, s_v, o);
+        const i64 pre = run.lo == guess.lo ? guess.hi : -1;
+        dec_core_quad<T, TK, HDP, W>(r, pre, s_q, kc, vc, p.krs, p.vrs, run.lo, run.hi, p.mask, p.mask_dt, b * p.kv_len, own, s_k, s_v, o, part);
     } else {
-        dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, kv_end, p.mask, p.mask_dt, b * p.kv_len, hd, own, s_k, s_v, o);
+        dec_core<T, TK, HDP, W>(s_q, kc, vc, p.krs, p.vrs, run.lo, run.hi, p.mask, p.mask_dt, b * p.kv_len, hd, own, s_k, s_v, o, part);
     }
+    if (part) dec_split_merge<T, HDP>(p.part + (b * p.heads + h) * gridDim.z * (HDP + 2), p.cnt + b * p.heads + h, run.ns, hd, o);
 }
 
 // Before the wait on the previous kernel: an L2 prefetch of the cache rows
@@ -513,13 +625,13 @@ __device__ void attention_app_body(const AttnAppP& p) {
 // writes them: the row an append adds is read from shared memory.
 template <typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_prefetch(const void* k, const void* v, i64 bs_k, i64 bs_v, i64 krs, i64 vrs, i64 heads, i64 kv_heads,
-                                             i64 hd, i64 kv_len) {
+                                             i64 hd, i64 kv_len, i64 k_lo) {
     const i64 b = blockIdx.y, kvh = blockIdx.x / (heads / kv_heads);
     const TK* kb = (const TK*)k + b * bs_k + kvh * hd;
     const TK* vb = (const TK*)v + b * bs_v + kvh * hd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int lines = (int)((hd * (i64)sizeof(TK) + 127) / 128);
-    const i64 key = (i64)warp * 32 + lane;
+    const i64 key = k_lo + (i64)warp * 32 + lane;
     if (key >= kv_len) return;
     for (int t = 0; t < 2 * lines; ++t) {
         const char* row = (const char*)(t & 1 ? vb + key * vrs : kb + key * krs) + (t >> 1) * 128;
@@ -528,11 +640,13 @@ __device__ __forceinline__ void dec_prefetch(const void* k, const void* v, i64 b
 }
 template <typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_prefetch(const AttnP& p) {
-    dec_prefetch<TK, HDP, W>(p.k, p.v, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len);
+    dec_prefetch<TK, HDP, W>(p.k, p.v, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len, 0);
 }
+// A split's run starts where the guessed valid count places it.
 template <typename TK, int HDP, int W>
 __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
-    dec_prefetch<TK, HDP, W>(p.kc, p.vc, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len);
+    const i64 lo = gridDim.z > 1 ? key_run(valid_guess(p, blockIdx.y), p.chunk).lo : 0;
+    dec_prefetch<TK, HDP, W>(p.kc, p.vc, p.kbs, p.vbs, p.krs, p.vrs, p.heads, p.kv_heads, p.hd, p.kv_len, lo);
 }
 
 // attention_dec<W>_<HDP>_<dtype> and attention_app<W>_<HDP>_<dtype> (W warps), and
@@ -548,6 +662,8 @@ __device__ __forceinline__ void dec_prefetch(const AttnAppP& p) {
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, bf16, __nv_bfloat16, __nv_bfloat16)       \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvf16, float, __half)                 \
     RLX_DEC_KERNEL(NAME, BODY, P, W, HDP, f32_kvbf16, float, __nv_bfloat16)
+// attention_dec and attention_app at 16 and 4 warps (src/launch.rs
+// `decode_warps`, `append_shape`).
 #define RLX_DEC_ALL(W, HDP)                                                          \
     RLX_DEC_TYPES(attention_dec, attention_dec_body, AttnP, W, HDP)                  \
     RLX_DEC_TYPES(attention_app, attention_app_body, AttnAppP, W, HDP)

@@ -78,6 +78,8 @@ pub struct CudaExecutable {
     /// The activation arena, shared by the slots (see `prepare`); None
     /// when it is the state set's (`set`).
     _arena: Option<DeviceBuffer>,
+    /// The split-key attention appends' scratch, shared by the slots.
+    _split: Option<DeviceBuffer>,
     /// The L2 access policy window over the arena: (bytes, hit ratio).
     l2_window: Option<(usize, f32)>,
     stream: Stream,
@@ -252,6 +254,13 @@ impl CudaExecutable {
                 (Some(b), ptr)
             }
         };
+        // Split-key attention appends' merge counters and partial sums
+        // (launch::SplitScratch), zeroed on the executable's stream below.
+        let split_layout = launch::SplitScratch::of(&schedule.thunks, kernels.sm_count);
+        let split = match split_layout {
+            Some(s) => Some(DeviceBuffer::alloc(&dev, s.counts_bytes + s.part_bytes)?),
+            None => None,
+        };
         // Fused feed-forward blocks the kernel runs (src/ffn.rs: the shape
         // rule, then the operands' alignment and the clusters that fit); the
         // others run as their parts.
@@ -261,6 +270,8 @@ impl CudaExecutable {
             states: states.iter().zip(&state_at).map(|(b, at)| b.ptr + at).collect(),
             consts: consts.iter().map(|b| b.ptr).collect(),
             err,
+            split: split.as_ref().map_or(0, |b| b.ptr),
+            split_part: split.as_ref().zip(split_layout).map_or(0, |(b, s)| b.ptr + s.counts_bytes),
         };
         let mut fused = Vec::new();
         for (i, t) in schedule.thunks.iter().enumerate() {
@@ -316,6 +327,11 @@ impl CudaExecutable {
         let (in_layout, in_bytes) = layout(schedule.inputs.iter().map(|s| s.buf.bytes as usize));
         let (out_layout, out_bytes) = layout(schedule.outputs.iter().map(|s| s.buf.bytes as usize));
         let stream = Stream::new(&dev)?;
+        // The merge counters start at 0 (the calls that use them run on
+        // this stream after this).
+        if let Some(b) = &split {
+            b.zero_range_on(&stream, 0, b.bytes)?;
+        }
         // Whatever way this returns, the state set is let go of only after
         // this stream's work (matmul timing) has finished.
         let _settled = quiet.as_ref().map(|_| StreamSyncGuard(stream.0));
@@ -457,6 +473,7 @@ impl CudaExecutable {
             matmul_choices,
             slots,
             _arena: arena,
+            _split: split,
             l2_window: window.map(|(_, bytes, hit)| (bytes, hit)),
             stream,
             in_layout,

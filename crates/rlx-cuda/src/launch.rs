@@ -145,6 +145,10 @@ pub(crate) struct Bases {
     pub consts: Vec<u64>,
     /// The slot's i32 error flag.
     pub err: u64,
+    /// The split-key attention appends' counters and partial sums
+    /// (`SplitScratch`), 0 where no append splits.
+    pub split: u64,
+    pub split_part: u64,
 }
 
 impl Bases {
@@ -664,10 +668,22 @@ pub(crate) fn lower(
                 },
                 theta: rope.map_or(0.0, |r| r.theta as f64),
                 scale: a.scale as f64,
+                part: 0,
+                cnt: 0,
+                chunk: 0,
             };
-            let w = decode_warps(a.heads * a.batch, k.sm_count);
-            let func = k.get(&format!("attention_app{w}_{hdp}_{sfx}"))?;
-            steps.push(Step::new(Op::kernel(func, [a.heads as u32, a.batch as u32, 1], w * 32, 0, [1, 1, 1], &p)?, kind));
+            let shape = append_shape(a, k.sm_count);
+            let p = if shape.splits > 1 {
+                if b.split == 0 {
+                    return Err(err("a split-key attention append without its scratch"));
+                }
+                params::AttnAppP { cnt: b.split, part: b.split_part, chunk: APPEND_CHUNK as i64, ..p }
+            } else {
+                p
+            };
+            let func = k.get(&format!("attention_app{}_{hdp}_{sfx}", shape.warps))?;
+            let grid = [a.heads as u32, a.batch as u32, shape.splits];
+            steps.push(Step::new(Op::kernel(func, grid, shape.warps * 32, 0, [1, 1, 1], &p)?, kind));
         }
         Thunk::Rope { dtype, mode, theta, batch, seq, heads, head_dim, x, positions, positions_per_batch, out, freq_factors } => {
             let n = (batch * seq * heads * (head_dim / 2)) as u64;
@@ -725,6 +741,64 @@ pub(crate) fn lower(
         Thunk::QMatMul { .. } | Thunk::QGather { .. } | Thunk::Sample { .. } => steps.extend(crate::decode::lower(t, b, k, blas, plan)?),
     }
     Ok(steps)
+}
+
+/// Keys a split of a split-key attention append takes at least.
+pub(crate) const APPEND_CHUNK: usize = 512;
+/// Splits a (batch, head) of an append at most (kernels/attention_dec.cu
+/// APP_MAX_SPLITS).
+const APPEND_MAX_SPLITS: usize = 16;
+
+/// How a decode step's attention append runs (kernels/attention_dec.cu
+/// `attention_app_body`): `warps` a block (as `decode_warps`), and up to
+/// `splits` blocks a (batch, head), each over a run of at least
+/// APPEND_CHUNK valid keys. Where the 16-warp (batch, head) blocks fill
+/// less than the GPU (a block an SM), a long cache's keys split over as
+/// many as fill it, at most APPEND_MAX_SPLITS; the kernel counts the runs
+/// from the valid keys at each call, so up to APPEND_CHUNK keys one block
+/// does the whole (merging runs costs ~2.6 µs on an H100: more than a
+/// 16-warp block's second round of 512 keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AppendShape {
+    pub warps: u32,
+    pub splits: u32,
+}
+
+pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> AppendShape {
+    let blocks = (a.heads * a.batch).max(1);
+    let warps = decode_warps(blocks, sm_count);
+    let fill = if warps == 16 { (sm_count as usize / blocks).max(1) } else { 1 };
+    let splits = fill.min(a.kv_len.div_ceil(APPEND_CHUNK)).clamp(1, APPEND_MAX_SPLITS);
+    AppendShape { warps, splits: splits as u32 }
+}
+
+/// The scratch of a schedule's split-key attention appends: a region of
+/// merge counters (one i32 a (batch, head) of the widest append, which
+/// start at 0 and which each merge leaves at 0), then a region of partial
+/// sums (HDP + 2 floats a (batch, head, split) of the largest append).
+/// Every append uses both regions from their starts: a call's kernels run
+/// one after another. `None` where no append splits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SplitScratch {
+    pub counts_bytes: u64,
+    pub part_bytes: u64,
+}
+
+impl SplitScratch {
+    pub fn of(thunks: &[Thunk], sm_count: u32) -> Option<SplitScratch> {
+        let mut s = SplitScratch { counts_bytes: 0, part_bytes: 0 };
+        for t in thunks {
+            let Thunk::AttentionAppend(t) = t else { continue };
+            let a = &t.attn;
+            let shape = append_shape(a, sm_count);
+            if shape.splits > 1 {
+                let hdp = a.head_dim.div_ceil(32) * 32;
+                s.counts_bytes = s.counts_bytes.max(((a.batch * a.heads * 4) as u64).div_ceil(256) * 256);
+                s.part_bytes = s.part_bytes.max((a.batch * a.heads * shape.splits as usize * (hdp + 2) * 4) as u64);
+            }
+        }
+        (s.counts_bytes > 0).then_some(s)
+    }
 }
 
 /// Warps of a decode attention block (kernels/attention_dec.cu) for a grid

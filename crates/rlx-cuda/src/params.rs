@@ -65,6 +65,7 @@ kernel_params! {
         batch: i64, heads: i64, kv_heads: i64, hd: i64, kv_len: i64, mask_dt: i64,
         qbs: i64, knbs: i64, vnbs: i64, kbs: i64, krs: i64, vbs: i64, vrs: i64,
         wpos_pb: i64, rpos_pb: i64, valid_pb: i64, rope: i64, theta: f64, scale: f64,
+        part: u64, cnt: u64, chunk: i64,
     }
     /// Broadcasting binary ops (kernels/elementwise.cu `binary*`).
     struct BinaryP {

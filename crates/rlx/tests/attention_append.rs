@@ -51,18 +51,39 @@ impl Case {
     }
 }
 
-/// One decode step: x `[B, 1, q|k|v]` split into three strided views, RoPE
-/// of q and k at `pos`, the cache writes at `pos`, attention over `pos + 1`
-/// keys (read from a per-row or shared position).
-/// With `by_hand` the graph holds the fused op itself, written without the
-/// pass.
-fn step_graph(c: &Case, by_hand: bool) -> Graph {
+/// One decode step per case, side by side in one graph: x `[B, 1,
+/// q|k|v]` split into three strided views, RoPE of q and k at `pos`, the
+/// cache writes at `pos`, attention over `pos + 1` keys (read from a
+/// per-row or shared position). With `by_hand` the graph holds the fused
+/// op itself, written without the pass. The cases' inputs are x, x1, x2,
+/// .., their states k_cache, k_cache1, .., their outputs in case order;
+/// one `pos` input (the cases share batch and per_batch).
+fn steps_graph(cases: &[Case], by_hand: bool) -> Graph {
+    let c0 = &cases[0];
+    let mut g = Graph::new();
+    let np = if c0.per_batch { c0.batch } else { 1 };
+    let pos = g.input("pos", [np], DType::I32).unwrap();
+    for (i, c) in cases.iter().enumerate() {
+        assert_eq!((c.batch, c.per_batch), (c0.batch, c0.per_batch), "cases of one graph share batch and per_batch");
+        let o = add_step(&mut g, c, by_hand, pos, &tag(i));
+        g.output(o).unwrap();
+    }
+    g
+}
+
+fn tag(i: usize) -> String {
+    if i == 0 {
+        String::new()
+    } else {
+        i.to_string()
+    }
+}
+
+fn add_step(g: &mut Graph, c: &Case, by_hand: bool, pos: rlx::NodeId, tag: &str) -> rlx::NodeId {
     let (qw, kw) = c.widths();
     let b = c.batch;
-    let mut g = Graph::new();
-    let x = g.input("x", [b, 1, qw + 2 * kw], DType::F32).unwrap();
     let np = if c.per_batch { b } else { 1 };
-    let pos = g.input("pos", [np], DType::I32).unwrap();
+    let x = g.input(&format!("x{tag}"), [b, 1, qw + 2 * kw], DType::F32).unwrap();
     let q = g.narrow(x, 2, 0, qw).unwrap();
     let mut k = g.narrow(x, 2, qw, kw).unwrap();
     let v = g.narrow(x, 2, qw + kw, kw).unwrap();
@@ -83,8 +104,8 @@ fn step_graph(c: &Case, by_hand: bool) -> Graph {
             k = g.rope(k, rp, c.head_dim, 10000.0, mode).unwrap();
         }
     }
-    let kc = g.state("k_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
-    let vc = g.state("v_cache", [b, c.ctx, kw], c.kv_dtype).unwrap();
+    let kc = g.state(&format!("k_cache{tag}"), [b, c.ctx, kw], c.kv_dtype).unwrap();
+    let vc = g.state(&format!("v_cache{tag}"), [b, c.ctx, kw], c.kv_dtype).unwrap();
     let one = g.constant_i32([np], &vec![1; np]).unwrap();
     let valid = g.add(pos, one).unwrap();
     let spec = AttentionSpec {
@@ -96,7 +117,7 @@ fn step_graph(c: &Case, by_hand: bool) -> Graph {
         mask: false,
         valid_len: true,
     };
-    let o = if by_hand {
+    if by_hand {
         let rope = c.rope.map(|mode| RopeSpec { theta: 10000.0, mode, factors: c.factors });
         let mut ins = vec![q_raw, k_raw, v, kc, vc, pos, valid];
         ins.extend(rope_ins);
@@ -105,9 +126,7 @@ fn step_graph(c: &Case, by_hand: bool) -> Graph {
         let kc = g.write_state(kc, k, pos).unwrap();
         let vc = g.write_state(vc, v, pos).unwrap();
         g.attention(spec, q, kc, vc, None, Some(valid)).unwrap()
-    };
-    g.output(o).unwrap();
-    g
+    }
 }
 
 const UNFUSED: CompileOptions = CompileOptions {
@@ -123,24 +142,42 @@ const UNFUSED: CompileOptions = CompileOptions {
 /// own offset when per-row) and returns every step's output, then both
 /// caches as f32.
 fn run(c: &Case, device: Device, opts: CompileOptions, seed: u64, steps: usize, by_hand: bool) -> (Vec<Vec<f32>>, Graph) {
-    let (qw, kw) = c.widths();
+    run_cases(&[*c], device, opts, seed, steps, by_hand)
+}
+
+/// `run` over the graph of several cases (`steps_graph`): every step's
+/// outputs in case order, then each case's caches.
+fn run_cases(cases: &[Case], device: Device, opts: CompileOptions, seed: u64, steps: usize, by_hand: bool) -> (Vec<Vec<f32>>, Graph) {
+    let c0 = &cases[0];
     let mut r = rng(seed);
     let s = {
         let mut s = Session::new(device).unwrap();
         s.set_compile_options(opts);
         s
     };
-    let mut exe = s.compile(&step_graph(c, by_hand)).unwrap();
+    let mut exe = s.compile(&steps_graph(cases, by_hand)).unwrap();
     let mut outs = vec![];
     for t in 0..steps {
-        let x = Tensor::from_f32([c.batch, 1, qw + 2 * kw], &randn(&mut r, c.batch * (qw + 2 * kw))).unwrap();
-        let t = c.start + t;
-        let pos: Vec<i32> = if c.per_batch { (0..c.batch).map(|b| (t + b) as i32).collect() } else { vec![t as i32] };
+        let xs: Vec<(String, Tensor)> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (qw, kw) = c.widths();
+                let x = Tensor::from_f32([c.batch, 1, qw + 2 * kw], &randn(&mut r, c.batch * (qw + 2 * kw))).unwrap();
+                (format!("x{}", tag(i)), x)
+            })
+            .collect();
+        let t = c0.start + t;
+        let pos: Vec<i32> = if c0.per_batch { (0..c0.batch).map(|b| (t + b) as i32).collect() } else { vec![t as i32] };
         let pos = Tensor::from_i32([pos.len()], &pos).unwrap();
-        outs.push(exe.run(&[("x", &x), ("pos", &pos)]).unwrap()[0].to_f32());
+        let mut ins: Vec<(&str, &Tensor)> = xs.iter().map(|(n, x)| (n.as_str(), x)).collect();
+        ins.push(("pos", &pos));
+        outs.extend(exe.run(&ins).unwrap().into_iter().map(|o| o.to_f32()));
     }
-    for name in ["k_cache", "v_cache"] {
-        outs.push(exe.read_state(name).unwrap().to_f32());
+    for i in 0..cases.len() {
+        for name in ["k_cache", "v_cache"] {
+            outs.push(exe.read_state(&format!("{name}{}", tag(i))).unwrap().to_f32());
+        }
     }
     (outs, exe.after().clone())
 }
@@ -267,12 +304,36 @@ fn cuda_fused_append_agrees_with_the_cpu() {
         let ctx = start + batch + 8;
         cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors: true, kv_dtype, per_batch: batch > 1, start });
     }
+    // Long caches: the append splits each head's keys over several blocks
+    // (as many as the cache has runs of 512 keys, up to a block an SM).
+    // The valid keys fill one run, a few, or all of them, or go from one
+    // run to two during the steps (start 510); head dims 32 to 128 (48 and
+    // 96 read the cache rows element by element); the batched cases' rows
+    // each have their own count.
+    let (half, inter) = (Some(RopeMode::RotateHalf), Some(RopeMode::Interleaved));
+    for (batch, heads, kv_heads, head_dim, start, ctx, kv_dtype, rope, factors) in [
+        (1, 9, 3, 64, 3000, 3010, DType::F16, half, false),
+        (1, 9, 3, 64, 60, 4000, DType::F16, half, false),
+        (1, 9, 3, 64, 510, 2000, DType::F16, inter, true),
+        (1, 9, 3, 64, 1300, 4000, DType::F32, half, false),
+        (1, 4, 4, 128, 1500, 2048, DType::BF16, half, true),
+        (4, 8, 2, 64, 700, 1100, DType::F16, half, false),
+        (1, 6, 2, 48, 700, 1000, DType::F32, inter, true),
+        (1, 4, 2, 96, 900, 1200, DType::F16, half, true),
+        (2, 8, 4, 32, 600, 700, DType::BF16, inter, false),
+    ] {
+        cases.push(Case { batch, heads, kv_heads, head_dim, ctx, rope, factors, kv_dtype, per_batch: batch > 1, start });
+    }
     for (case, c) in cases.iter().enumerate() {
         let case = case as u64;
         let n = steps(c);
         let (want, _) = run(c, Device::Cpu, UNFUSED, case, n, false);
         // f16/bf16 caches: the GPU's rotation may round a key the other way.
-        let tol = if c.kv_dtype == DType::F32 { 2e-5 } else { 2e-2 };
+        // f32: the rotation's f32 angle (position × frequency) is off by up
+        // to an ulp of the position's magnitude, so far into the cache a
+        // key differs by ~1e-7 × position (4.0e-5 at position 1,304).
+        let last_pos = c.start + n + c.batch;
+        let tol = if c.kv_dtype == DType::F32 { 2e-5f64.max(1e-7 * last_pos as f64) } else { 2e-2 };
         // Fused (attention_app), then unfused (the decode attention kernel).
         for opts in [CompileOptions::default(), UNFUSED] {
             let fused = opts.fuse;
@@ -282,6 +343,40 @@ fn cuda_fused_append_agrees_with_the_cpu() {
                 let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
                 assert_close(&format!("case {case} {c:?} fused {fused} output {i}"), b, &want64, tol);
             }
+        }
+    }
+}
+
+/// Two split-key appends of different widths in one executable (12 and 24
+/// heads at batch 2: 24 and 48 (batch, head) pairs, split four and two
+/// ways, so different numbers of merge counters and partial sums in the
+/// scratch they share), several steps, against the unfused CPU schedule.
+#[test]
+fn cuda_appends_of_different_widths_share_their_scratch() {
+    match Session::new(Device::Cuda(0)) {
+        Ok(_) => {}
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
+    }
+    let case = |heads, kv_heads| Case {
+        batch: 2,
+        heads,
+        kv_heads,
+        head_dim: 64,
+        ctx: 2048,
+        rope: Some(RopeMode::RotateHalf),
+        factors: false,
+        kv_dtype: DType::F16,
+        per_batch: true,
+        start: 1200,
+    };
+    for cases in [[case(12, 4), case(24, 8)], [case(24, 8), case(12, 4)]] {
+        let (want, _) = run_cases(&cases, Device::Cpu, UNFUSED, 7, 4, false);
+        let (got, after) = run_cases(&cases, Device::Cuda(0), CompileOptions::default(), 7, 4, false);
+        assert_eq!(after.nodes.iter().filter(|x| matches!(x.op, Op::AttentionAppend { .. })).count(), 2, "{after}");
+        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+            let want64: Vec<f64> = a.iter().map(|&v| v as f64).collect();
+            assert_close(&format!("heads {} then {}: output {i}", cases[0].heads, cases[1].heads), b, &want64, 2e-2);
         }
     }
 }
