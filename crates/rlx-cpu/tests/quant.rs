@@ -664,7 +664,7 @@ fn speed() {
 #[test]
 fn avx512_and_avx2_kernels_agree_bit_for_bit() {
     if !QPath::Avx512.supported() {
-        println!("SKIPPED: this CPU has no AVX-512");
+        println!("SKIPPED avx512_and_avx2_kernels_agree_bit_for_bit: this CPU has no AVX-512");
         return;
     }
     let mut r = StdRng::seed_from_u64(21);

@@ -269,12 +269,23 @@ fn mismatched_rope_or_shared_caches_fuse_less() {
     }
 }
 
+/// Whether a CUDA device opens; if not, prints the skip marker .ci/count-skips
+/// reads (a panic instead under RLX_REQUIRE_GPU=1).
+fn cuda_present(test: &str) -> bool {
+    match Session::new(Device::Cuda(0)) {
+        Ok(_) => true,
+        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no CUDA device ({e})");
+            false
+        }
+    }
+}
+
 #[test]
 fn cuda_fused_append_agrees_with_the_cpu() {
-    match Session::new(Device::Cuda(0)) {
-        Ok(_) => {}
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
+    if !cuda_present("cuda_fused_append_agrees_with_the_cpu") {
+        return;
     }
     let mut r = rng(52);
     let mut cases: Vec<Case> = (0..24).map(|_| Case::random(&mut r)).collect();
@@ -353,10 +364,8 @@ fn cuda_fused_append_agrees_with_the_cpu() {
 /// scratch they share), several steps, against the unfused CPU schedule.
 #[test]
 fn cuda_appends_of_different_widths_share_their_scratch() {
-    match Session::new(Device::Cuda(0)) {
-        Ok(_) => {}
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => return eprintln!("SKIPPED: no CUDA device ({e})"),
+    if !cuda_present("cuda_appends_of_different_widths_share_their_scratch") {
+        return;
     }
     let case = |heads, kv_heads| Case {
         batch: 2,
@@ -386,14 +395,7 @@ fn cuda_appends_of_different_widths_share_their_scratch() {
 /// kernels agree with them.
 #[test]
 fn fused_op_over_16_bit_caches_equals_the_separate_steps() {
-    let cuda = match Session::new(Device::Cuda(0)) {
-        Ok(_) => true,
-        Err(e) if std::env::var("RLX_REQUIRE_GPU").as_deref() == Ok("1") => panic!("RLX_REQUIRE_GPU=1 but CUDA is unusable: {e}"),
-        Err(e) => {
-            eprintln!("SKIPPED the CUDA half: no CUDA device ({e})");
-            false
-        }
-    };
+    let cuda = cuda_present("fused_op_over_16_bit_caches_equals_the_separate_steps (its CUDA half)");
     let mut r = rng(53);
     for case in 0..12 {
         let c = Case { kv_dtype: [DType::F16, DType::BF16][case as usize % 2], ..Case::random(&mut r) };
