@@ -672,7 +672,7 @@ pub(crate) fn lower(
                 cnt: 0,
                 chunk: 0,
             };
-            let shape = append_shape(a, k.sm_count);
+            let shape = append_shape(a.heads * a.batch, a.kv_len, k.sm_count);
             let p = if shape.splits > 1 {
                 if b.split == 0 {
                     return Err(err("a split-key attention append without its scratch"));
@@ -764,11 +764,12 @@ pub(crate) struct AppendShape {
     pub splits: u32,
 }
 
-pub(crate) fn append_shape(a: &rlx_schedule::AttentionThunk, sm_count: u32) -> AppendShape {
-    let blocks = (a.heads * a.batch).max(1);
+/// The shape for `pairs` (batch, head) blocks over a cache of `kv_len` rows.
+pub(crate) fn append_shape(pairs: usize, kv_len: usize, sm_count: u32) -> AppendShape {
+    let blocks = pairs.max(1);
     let warps = decode_warps(blocks, sm_count);
     let fill = if warps == 16 { (sm_count as usize / blocks).max(1) } else { 1 };
-    let splits = fill.min(a.kv_len.div_ceil(APPEND_CHUNK)).clamp(1, APPEND_MAX_SPLITS);
+    let splits = fill.min(kv_len.div_ceil(APPEND_CHUNK)).clamp(1, APPEND_MAX_SPLITS);
     AppendShape { warps, splits: splits as u32 }
 }
 
@@ -786,15 +787,22 @@ pub(crate) struct SplitScratch {
 
 impl SplitScratch {
     pub fn of(thunks: &[Thunk], sm_count: u32) -> Option<SplitScratch> {
+        let appends = thunks.iter().filter_map(|t| match t {
+            Thunk::AttentionAppend(t) => Some((t.attn.batch * t.attn.heads, t.attn.head_dim, t.attn.kv_len)),
+            _ => None,
+        });
+        SplitScratch::of_appends(appends, sm_count)
+    }
+
+    /// The scratch of appends given as ((batch, head) pairs, head dim, cache rows).
+    fn of_appends(appends: impl Iterator<Item = (usize, usize, usize)>, sm_count: u32) -> Option<SplitScratch> {
         let mut s = SplitScratch { counts_bytes: 0, part_bytes: 0 };
-        for t in thunks {
-            let Thunk::AttentionAppend(t) = t else { continue };
-            let a = &t.attn;
-            let shape = append_shape(a, sm_count);
+        for (pairs, head_dim, kv_len) in appends {
+            let shape = append_shape(pairs, kv_len, sm_count);
             if shape.splits > 1 {
-                let hdp = a.head_dim.div_ceil(32) * 32;
-                s.counts_bytes = s.counts_bytes.max(((a.batch * a.heads * 4) as u64).div_ceil(256) * 256);
-                s.part_bytes = s.part_bytes.max((a.batch * a.heads * shape.splits as usize * (hdp + 2) * 4) as u64);
+                let hdp = head_dim.div_ceil(32) * 32;
+                s.counts_bytes = s.counts_bytes.max(((pairs * 4) as u64).div_ceil(256) * 256);
+                s.part_bytes = s.part_bytes.max((pairs * shape.splits as usize * (hdp + 2) * 4) as u64);
             }
         }
         (s.counts_bytes > 0).then_some(s)
@@ -1016,6 +1024,27 @@ mod tests {
         assert!(!binary_vec_ok(&[3, 16], &st(&[&[20, 1], &[16, 1]]), 8, &[0]), "outer stride not whole vectors");
         assert!(binary_vec_ok(&[3, 16], &st(&[&[24, 1], &[16, 1]]), 8, &[0]));
         assert!(!binary_vec_ok(&[7], &st(&[&[1], &[1]]), 4, &[0]));
+    }
+
+    #[test]
+    fn append_shape_and_scratch() {
+        use super::{append_shape, AppendShape, SplitScratch};
+        let shape = |warps, splits| AppendShape { warps, splits };
+        // One sequence of 9 heads on 132 SMs: runs of 512 keys, up to 14 blocks a head.
+        assert_eq!(append_shape(9, 4096, 132), shape(16, 8));
+        assert_eq!(append_shape(9, 512, 132), shape(16, 1), "one run fits the cache");
+        assert_eq!(append_shape(9, 513, 132), shape(16, 2));
+        assert_eq!(append_shape(9, 100_000, 132), shape(16, 14), "a block an SM");
+        assert_eq!(append_shape(2, 100_000, 132), shape(16, 16), "at most 16");
+        assert_eq!(append_shape(72, 4096, 132), shape(16, 1), "a batch of 8 fills the GPU");
+        assert_eq!(append_shape(180, 4096, 132), shape(4, 1), "more blocks than SMs");
+        // Two appends: the counters of the widest, the partials of the largest.
+        let s = SplitScratch::of_appends([(24, 64, 2048), (48, 64, 2048), (9, 64, 400)].into_iter(), 132).unwrap();
+        assert_eq!(s.counts_bytes, 256);
+        assert_eq!(s.part_bytes, (24 * 4 * 66 * 4) as u64);
+        let s = SplitScratch::of_appends([(3, 48, 4096)].into_iter(), 132).unwrap();
+        assert_eq!((s.counts_bytes, s.part_bytes), (256, (3 * 8 * 66 * 4) as u64), "head dim 48 pads to 64");
+        assert_eq!(SplitScratch::of_appends([(9, 64, 512), (180, 64, 8192)].into_iter(), 132), None, "no append splits");
     }
 
     #[test]
