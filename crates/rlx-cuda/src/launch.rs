@@ -756,8 +756,8 @@ const APPEND_MAX_SPLITS: usize = 16;
 /// less than the GPU (a block an SM), a long cache's keys split over as
 /// many as fill it, at most APPEND_MAX_SPLITS; the kernel counts the runs
 /// from the valid keys at each call, so up to APPEND_CHUNK keys one block
-/// does the whole (merging runs costs ~2.6 µs on an H100: more than a
-/// 16-warp block's second round of 512 keys).
+/// does the whole. (In bench/decode-append.cu on an H100 a merge of runs
+/// cost ~2.6 µs, more than a 16-warp block spends on keys up to ~500.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AppendShape {
     pub warps: u32,
